@@ -1,0 +1,28 @@
+# Entry points; the README's first lines name `make demo` and `make test`.
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+TINY   := models/tiny
+PROMPT ?= def fibonacci(n):
+
+.PHONY: install demo test tiny clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml scripts/install.sh
+	VENV=$(VENV) scripts/install.sh
+	touch $@
+
+$(TINY)/target/config.json: | install
+	$(PY) -m common.make_tiny --out $(TINY) --seed 0
+
+tiny: $(TINY)/target/config.json
+
+demo: install tiny
+	$(PY) -m drafter_svc.generate --target $(TINY)/target --draft $(TINY)/draft \
+		--prompt "$(PROMPT)" --max-new-tokens 48 --tree-budget 16
+
+test: install
+	$(PY) -m pytest -q tests
+
+clean:
+	rm -rf $(TINY) .pytest_cache

@@ -1,0 +1,58 @@
+"""Typed messages between the drafter's session loop and the verifier.
+
+These are what one round carries each way (DESIGN.md, "One generation"); the gRPC layer
+converts them to and from protobuf, the in-process path passes them as they are.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+class StatusError(Exception):
+    """A refused request or failed peer; `status` names the gRPC status code (e.g. "UNAVAILABLE")."""
+
+    def __init__(self, status: str, message: str):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0   # 0 = greedy
+    top_k: int = 0             # 0 = off
+    top_p: float = 1.0         # 1 = off
+    seed: int | None = None    # None = a fresh random seed
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def check(self) -> None:
+        """Raise ValueError with a one-line message for out-of-range values."""
+        if not (self.temperature >= 0.0 and self.temperature < float("inf")):
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.seed is not None and not 0 <= self.seed < 2**63:
+            raise ValueError(f"seed must be in [0, 2^63), got {self.seed}")
+
+
+@dataclass
+class Prefilled:
+    """Verifier's reply to Open: the first generated token and the prompt's features."""
+    token: int
+    features: torch.Tensor  # [prompt_len, feature_dim]
+    max_seq_len: int        # the session can hold this many tokens in all
+
+
+@dataclass
+class Verified:
+    """Verifier's reply to a tree: what was accepted and the features of the new context."""
+    accepted_tokens: list[int]  # drafted tokens accepted, in order (may be empty)
+    next_token: int             # the bonus token; root of the next tree
+    features: torch.Tensor      # [1 + len(accepted_tokens), feature_dim] for [root, accepted...]

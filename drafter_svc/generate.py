@@ -1,0 +1,140 @@
+"""Generate with the whole engine in one process (no network).
+
+    python -m drafter_svc.generate --target DIR --draft DIR --prompt "def f(" --tree-budget 16
+
+`--ar` is plain target autoregressive decoding (the baseline), `--chain` vanilla DFlash,
+`--tree-budget B` DDTree with B drafted nodes per round. Prints the text and the stats,
+or one JSON object with `--json`.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass
+
+import torch
+
+from common.checkpoint import load_tokenizer
+from common.cli import fail
+from common.config import CheckpointError, load_draft_config
+from common.protocol import SamplingParams
+from drafter_svc.drafter import DFlashProposer, DraftMode
+from drafter_svc.session_loop import GenerationConfig, GenerationResult, LocalVerifierLink, generate
+from verifier_svc.target_model import TargetModel
+from verifier_svc.target_runner import TargetRunner
+from verifier_svc.tree_verifier import TreeVerifier, VerifierError, VerifierLimits
+
+
+def default_dtype(device: str) -> torch.dtype:
+    return torch.bfloat16 if device.startswith("cuda") else torch.float32
+
+
+@dataclass
+class LocalEngine:
+    """Target verifier + DFlash proposer + tokenizer, all in this process."""
+    verifier: TreeVerifier
+    proposer: DFlashProposer | None
+    tokenizer: object
+    eos_token_ids: tuple[int, ...]
+
+    @classmethod
+    def load(cls, target_dir: str, draft_dir: str | None, device: str = "cpu", dtype: torch.dtype | None = None,
+             limits: VerifierLimits = VerifierLimits()) -> "LocalEngine":
+        dtype = dtype or default_dtype(device)
+        layer_ids = load_draft_config(draft_dir).target_layer_ids if draft_dir else ()
+        proposer = None
+        if draft_dir:
+            proposer = DFlashProposer.from_pretrained(draft_dir, target_dir, device, dtype, limits.max_seq_len)
+        model = TargetModel.from_pretrained(target_dir, layer_ids, device=device, dtype=dtype)
+        runner = TargetRunner(model, limits.max_sessions, limits.max_seq_len)
+        return cls(TreeVerifier(runner, limits), proposer, load_tokenizer(target_dir), model.cfg.eos_token_ids)
+
+    def generate(self, prompt_ids: list[int], config: GenerationConfig) -> GenerationResult:
+        return generate(LocalVerifierLink(self.verifier), self.proposer, prompt_ids, config, self.eos_token_ids)
+
+
+def result_json(result: GenerationResult, text: str) -> dict:
+    return {
+        "tokens": result.tokens,
+        "text": text,
+        "finish_reason": result.finish_reason,
+        "acceptance_lengths": result.acceptance_lengths,
+        "rounds": result.rounds,
+        "mean_acceptance": result.mean_acceptance,
+        "tokens_per_s": result.tokens_per_s,
+        "elapsed_s": result.elapsed_s,
+        "time_to_first_token_s": result.time_to_first_token_s,
+    }
+
+
+def parse_prompt_ids(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        fail(f"--prompt-ids must be comma-separated integers, got {text!r}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m drafter_svc.generate", description=__doc__.split("\n\n")[0])
+    p.add_argument("--target", required=True, help="target checkpoint folder (config.json, safetensors, tokenizer.json)")
+    p.add_argument("--draft", help="DFlash draft checkpoint folder (not needed with --ar)")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="prompt text")
+    src.add_argument("--prompt-ids", help="prompt as comma-separated token ids")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate at most (default 64)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
+    p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (1 = off)")
+    p.add_argument("--seed", type=int, default=None, help="sampling seed; the same seed gives the same output")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--tree-budget", type=int, default=16, help="DDTree nodes drafted per round (default 16)")
+    mode.add_argument("--chain", action="store_true", help="vanilla DFlash: verify the draft's argmax chain")
+    mode.add_argument("--ar", action="store_true", help="plain target autoregressive decoding (baseline)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="torch device")
+    p.add_argument("--max-seq-len", type=int, default=2048, help="KV capacity of the session in tokens")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of text + stats")
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    a = build_parser().parse_args(argv)
+    mode = DraftMode("ar", 0) if a.ar else DraftMode("chain", 0) if a.chain else None
+    if mode is None:
+        if a.tree_budget < 0:
+            fail(f"--tree-budget must be >= 0, got {a.tree_budget}")
+        mode = DraftMode("tree", a.tree_budget)
+    if mode.kind != "ar" and not a.draft:
+        fail("--draft is required unless --ar is given")
+    config = GenerationConfig(a.max_new_tokens, SamplingParams(a.temperature, a.top_k, a.top_p, a.seed), mode=mode)
+    try:
+        config.check()
+    except ValueError as exc:
+        fail(str(exc))
+    if a.max_seq_len < 2:
+        fail(f"--max-seq-len must be >= 2, got {a.max_seq_len}")
+    try:
+        engine = LocalEngine.load(a.target, a.draft if mode.kind != "ar" else None, a.device,
+                                  limits=VerifierLimits(max_sessions=1, max_seq_len=a.max_seq_len))
+    except CheckpointError as exc:
+        fail(str(exc))
+    prompt_ids = parse_prompt_ids(a.prompt_ids) if a.prompt_ids is not None else engine.tokenizer.encode(a.prompt).ids
+    try:
+        result = engine.generate(prompt_ids, config)
+    except VerifierError as exc:
+        fail(exc.message)
+    text = engine.tokenizer.decode(result.tokens)
+    if a.json:
+        print(json.dumps(result_json(result, text)))
+        return
+    print(text)
+    print(
+        f"\n[{mode.kind}{'' if mode.kind != 'tree' else f' budget {mode.budget}'}] {len(result.tokens)} tokens, "
+        f"{result.rounds} rounds, mean acceptance {result.mean_acceptance:.2f}, "
+        f"{result.tokens_per_s:.1f} tokens/s, {result.elapsed_s:.2f} s, finish: {result.finish_reason}",
+        file=sys.stderr,
+    )
+
+
+if __name__ == "__main__":
+    main()

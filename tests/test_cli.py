@@ -1,0 +1,63 @@
+"""Bad input to the command-line tools exits non-zero with one line and no traceback."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+
+def run(*args):
+    return subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def dirs(qwen3_pair):
+    return str(qwen3_pair[0]), str(qwen3_pair[1])
+
+
+def test_generate_json_output(dirs):
+    target, draft = dirs
+    r = run("drafter_svc.generate", "--target", target, "--draft", draft, "--prompt-ids", "1,2,3",
+            "--max-new-tokens", "8", "--tree-budget", "4", "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    for key in ("tokens", "text", "acceptance_lengths", "rounds", "mean_acceptance", "tokens_per_s", "elapsed_s"):
+        assert key in out
+    assert len(out["tokens"]) == 8 and out["rounds"] == len(out["acceptance_lengths"])
+
+
+@pytest.mark.parametrize("extra, needle", [
+    (["--temperature", "-1"], "temperature"),
+    (["--top-p", "0"], "top_p"),
+    (["--top-p", "1.5"], "top_p"),
+    (["--top-k", "-2"], "top_k"),
+    (["--max-new-tokens", "0"], "max_new_tokens"),
+    (["--tree-budget", "-3"], "tree-budget"),
+    (["--prompt-ids", "1,2,999999"], "outside the vocabulary"),
+    (["--prompt-ids", "1,x"], "comma-separated"),
+    (["--prompt", ""], "empty"),
+])
+def test_generate_rejects_bad_input(dirs, extra, needle):
+    target, draft = dirs
+    args = ["--target", target, "--draft", draft]
+    if "--prompt-ids" not in extra and "--prompt" not in extra:
+        args += ["--prompt-ids", "1,2"]
+    r = run("drafter_svc.generate", *args, *extra)
+    assert r.returncode != 0
+    assert needle in r.stderr and "Traceback" not in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_generate_rejects_bad_checkpoints(dirs, tmp_path):
+    target, draft = dirs
+    for args, needle in [
+        (["--target", str(tmp_path / "missing"), "--draft", draft], "not found"),
+        (["--target", target, "--draft", target], "unsupported architecture"),
+    ]:
+        r = run("drafter_svc.generate", *args, "--prompt-ids", "1")
+        assert r.returncode != 0 and needle in r.stderr and "Traceback" not in r.stderr
+
+
+def test_make_tiny_rejects_bad_layer_ids(tmp_path):
+    r = run("common.make_tiny", "--out", str(tmp_path), "--target-layer-ids", "0,7")
+    assert r.returncode != 0 and "target-layer-ids" in r.stderr and "Traceback" not in r.stderr

@@ -1,0 +1,90 @@
+"""The engine's invariants on tiny random checkpoints: greedy == autoregressive, seeds."""
+import pytest
+import torch
+
+from common.protocol import SamplingParams
+from drafter_svc.drafter import DraftMode
+from drafter_svc.generate import LocalEngine
+from drafter_svc.session_loop import GenerationConfig, LocalVerifierLink, generate
+from tests.reference import OracleProposer, hf_greedy
+from verifier_svc.tree_verifier import VerifierLimits
+
+PROMPTS = [[5, 17, 42, 99, 3], [300, 12], list(range(60, 100))]
+MODES = [DraftMode("ar", 0), DraftMode("chain", 0)] + [DraftMode("tree", b) for b in (0, 1, 4, 16, 64)]
+N = 24
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_pair):
+    target, draft = tiny_pair
+    return LocalEngine.load(str(target), str(draft), limits=VerifierLimits(max_sessions=2, max_seq_len=256))
+
+
+def greedy(engine, prompt, mode, n=N):
+    return engine.generate(prompt, GenerationConfig(max_new_tokens=n, mode=mode))
+
+
+def test_ar_matches_transformers(engine, tiny_pair):
+    for prompt in PROMPTS:
+        assert greedy(engine, prompt, DraftMode("ar", 0)).tokens == hf_greedy(tiny_pair[0], prompt, N)
+
+
+@pytest.mark.parametrize("mode", MODES, ids=lambda m: f"{m.kind}{m.budget}")
+def test_greedy_equals_ar(engine, mode):
+    for prompt in PROMPTS:
+        ar = greedy(engine, prompt, DraftMode("ar", 0))
+        out = greedy(engine, prompt, mode)
+        assert out.tokens == ar.tokens
+        assert len(out.tokens) == N and out.finish_reason == "length"
+        assert sum(out.acceptance_lengths) + 1 >= N
+
+
+def _oracle_run(engine, prompt, mode, rank1_every):
+    oracle = OracleProposer(engine.verifier.runner.model, block_size=8, rank1_every=rank1_every)
+    config = GenerationConfig(max_new_tokens=40, mode=mode)
+    return generate(LocalVerifierLink(engine.verifier), oracle, prompt, config)
+
+
+def test_matching_draft_accepts_many_tokens_and_stays_exact(engine):
+    prompt = PROMPTS[0]
+    ar = greedy(engine, prompt, DraftMode("ar", 0), n=40).tokens
+    chain = _oracle_run(engine, prompt, DraftMode("chain", 0), rank1_every=5)
+    tree = _oracle_run(engine, prompt, DraftMode("tree", 16), rank1_every=5)
+    assert chain.tokens == ar and tree.tokens == ar
+    assert tree.mean_acceptance > 3.0, tree.acceptance_lengths
+    # Siblings recover the decoy depths that stop the chain.
+    assert tree.mean_acceptance > chain.mean_acceptance
+
+
+def test_same_seed_same_output(engine):
+    sampling = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, seed=123)
+    config = GenerationConfig(max_new_tokens=N, sampling=sampling, mode=DraftMode("tree", 8))
+    a = engine.generate(PROMPTS[0], config)
+    b = engine.generate(PROMPTS[0], config)
+    assert a.tokens == b.tokens
+    other = engine.generate(PROMPTS[0], GenerationConfig(N, SamplingParams(1.0, 50, 0.9, 7), mode=DraftMode("tree", 8)))
+    assert other.tokens != a.tokens
+
+
+def test_sessions_free_their_slots(engine):
+    before = engine.verifier.free_capacity
+    greedy(engine, PROMPTS[1], DraftMode("tree", 4), n=5)
+    assert engine.verifier.free_capacity == before
+
+
+def test_stop_tokens_end_generation(engine):
+    ar = greedy(engine, PROMPTS[0], DraftMode("ar", 0)).tokens
+    stop = ar[5]
+    first = ar.index(stop)
+    out = engine.generate(PROMPTS[0], GenerationConfig(N, stop_token_ids=(stop,), mode=DraftMode("tree", 16)))
+    assert out.tokens == ar[: first + 1] and out.finish_reason == "stop"
+
+
+def test_generation_stops_at_kv_capacity(tiny_pair):
+    target, draft = tiny_pair
+    small = LocalEngine.load(str(target), str(draft), limits=VerifierLimits(max_sessions=1, max_seq_len=16))
+    prompt = PROMPTS[0]
+    out = small.generate(prompt, GenerationConfig(max_new_tokens=100, mode=DraftMode("tree", 16)))
+    ar = small.generate(prompt, GenerationConfig(max_new_tokens=100, mode=DraftMode("ar", 0)))
+    assert out.tokens == ar.tokens
+    assert out.finish_reason == "length" and len(prompt) + len(out.tokens) == 16 + 1

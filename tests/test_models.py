@@ -1,0 +1,131 @@
+"""Checkpoint loading and model numerics against transformers' own implementations."""
+import json
+import shutil
+
+import pytest
+import torch
+
+from common.config import CheckpointError, check_draft_fits_target, load_draft_config, load_target_config
+from common.make_tiny import TinySizes, make_tiny
+from drafter_svc.draft_model import DFlashDraftModel
+from verifier_svc.target_model import KVCache, TargetModel
+
+
+def _causal_forward(model, ids):
+    t = len(ids)
+    cache = KVCache(model.cfg, 2, t + 4, "cpu", torch.float32)
+    pos = torch.arange(t)[None]
+    mask = torch.ones(t, t, dtype=torch.bool).tril()[None]
+    with torch.inference_mode():
+        return model(torch.tensor([ids]), pos, cache, torch.tensor([1]), pos, mask)
+
+
+def test_target_matches_transformers(tiny_pair):
+    from transformers import AutoModelForCausalLM
+
+    target_dir, draft_dir = tiny_pair
+    layer_ids = load_draft_config(draft_dir).target_layer_ids
+    ours = TargetModel.from_pretrained(target_dir, layer_ids)
+    hf = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).eval()
+    ids = torch.randint(0, ours.cfg.vocab_size, (37,), generator=torch.Generator().manual_seed(0)).tolist()
+    out = _causal_forward(ours, ids)
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids]), output_hidden_states=True)
+    assert (out.logits - ref.logits).abs().max().item() < 1e-4
+    want = torch.cat([ref.hidden_states[i + 1] for i in layer_ids], dim=-1)
+    assert (out.features - want).abs().max().item() < 1e-4
+
+
+def test_sharded_checkpoint_loads_the_same(tmp_path, tiny_tokenizer):
+    single, _ = make_tiny(tmp_path / "a", seed=3, sizes=TinySizes(), tokenizer=tiny_tokenizer)
+    sharded, _ = make_tiny(tmp_path / "b", seed=3, sizes=TinySizes(), shards=3, tokenizer=tiny_tokenizer)
+    assert (sharded / "model.safetensors.index.json").is_file()
+    ids = [1, 2, 3, 4, 5]
+    a = _causal_forward(TargetModel.from_pretrained(single), ids).logits
+    b = _causal_forward(TargetModel.from_pretrained(sharded), ids).logits
+    assert torch.equal(a, b)
+
+
+def _dflash_reference(draft, embed, features, block_ids):
+    """The z-lab formulation: one pass over [context; block] keys without a cache."""
+    from common.layers import apply_rope
+
+    ctx_len, t = features.shape[0], len(block_ids)
+    hidden = draft.hidden_norm(draft.fc(features))[None]
+    h = embed[torch.tensor(block_ids)][None]
+    cos, sin = draft.rotary(torch.arange(ctx_len + t)[None], h.dtype)
+    for layer in draft.layers:
+        attn = layer.self_attn
+        x = layer.input_layernorm(h)
+        q = attn.query(x, cos[:, ctx_len:], sin[:, ctx_len:])
+        both = torch.cat([hidden, x], dim=1)
+        k = attn.k_norm(attn.k_proj(both).view(1, ctx_len + t, attn.num_kv_heads, attn.head_dim))
+        v = attn.v_proj(both).view(1, ctx_len + t, attn.num_kv_heads, attn.head_dim).transpose(1, 2)
+        k = apply_rope(k.transpose(1, 2), cos, sin)
+        h = h + attn.attend(q, k, v, None)
+        h = h + layer.mlp(layer.post_attention_layernorm(h))
+    return draft.norm(h)[0]
+
+
+def test_draft_context_cache_matches_one_pass(qwen3_pair):
+    target_dir, draft_dir = qwen3_pair
+    draft = DFlashDraftModel.from_pretrained(draft_dir)
+    embed = TargetModel.from_pretrained(target_dir).embed_tokens.weight.detach()
+    feats = torch.randn(11, draft.fc.in_features, generator=torch.Generator().manual_seed(0))
+    block = [7] + [draft.cfg.mask_token_id] * (draft.cfg.block_size - 1)
+    ctx = draft.new_context(64)
+    with torch.inference_mode():
+        draft.extend_context(ctx, feats[:4])  # the cache grows in pieces, as rounds do
+        draft.extend_context(ctx, feats[4:])
+        got = draft(ctx, embed[torch.tensor(block)])
+        want = _dflash_reference(draft, embed, feats, block)
+    assert ctx.length == 11
+    assert (got - want).abs().max().item() < 1e-5
+
+
+def _edit_config(folder, **changes):
+    path = folder / "config.json"
+    raw = json.loads(path.read_text())
+    for key, value in changes.items():
+        if value is None:
+            raw.pop(key, None)
+        else:
+            raw[key] = value
+    path.write_text(json.dumps(raw))
+
+
+@pytest.fixture
+def pair_copy(tmp_path, qwen3_pair):
+    target, draft = qwen3_pair
+    return shutil.copytree(target, tmp_path / "target"), shutil.copytree(draft, tmp_path / "draft")
+
+
+def test_loader_errors(tmp_path, pair_copy):
+    target, draft = pair_copy
+    with pytest.raises(CheckpointError, match="not found"):
+        load_target_config(tmp_path / "nope")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CheckpointError, match="missing config.json"):
+        load_target_config(tmp_path / "empty")
+    _edit_config(target, architectures=["GPT2LMHeadModel"])
+    with pytest.raises(CheckpointError, match="unsupported architecture"):
+        load_target_config(target)
+    _edit_config(target, architectures=["Qwen3ForCausalLM"])
+    (target / "model.safetensors").unlink()
+    with pytest.raises(CheckpointError, match="no model.safetensors"):
+        TargetModel.from_pretrained(target)
+
+
+def test_mismatched_draft_is_refused(pair_copy):
+    target, draft = pair_copy
+    target_cfg = load_target_config(target)
+    check_draft_fits_target(load_draft_config(draft), target_cfg)
+    _edit_config(draft, dflash_config={"target_layer_ids": [0, 9], "mask_token_id": 1})
+    with pytest.raises(CheckpointError, match="outside the target"):
+        check_draft_fits_target(load_draft_config(draft), target_cfg)
+    _edit_config(draft, dflash_config={"target_layer_ids": [0, 1], "mask_token_id": 1}, hidden_size=32)
+    with pytest.raises(CheckpointError, match="hidden_size"):
+        check_draft_fits_target(load_draft_config(draft), target_cfg)
+    _edit_config(draft, hidden_size=target_cfg.hidden_size, num_target_layers=12)
+    with pytest.raises(CheckpointError, match="12-layer target"):
+        check_draft_fits_target(load_draft_config(draft), target_cfg)

@@ -1,0 +1,119 @@
+"""The target LLM (Qwen3 or Llama) with a static, slot-based KV cache.
+
+One forward serves prefill and tree verification alike: tokens carry explicit positions
+and cache indices, and a boolean mask says which cache entries each token sees. The
+caller builds the mask (causal for prefill, ancestor-only for a tree), so the model has no
+notion of trees and keeps static shapes for CUDA-graph capture.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from common.checkpoint import load_tensors
+from common.config import TargetConfig, load_target_config
+from common.layers import MLP, AttentionProjections, RMSNorm, RotaryEmbedding
+
+
+class KVCache:
+    """Preallocated keys/values: [layers, slots, kv_heads, max_seq_len, head_dim] each."""
+
+    def __init__(self, cfg: TargetConfig, num_slots: int, max_seq_len: int, device, dtype):
+        shape = (cfg.num_layers, num_slots, cfg.num_kv_heads, max_seq_len, cfg.head_dim)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.num_slots, self.max_seq_len = num_slots, max_seq_len
+
+    def write(self, layer: int, slots: torch.Tensor, cache_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        """Store k/v [B, kv_heads, T, D] at cache_pos [B, T] of each batch row's slot."""
+        rows = slots[:, None].expand_as(cache_pos)
+        self.k[layer][rows, :, cache_pos] = k.transpose(1, 2)
+        self.v[layer][rows, :, cache_pos] = v.transpose(1, 2)
+
+    def read(self, layer: int, slots: torch.Tensor, kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.k[layer, slots, :, :kv_len], self.v[layer, slots, :, :kv_len]
+
+    def move(self, slot: int, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy entries src -> dst (1-D index tensors) of one slot, all layers at once."""
+        self.k[:, slot, :, dst] = self.k[:, slot, :, src]
+        self.v[:, slot, :, dst] = self.v[:, slot, :, src]
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: TargetConfig):
+        super().__init__()
+        self.self_attn = AttentionProjections(
+            cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps, cfg.qk_norm
+        )
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+@dataclass
+class ForwardOutput:
+    logits: torch.Tensor    # [B, R, vocab] for the requested rows
+    features: torch.Tensor  # [B, T, len(feature_layer_ids) * hidden]
+
+
+class TargetModel(nn.Module):
+    def __init__(self, cfg: TargetConfig, feature_layer_ids: tuple[int, ...] = ()):
+        super().__init__()
+        self.cfg = cfg
+        self.feature_layer_ids = tuple(feature_layer_ids)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta)
+
+    @classmethod
+    def from_pretrained(cls, folder: str | Path, feature_layer_ids=(), device="cpu", dtype=torch.float32):
+        cfg = load_target_config(folder)
+        with torch.device("meta"):
+            model = cls(cfg, feature_layer_ids)
+        tensors = load_tensors(folder, strip_prefix="model.", dtype=dtype)
+        if "lm_head.weight" not in tensors:
+            tensors["lm_head.weight"] = tensors["embed_tokens.weight"]
+        model.load_state_dict(tensors, strict=True, assign=True)
+        model.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta)
+        return model.to(device).eval().requires_grad_(False)
+
+    @property
+    def feature_dim(self) -> int:
+        return len(self.feature_layer_ids) * self.cfg.hidden_size
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,   # [B, T]
+        positions: torch.Tensor,   # [B, T] RoPE positions
+        cache: KVCache,
+        slots: torch.Tensor,       # [B] cache slot of each row
+        cache_pos: torch.Tensor,   # [B, T] where each token's K/V is stored
+        mask: torch.Tensor,        # [B, T, kv_len] bool, True = visible
+        logit_rows: torch.Tensor | None = None,  # [R] rows to return logits for (all when None)
+    ) -> ForwardOutput:
+        kv_len = mask.shape[-1]
+        h = self.embed_tokens(input_ids)
+        cos, sin = self.rotary(positions, h.dtype)
+        attn_mask = mask[:, None]
+        features = []
+        for i, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            x = layer.input_layernorm(h)
+            q = attn.query(x, cos, sin)
+            k, v = attn.key_value(x, cos, sin)
+            cache.write(i, slots, cache_pos, k, v)
+            k_all, v_all = cache.read(i, slots, kv_len)
+            h = h + attn.attend(q, k_all, v_all, attn_mask)
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            if i in self.feature_layer_ids:
+                features.append((i, h))
+        by_layer = dict(features)
+        feats = torch.cat([by_layer[i] for i in self.feature_layer_ids], dim=-1) if features else h[..., :0]
+        if logit_rows is not None:
+            h = h[:, logit_rows]
+        return ForwardOutput(logits=self.lm_head(self.norm(h)), features=feats)
