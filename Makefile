@@ -4,7 +4,7 @@ PY     := $(VENV)/bin/python
 TINY   := models/tiny
 PROMPT ?= def fibonacci(n):
 
-.PHONY: install demo test tiny clean
+.PHONY: install demo local test tiny clean
 
 install: $(VENV)/.installed
 
@@ -17,7 +17,12 @@ $(TINY)/target/config.json: | install
 
 tiny: $(TINY)/target/config.json
 
+# Both services on localhost plus a client; stops both afterwards.
 demo: install tiny
+	$(PY) scripts/demo.py --target $(TINY)/target --draft $(TINY)/draft --prompt "$(PROMPT)" --max-new-tokens 48
+
+# The same generation in one process, without the network.
+local: install tiny
 	$(PY) -m drafter_svc.generate --target $(TINY)/target --draft $(TINY)/draft \
 		--prompt "$(PROMPT)" --max-new-tokens 48 --tree-budget 16
 

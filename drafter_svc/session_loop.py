@@ -10,7 +10,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Iterator, Protocol
 
-import torch
 from opentelemetry import trace
 
 from common.protocol import Prefilled, SamplingParams, Verified

@@ -1,6 +1,5 @@
 """The engine's invariants on tiny random checkpoints: greedy == autoregressive, seeds."""
 import pytest
-import torch
 
 from common.protocol import SamplingParams
 from drafter_svc.drafter import DraftMode

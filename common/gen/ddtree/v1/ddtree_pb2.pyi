@@ -1,0 +1,233 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class SamplingParams(_message.Message):
+    __slots__ = ("temperature", "top_k", "top_p", "seed")
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int
+    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
+
+class TokenIds(_message.Message):
+    __slots__ = ("ids",)
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class GenerateRequest(_message.Message):
+    __slots__ = ("text", "token_ids", "max_new_tokens", "sampling", "stop_token_ids", "stop", "tree_budget")
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    TREE_BUDGET_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    token_ids: TokenIds
+    max_new_tokens: int
+    sampling: SamplingParams
+    stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    stop: _containers.RepeatedScalarFieldContainer[str]
+    tree_budget: int
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., stop: _Optional[_Iterable[str]] = ..., tree_budget: _Optional[int] = ...) -> None: ...
+
+class TokenDelta(_message.Message):
+    __slots__ = ("round", "token_ids", "text")
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    round: int
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    text: str
+    def __init__(self, round: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ...) -> None: ...
+
+class Usage(_message.Message):
+    __slots__ = ("prompt_tokens", "completion_tokens")
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    prompt_tokens: int
+    completion_tokens: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ...) -> None: ...
+
+class Stats(_message.Message):
+    __slots__ = ("rounds", "mean_acceptance", "time_to_first_token_s", "tokens_per_s", "elapsed_s", "acceptance_lengths")
+    ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    MEAN_ACCEPTANCE_FIELD_NUMBER: _ClassVar[int]
+    TIME_TO_FIRST_TOKEN_S_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    ELAPSED_S_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTANCE_LENGTHS_FIELD_NUMBER: _ClassVar[int]
+    rounds: int
+    mean_acceptance: float
+    time_to_first_token_s: float
+    tokens_per_s: float
+    elapsed_s: float
+    acceptance_lengths: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, rounds: _Optional[int] = ..., mean_acceptance: _Optional[float] = ..., time_to_first_token_s: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., elapsed_s: _Optional[float] = ..., acceptance_lengths: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class GenerateFinal(_message.Message):
+    __slots__ = ("finish_reason", "usage", "stats")
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    USAGE_FIELD_NUMBER: _ClassVar[int]
+    STATS_FIELD_NUMBER: _ClassVar[int]
+    finish_reason: str
+    usage: Usage
+    stats: Stats
+    def __init__(self, finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., stats: _Optional[_Union[Stats, _Mapping]] = ...) -> None: ...
+
+class GenerateResponse(_message.Message):
+    __slots__ = ("delta", "final")
+    DELTA_FIELD_NUMBER: _ClassVar[int]
+    FINAL_FIELD_NUMBER: _ClassVar[int]
+    delta: TokenDelta
+    final: GenerateFinal
+    def __init__(self, delta: _Optional[_Union[TokenDelta, _Mapping]] = ..., final: _Optional[_Union[GenerateFinal, _Mapping]] = ...) -> None: ...
+
+class GenerateOnceResponse(_message.Message):
+    __slots__ = ("token_ids", "text", "final")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    FINAL_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    text: str
+    final: GenerateFinal
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., final: _Optional[_Union[GenerateFinal, _Mapping]] = ...) -> None: ...
+
+class Tensor(_message.Message):
+    __slots__ = ("data", "dtype", "shape")
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    data: bytes
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, data: _Optional[bytes] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class PackedInts(_message.Message):
+    __slots__ = ("data", "width")
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    WIDTH_FIELD_NUMBER: _ClassVar[int]
+    data: bytes
+    width: int
+    def __init__(self, data: _Optional[bytes] = ..., width: _Optional[int] = ...) -> None: ...
+
+class Open(_message.Message):
+    __slots__ = ("prompt_token_ids", "sampling", "traceparent", "feature_layer_ids")
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
+    FEATURE_LAYER_IDS_FIELD_NUMBER: _ClassVar[int]
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    sampling: SamplingParams
+    traceparent: str
+    feature_layer_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., traceparent: _Optional[str] = ..., feature_layer_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class Tree(_message.Message):
+    __slots__ = ("round", "tokens", "next_token", "next_sibling", "traceparent")
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    NEXT_SIBLING_FIELD_NUMBER: _ClassVar[int]
+    TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
+    round: int
+    tokens: PackedInts
+    next_token: PackedInts
+    next_sibling: PackedInts
+    traceparent: str
+    def __init__(self, round: _Optional[int] = ..., tokens: _Optional[_Union[PackedInts, _Mapping]] = ..., next_token: _Optional[_Union[PackedInts, _Mapping]] = ..., next_sibling: _Optional[_Union[PackedInts, _Mapping]] = ..., traceparent: _Optional[str] = ...) -> None: ...
+
+class Close(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class DrafterMessage(_message.Message):
+    __slots__ = ("open", "tree", "close")
+    OPEN_FIELD_NUMBER: _ClassVar[int]
+    TREE_FIELD_NUMBER: _ClassVar[int]
+    CLOSE_FIELD_NUMBER: _ClassVar[int]
+    open: Open
+    tree: Tree
+    close: Close
+    def __init__(self, open: _Optional[_Union[Open, _Mapping]] = ..., tree: _Optional[_Union[Tree, _Mapping]] = ..., close: _Optional[_Union[Close, _Mapping]] = ...) -> None: ...
+
+class Prefilled(_message.Message):
+    __slots__ = ("token", "features", "max_seq_len")
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    FEATURES_FIELD_NUMBER: _ClassVar[int]
+    MAX_SEQ_LEN_FIELD_NUMBER: _ClassVar[int]
+    token: int
+    features: Tensor
+    max_seq_len: int
+    def __init__(self, token: _Optional[int] = ..., features: _Optional[_Union[Tensor, _Mapping]] = ..., max_seq_len: _Optional[int] = ...) -> None: ...
+
+class Verified(_message.Message):
+    __slots__ = ("round", "accepted_tokens", "next_token", "features")
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    FEATURES_FIELD_NUMBER: _ClassVar[int]
+    round: int
+    accepted_tokens: _containers.RepeatedScalarFieldContainer[int]
+    next_token: int
+    features: Tensor
+    def __init__(self, round: _Optional[int] = ..., accepted_tokens: _Optional[_Iterable[int]] = ..., next_token: _Optional[int] = ..., features: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+
+class Error(_message.Message):
+    __slots__ = ("code", "message")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    message: str
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+
+class VerifierMessage(_message.Message):
+    __slots__ = ("prefilled", "verified", "error")
+    PREFILLED_FIELD_NUMBER: _ClassVar[int]
+    VERIFIED_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    prefilled: Prefilled
+    verified: Verified
+    error: Error
+    def __init__(self, prefilled: _Optional[_Union[Prefilled, _Mapping]] = ..., verified: _Optional[_Union[Verified, _Mapping]] = ..., error: _Optional[_Union[Error, _Mapping]] = ...) -> None: ...
+
+class InfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class InfoResponse(_message.Message):
+    __slots__ = ("architecture", "vocab_size", "hidden_size", "num_layers", "dtype", "config_fingerprint", "feature_layer_ids", "max_seq_len", "max_sessions", "max_tree_nodes", "free_sessions")
+    ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    CONFIG_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    FEATURE_LAYER_IDS_FIELD_NUMBER: _ClassVar[int]
+    MAX_SEQ_LEN_FIELD_NUMBER: _ClassVar[int]
+    MAX_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    MAX_TREE_NODES_FIELD_NUMBER: _ClassVar[int]
+    FREE_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    dtype: str
+    config_fingerprint: str
+    feature_layer_ids: _containers.RepeatedScalarFieldContainer[int]
+    max_seq_len: int
+    max_sessions: int
+    max_tree_nodes: int
+    free_sessions: int
+    def __init__(self, architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., dtype: _Optional[str] = ..., config_fingerprint: _Optional[str] = ..., feature_layer_ids: _Optional[_Iterable[int]] = ..., max_seq_len: _Optional[int] = ..., max_sessions: _Optional[int] = ..., max_tree_nodes: _Optional[int] = ..., free_sessions: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,241 @@
+"""The drafter's gRPC server: the public Generation API.
+
+Each Generate call runs one `DecodeSession` (the same loop as the local engine) in a
+worker thread, against its own `GrpcVerifierLink` stream; updates come back to the event
+loop through an asyncio queue, so a slow draft forward never blocks other streams.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+import grpc
+
+from common.checkpoint import load_tokenizer
+from common.config import load_draft_config, load_target_config
+from common.grpc_server import start_grpc_server
+from common.protocol import StatusError
+from common.rpc import GENERATION_SERVICE, pb, pb_grpc
+from common.wire import decode_sampling
+from drafter_svc.drafter import DFlashProposer, DraftMode
+from drafter_svc.session_loop import DecodeSession, GenerationConfig, GenerationResult
+from drafter_svc.text_stream import TextStream
+from drafter_svc.verifier_client import GrpcVerifierLink, check_verifier, open_channel, status_error
+
+log = logging.getLogger("drafter_svc")
+
+
+@dataclass(frozen=True)
+class DrafterConfig:
+    """Every drafter setting, with its default; the CLI and env vars fill it."""
+    draft_dir: str = ""
+    target_dir: str = ""
+    verifier: str = "localhost:50051"
+    host: str = "0.0.0.0"
+    port: int = 50050
+    device: str = "cpu"
+    dtype: str = "auto"
+    tree_budget: int = 16
+    chain: bool = False
+    max_new_tokens: int = 128        # used when a request leaves it unset
+    max_concurrent: int = 64         # Generate calls running at once
+    verifier_wait_s: float = 60.0    # how long start-up waits for the verifier
+    queue_timeout_s: float = 30.0    # how long a request waits for a free verifier slot
+    trace_console: bool = False
+
+
+@dataclass
+class _Request:
+    prompt_ids: list[int]
+    config: GenerationConfig
+    stop: list[str]
+
+
+class DrafterEngine:
+    """Draft model, tokenizer and the verifier connection shared by all requests."""
+
+    def __init__(self, cfg: DrafterConfig, proposer: DFlashProposer, tokenizer, channel: grpc.Channel,
+                 info: pb.InfoResponse, eos_token_ids: tuple[int, ...]):
+        self.cfg, self.proposer, self.tokenizer, self.channel = cfg, proposer, tokenizer, channel
+        self.stub = pb_grpc.VerifierStub(channel)
+        self.info = info
+        self.eos_token_ids = eos_token_ids
+        self.vocab_size = info.vocab_size
+
+    @classmethod
+    def start(cls, cfg: DrafterConfig, torch_dtype) -> "DrafterEngine":
+        """Load the draft, wait for the verifier, and check it serves our target."""
+        target_cfg = load_target_config(cfg.target_dir)
+        draft_cfg = load_draft_config(cfg.draft_dir)
+        tokenizer = load_tokenizer(cfg.target_dir)
+        channel = open_channel(cfg.verifier)
+        stub = pb_grpc.VerifierStub(channel)
+        deadline = time.monotonic() + cfg.verifier_wait_s
+        while True:
+            try:
+                info = stub.Info(pb.InfoRequest(), timeout=5.0, wait_for_ready=True)
+                break
+            except grpc.RpcError as exc:
+                if time.monotonic() >= deadline:
+                    channel.close()
+                    raise StatusError("UNAVAILABLE", f"verifier at {cfg.verifier} did not answer within "
+                                                     f"{cfg.verifier_wait_s:.0f} s: {status_error(exc).message}")
+        check_verifier(info, target_cfg, draft_cfg)
+        proposer = DFlashProposer.from_pretrained(cfg.draft_dir, cfg.target_dir, cfg.device, torch_dtype,
+                                                  info.max_seq_len)
+        return cls(cfg, proposer, tokenizer, channel, info, target_cfg.eos_token_ids)
+
+    def parse(self, request: pb.GenerateRequest) -> _Request:
+        """Validate a request; ValueError with a one-line message when it is bad."""
+        kind = request.WhichOneof("prompt")
+        if kind == "text":
+            prompt_ids = self.tokenizer.encode(request.text).ids
+        elif kind == "token_ids":
+            prompt_ids = list(request.token_ids.ids)
+        else:
+            raise ValueError("request has no prompt (set text or token_ids)")
+        if not prompt_ids:
+            raise ValueError("prompt is empty")
+        bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token ids {bad[:5]} outside the vocabulary [0, {self.vocab_size})")
+        if len(prompt_ids) >= self.info.max_seq_len:
+            raise ValueError(f"prompt of {len(prompt_ids)} tokens does not fit the verifier's max_seq_len "
+                             f"{self.info.max_seq_len}")
+        bad = [t for t in request.stop_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"stop token ids {bad[:5]} outside the vocabulary [0, {self.vocab_size})")
+        max_new = request.max_new_tokens if request.HasField("max_new_tokens") else self.cfg.max_new_tokens
+        budget = request.tree_budget if request.HasField("tree_budget") else self.cfg.tree_budget
+        if budget > self.info.max_tree_nodes - 1:
+            raise ValueError(f"tree_budget {budget} exceeds the verifier's limit of {self.info.max_tree_nodes - 1}")
+        mode = DraftMode("chain", 0) if self.cfg.chain and not request.HasField("tree_budget") else DraftMode("tree", budget)
+        config = GenerationConfig(max_new_tokens=max_new, sampling=decode_sampling(request.sampling),
+                                  stop_token_ids=tuple(request.stop_token_ids), mode=mode)
+        config.check()
+        return _Request(prompt_ids, config, list(request.stop))
+
+
+class GenerationServicer(pb_grpc.GenerationServicer):
+    def __init__(self, engine: DrafterEngine, executor: ThreadPoolExecutor):
+        self.engine = engine
+        self.executor = executor
+
+    async def _parse(self, request, context) -> _Request:
+        try:
+            return self.engine.parse(request)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+
+    async def _run(self, req: _Request) -> AsyncIterator[tuple[list[int], str, int] | GenerationResult]:
+        """Yield (tokens, text delta, round) per round, then the GenerationResult."""
+        loop = asyncio.get_running_loop()
+        updates: asyncio.Queue = asyncio.Queue()
+        link = GrpcVerifierLink(self.engine.stub, self.engine.proposer.draft.cfg.target_layer_ids,
+                                admission_timeout_s=self.engine.cfg.queue_timeout_s)
+        session = DecodeSession(link, self.engine.proposer, req.prompt_ids, req.config, self.engine.eos_token_ids)
+        stop = threading.Event()
+
+        def work():
+            try:
+                for update in session:
+                    loop.call_soon_threadsafe(updates.put_nowait, update)
+                    if stop.is_set():
+                        break
+                loop.call_soon_threadsafe(updates.put_nowait, session.result)
+            except StatusError as exc:
+                loop.call_soon_threadsafe(updates.put_nowait, exc)
+            except Exception as exc:  # a bug, not a bad request: log it, answer INTERNAL
+                log.exception("generation failed")
+                loop.call_soon_threadsafe(updates.put_nowait, StatusError("INTERNAL", f"generation failed: {exc}"))
+
+        text = TextStream(self.engine.tokenizer, req.stop)
+        worker = loop.run_in_executor(self.executor, work)
+        finished = False
+        try:
+            while True:
+                item = await updates.get()
+                if isinstance(item, StatusError):
+                    finished = True
+                    raise item
+                if isinstance(item, GenerationResult):
+                    finished = True
+                    tail = text.finish()
+                    if tail:
+                        yield [], tail, -1
+                    if text.stopped:
+                        item.finish_reason = "stop"
+                    yield item
+                    return
+                delta = text.push(item.tokens)
+                if item.tokens or delta:
+                    yield item.tokens, delta, item.round
+                if text.stopped:
+                    stop.set()  # the worker ends after this round and closes the session cleanly
+        finally:
+            if not finished:  # the client went away: abort the verifier stream now
+                stop.set()
+                link.cancel()
+            await asyncio.shield(worker)
+
+    @staticmethod
+    def _final(result: GenerationResult, prompt_len: int) -> pb.GenerateFinal:
+        return pb.GenerateFinal(
+            finish_reason=result.finish_reason,
+            usage=pb.Usage(prompt_tokens=prompt_len, completion_tokens=len(result.tokens)),
+            stats=pb.Stats(rounds=result.rounds, mean_acceptance=result.mean_acceptance,
+                           time_to_first_token_s=result.time_to_first_token_s, tokens_per_s=result.tokens_per_s,
+                           elapsed_s=result.elapsed_s, acceptance_lengths=result.acceptance_lengths),
+        )
+
+    async def Generate(self, request, context):
+        req = await self._parse(request, context)
+        try:
+            async for item in self._run(req):
+                if isinstance(item, GenerationResult):
+                    yield pb.GenerateResponse(final=self._final(item, len(req.prompt_ids)))
+                else:
+                    tokens, delta, r = item
+                    yield pb.GenerateResponse(delta=pb.TokenDelta(round=max(r, 0), token_ids=tokens, text=delta))
+        except StatusError as exc:
+            await context.abort(grpc.StatusCode[exc.status], exc.message)
+
+    async def GenerateOnce(self, request, context):
+        req = await self._parse(request, context)
+        tokens, text = [], []
+        try:
+            async for item in self._run(req):
+                if isinstance(item, GenerationResult):
+                    return pb.GenerateOnceResponse(token_ids=tokens, text="".join(text),
+                                                   final=self._final(item, len(req.prompt_ids)))
+                tokens.extend(item[0])
+                text.append(item[1])
+        except StatusError as exc:
+            await context.abort(grpc.StatusCode[exc.status], exc.message)
+
+
+class DrafterServer:
+    """A running drafter: the gRPC server, its session threads and its health status."""
+
+    def __init__(self, server: grpc.aio.Server, health_servicer, executor: ThreadPoolExecutor, engine: DrafterEngine):
+        self.server, self.health, self.executor, self.engine = server, health_servicer, executor, engine
+
+    async def stop(self, grace: float | None = None) -> None:
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(grace)
+        self.executor.shutdown(wait=False, cancel_futures=True)
+        self.engine.channel.close()
+
+
+async def serve(engine: DrafterEngine, host: str, port: int) -> tuple[DrafterServer, int]:
+    """Start the Generation server (plus health and reflection); returns it and its bound port."""
+    executor = ThreadPoolExecutor(max_workers=engine.cfg.max_concurrent, thread_name_prefix="session")
+    server, bound, health_servicer = await start_grpc_server(
+        lambda srv: pb_grpc.add_GenerationServicer_to_server(GenerationServicer(engine, executor), srv),
+        GENERATION_SERVICE, host, port)
+    return DrafterServer(server, health_servicer, executor, engine), bound

@@ -1,0 +1,275 @@
+"""Both services on loopback: the networked path gives exactly the local engine's output,
+concurrent requests do not interfere, errors carry the right status, slots never leak,
+and one request is one trace across both services."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from common.config import load_draft_config
+from common.make_tiny import TinySizes, make_tiny
+from common.protocol import SamplingParams, StatusError
+from common.rpc import CHANNEL_OPTIONS, GENERATION_SERVICE, pb, pb_grpc
+from common.tracing import setup_tracing
+from drafter_svc.drafter import DraftMode
+from drafter_svc.generate import LocalEngine
+from drafter_svc.server import DrafterConfig, DrafterEngine
+from drafter_svc.server import serve as serve_drafter
+from drafter_svc.session_loop import GenerationConfig
+from tests.servers import ServerThread
+from verifier_svc.server import VerifierConfig
+from verifier_svc.server import serve as serve_verifier
+from verifier_svc.tree_verifier import VerifierLimits
+
+MAX_SESSIONS = 4
+MAX_SEQ_LEN = 128
+PROMPTS = [[5, 17, 42, 99, 3], [300, 12], list(range(60, 90))]
+EXPORTER = InMemorySpanExporter()
+
+
+def verifier_config(pair, **changes) -> VerifierConfig:
+    fields = dict(target_dir=str(pair[0]), feature_layer_ids=load_draft_config(pair[1]).target_layer_ids,
+                  host="127.0.0.1", port=0, max_sessions=MAX_SESSIONS, max_seq_len=MAX_SEQ_LEN, max_tree_nodes=65)
+    return VerifierConfig(**(fields | changes))
+
+
+def drafter_engine(pair, verifier_port: int, **changes) -> DrafterEngine:
+    fields = dict(draft_dir=str(pair[1]), target_dir=str(pair[0]), verifier=f"127.0.0.1:{verifier_port}",
+                  host="127.0.0.1", port=0, tree_budget=8, max_new_tokens=16, verifier_wait_s=5)
+    cfg = DrafterConfig(**(fields | changes))
+    return DrafterEngine.start(cfg, torch.float32)
+
+
+@pytest.fixture(scope="module")
+def spans():
+    setup_tracing("e2e-tests").add_span_processor(SimpleSpanProcessor(EXPORTER))
+    return EXPORTER
+
+
+@pytest.fixture(scope="module")
+def verifier(qwen3_pair, spans):
+    with ServerThread(lambda: serve_verifier(verifier_config(qwen3_pair))) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def drafter(qwen3_pair, verifier):
+    engine = drafter_engine(qwen3_pair, verifier.port)
+    with ServerThread(lambda: serve_drafter(engine, "127.0.0.1", 0)) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def client(drafter):
+    with grpc.insecure_channel(f"127.0.0.1:{drafter.port}", options=CHANNEL_OPTIONS) as channel:
+        yield pb_grpc.GenerationStub(channel)
+
+
+@pytest.fixture(scope="module")
+def verifier_stub(verifier):
+    with grpc.insecure_channel(f"127.0.0.1:{verifier.port}", options=CHANNEL_OPTIONS) as channel:
+        yield pb_grpc.VerifierStub(channel)
+
+
+@pytest.fixture(scope="module")
+def local(qwen3_pair):
+    return LocalEngine.load(str(qwen3_pair[0]), str(qwen3_pair[1]),
+                            limits=VerifierLimits(max_sessions=2, max_seq_len=MAX_SEQ_LEN))
+
+
+def request(prompt, n=16, budget=None, temperature=0.0, top_k=0, top_p=1.0, seed=None, **extra):
+    sampling = pb.SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+    if seed is not None:
+        sampling.seed = seed
+    req = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), max_new_tokens=n, sampling=sampling, **extra)
+    if budget is not None:
+        req.tree_budget = budget
+    return req
+
+
+def run(client, req, timeout=60):
+    """Tokens, text and final message of one streamed Generate call."""
+    tokens, text, final = [], [], None
+    for reply in client.Generate(req, timeout=timeout):
+        if reply.HasField("final"):
+            final = reply.final
+        else:
+            tokens.extend(reply.delta.token_ids)
+            text.append(reply.delta.text)
+    return tokens, "".join(text), final
+
+
+def local_run(local, prompt, n=16, budget=8, sampling=SamplingParams()):
+    return local.generate(prompt, GenerationConfig(max_new_tokens=n, sampling=sampling, mode=DraftMode("tree", budget)))
+
+
+def wait_full(verifier_stub, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if verifier_stub.Info(pb.InfoRequest()).free_sessions == MAX_SESSIONS:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"verifier capacity not back to {MAX_SESSIONS}")
+
+
+def test_greedy_over_grpc_equals_local_and_ar(client, local, verifier_stub):
+    for prompt in PROMPTS:
+        ar = local.generate(prompt, GenerationConfig(max_new_tokens=16, mode=DraftMode("ar", 0))).tokens
+        for budget in (0, 4, 16):
+            tokens, text, final = run(client, request(prompt, budget=budget))
+            assert tokens == ar == local_run(local, prompt, budget=budget).tokens
+            assert final.usage.completion_tokens == 16 and final.usage.prompt_tokens == len(prompt)
+            assert final.stats.rounds == len(final.stats.acceptance_lengths) > 0
+            assert text == local.tokenizer.decode(tokens)
+    wait_full(verifier_stub)
+
+
+def test_text_prompt_and_generate_once(client, local):
+    prompt = "def add(a, b):"
+    ids = local.tokenizer.encode(prompt).ids
+    once = client.GenerateOnce(pb.GenerateRequest(text=prompt, max_new_tokens=12), timeout=60)
+    assert list(once.token_ids) == local_run(local, ids, n=12).tokens
+    assert once.final.finish_reason == "length"
+
+
+def test_sampling_with_seed_equals_local(client, local):
+    sampling = SamplingParams(temperature=0.8, top_k=40, top_p=0.9, seed=1234)
+    tokens, _, _ = run(client, request(PROMPTS[0], temperature=0.8, top_k=40, top_p=0.9, seed=1234))
+    assert tokens == local_run(local, PROMPTS[0], sampling=sampling).tokens
+
+
+def test_concurrent_requests_do_not_interfere(client, verifier_stub):
+    reqs = [request(PROMPTS[i % 3], n=12, budget=(0, 4, 8, 16)[i % 4], temperature=(0.0, 1.0)[i % 2],
+                    seed=100 + i) for i in range(8)]
+    alone = [run(client, r)[0] for r in reqs]
+    with ThreadPoolExecutor(8) as pool:
+        together = list(pool.map(lambda r: run(client, r)[0], reqs))
+    assert together == alone
+    wait_full(verifier_stub)
+
+
+def test_stop_string_cuts_the_text(client, local):
+    tokens, text, _ = run(client, request(PROMPTS[0], n=16))
+    stop = text[5:8]
+    assert stop and stop in text
+    _, cut, final = run(client, request(PROMPTS[0], n=16, stop=[stop]))
+    assert cut == text[: text.index(stop)] and final.finish_reason == "stop"
+
+
+@pytest.mark.parametrize("req, needle", [
+    (request([]), "empty"),
+    (pb.GenerateRequest(max_new_tokens=4), "no prompt"),
+    (request(list(range(MAX_SEQ_LEN))), "max_seq_len"),
+    (request([1, 2, 10**9]), "outside the vocabulary"),
+    (request([1, -5]), "outside the vocabulary"),
+    (request([1, 2], temperature=-1.0), "temperature"),
+    (request([1, 2], top_p=1.5), "top_p"),
+    (request([1, 2], top_k=-3), "top_k"),
+    (request([1, 2], n=0), "max_new_tokens"),
+    (request([1, 2], budget=10_000), "tree_budget"),
+    (request([1, 2], stop_token_ids=[10**9]), "stop token"),
+])
+def test_bad_requests_are_invalid_argument(client, verifier_stub, req, needle):
+    with pytest.raises(grpc.RpcError) as err:
+        run(client, req)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert needle in err.value.details()
+    assert run(client, request(PROMPTS[1], n=4))[2].finish_reason == "length"  # still serving
+    wait_full(verifier_stub)
+
+
+def test_cancel_and_deadline_free_the_verifier_slot(client, verifier_stub):
+    call = client.Generate(request(PROMPTS[0], n=120), timeout=60)
+    next(call)
+    call.cancel()
+    wait_full(verifier_stub)
+    with pytest.raises(grpc.RpcError) as err:
+        run(client, request(PROMPTS[0], n=120), timeout=0.3)
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    wait_full(verifier_stub)
+
+
+def test_health_and_reflection(drafter):
+    with grpc.insecure_channel(f"127.0.0.1:{drafter.port}") as channel:
+        status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=GENERATION_SERVICE))
+        assert status.status == health_pb2.HealthCheckResponse.SERVING
+        replies = reflection_pb2_grpc.ServerReflectionStub(channel).ServerReflectionInfo(
+            iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
+        names = {s.name for s in next(replies).list_services_response.service}
+        assert GENERATION_SERVICE in names
+
+
+def test_one_request_is_one_trace(client, spans):
+    spans.clear()
+    run(client, request(PROMPTS[0], n=10, budget=4))
+    time.sleep(0.2)
+    finished = spans.get_finished_spans()
+    roots = [s for s in finished if s.name == "generate"]
+    assert len(roots) == 1
+    trace_id = roots[0].context.trace_id
+    mine = [s for s in finished if s.context.trace_id == trace_id]
+    by_id = {s.context.span_id: s for s in mine}
+    rounds = [s for s in mine if s.name == "round"]
+    assert rounds and all(s.parent.span_id == roots[0].context.span_id for s in rounds)
+    for name in ("draft", "tree_build", "verify_rpc"):
+        children = [s for s in mine if s.name == name]
+        assert len(children) == len(rounds) and all(by_id[s.parent.span_id].name == "round" for s in children)
+    verifies = [s for s in mine if s.name == "verify"]
+    assert len(verifies) == len(rounds)
+    assert all(by_id[s.parent.span_id].name == "round" for s in verifies)
+    for name in ("forward", "sample", "commit"):
+        children = [s for s in mine if s.name == name]
+        assert len(children) >= len(verifies) and all(by_id[s.parent.span_id].name in ("verify", "prefill")
+                                                      for s in children)
+    assert all(s.attributes.get("bytes.sent", 0) > 0 for s in verifies)
+
+
+def test_verifier_down_at_startup_fails_promptly(qwen3_pair):
+    start = time.monotonic()
+    with pytest.raises(StatusError) as err:
+        drafter_engine(qwen3_pair, verifier_port=1, verifier_wait_s=1.0)
+    assert err.value.status == "UNAVAILABLE" and time.monotonic() - start < 15
+
+
+def test_mismatched_verifier_is_refused(tmp_path, tiny_tokenizer, verifier):
+    other = make_tiny(tmp_path, seed=5, sizes=TinySizes(layers=6), tokenizer=tiny_tokenizer)
+    with pytest.raises(StatusError) as err:
+        drafter_engine(other, verifier.port)
+    assert err.value.status == "FAILED_PRECONDITION" and "mismatch" in err.value.message
+
+
+def test_verifier_killed_mid_generation_is_unavailable(qwen3_pair):
+    cfg = verifier_config(qwen3_pair)
+    env = dict(os.environ, PYTHONPATH=os.getcwd(), PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen([sys.executable, "-m", "verifier_svc", "--target", cfg.target_dir,
+                             "--feature-layers", ",".join(map(str, cfg.feature_layer_ids)), "--host", "127.0.0.1",
+                             "--port", "0", "--max-seq-len", "1024"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        port = next(int(line.rsplit(":", 1)[1]) for line in proc.stdout if " listening on " in line)
+        engine = drafter_engine(qwen3_pair, port)
+        with ServerThread(lambda: serve_drafter(engine, "127.0.0.1", 0)) as drafter, \
+                grpc.insecure_channel(f"127.0.0.1:{drafter.port}") as channel:
+            call = pb_grpc.GenerationStub(channel).Generate(request(PROMPTS[0], n=900, budget=0), timeout=60)
+            next(call)
+            proc.kill()
+            start = time.monotonic()
+            with pytest.raises(grpc.RpcError) as err:
+                for _ in call:
+                    pass
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert time.monotonic() - start < 10
+    finally:
+        proc.kill()
+        proc.wait()

@@ -1,0 +1,141 @@
+"""Run the verifier service: the target model behind the Verifier gRPC API.
+
+    python -m verifier_svc --target DIR [--draft DIR | --feature-layers 1,9,17] [--port 50051]
+
+Every flag falls back to an environment variable (VERIFIER_PORT, ...) and then to the
+default in `VerifierConfig`. Prints "verifier listening on HOST:PORT" when ready; SIGTERM
+or SIGINT drains and stops it (health NOT_SERVING, running RPCs get --grace seconds).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import logging
+import os
+import signal
+
+from common.cli import fail
+from common.config import CheckpointError, check_draft_fits_target, load_draft_config, load_target_config
+from common.tracing import setup_tracing, shutdown_tracing
+from verifier_svc.server import VerifierConfig, load_verifier, serve
+from verifier_svc.tree_verifier import TreeVerifier
+
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(VerifierConfig)}
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, no usage dump
+        fail(message)
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def _bool(text: str) -> bool:
+    return str(text).lower() in ("1", "true", "yes", "on")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="python -m verifier_svc", description=__doc__.split("\n\n")[0],
+                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+
+    def flag(name: str, field: str | None, help: str, type=str, env: str | None = None):
+        env = env or "VERIFIER_" + name.removeprefix("--").replace("-", "_").upper()
+        default = os.environ.get(env, _DEFAULTS.get(field) if field else None)  # argparse applies `type`
+        if default is dataclasses.MISSING:
+            default = None
+        p.add_argument(name, type=type, default=default, help=f"{help} [env {env}]")
+
+    flag("--target", "target_dir", "target checkpoint folder (config.json + safetensors); required")
+    flag("--draft", None, "DFlash draft checkpoint folder: only its config.json is read, for target_layer_ids")
+    flag("--feature-layers", None, "target layers whose hidden states go to the drafter, e.g. 1,9,17 "
+         "(instead of --draft; neither = no features)", type=_int_list)
+    flag("--host", "host", "address to listen on")
+    flag("--port", "port", "port to listen on (0 = any free port)", type=int)
+    flag("--device", "device", "torch device: auto, cpu, cuda, cuda:1, ...")
+    flag("--dtype", "dtype", "model dtype: auto (bfloat16 on cuda, float32 on cpu), float32, bfloat16, float16")
+    flag("--max-sessions", "max_sessions", "concurrent sessions (KV cache slots)", type=int)
+    flag("--max-seq-len", "max_seq_len", "tokens per session: prompt + generated + one tree", type=int)
+    flag("--max-tree-nodes", "max_tree_nodes", "largest tree accepted, root included", type=int)
+    flag("--max-tree-depth", "max_tree_depth", "deepest tree accepted", type=int)
+    flag("--idle-timeout", "idle_timeout_s", "seconds without a message before a session is closed", type=float)
+    flag("--grace", "grace_s", "seconds running RPCs get to finish on shutdown", type=float)
+    p.add_argument("--trace-console", action="store_true",
+                   default=_bool(os.environ.get("VERIFIER_TRACE_CONSOLE", _DEFAULTS["trace_console"])),
+                   help="print trace spans to stdout (OTLP export is set by OTEL_EXPORTER_OTLP_ENDPOINT) "
+                        "[env VERIFIER_TRACE_CONSOLE]")
+    return p
+
+
+def feature_layers(args: argparse.Namespace) -> tuple[int, ...]:
+    """From --feature-layers, or from the draft's config.json, checked against the target."""
+    if args.draft and args.feature_layers is not None:
+        fail("give --draft or --feature-layers, not both")
+    if not args.draft:
+        return args.feature_layers or ()
+    try:
+        draft = load_draft_config(args.draft)
+        check_draft_fits_target(draft, load_target_config(args.target))
+    except CheckpointError as exc:
+        fail(str(exc))
+    return draft.target_layer_ids
+
+
+def parse_config(argv: list[str] | None = None) -> VerifierConfig:
+    """Flags > environment > VerifierConfig defaults; exits with one line on a bad value."""
+    args = build_parser().parse_args(argv)
+    if not args.target:
+        fail("--target is required (or set VERIFIER_TARGET)")
+    config = VerifierConfig(
+        target_dir=args.target, feature_layer_ids=feature_layers(args), host=args.host, port=args.port,
+        device=args.device, dtype=args.dtype, max_sessions=args.max_sessions, max_seq_len=args.max_seq_len,
+        max_tree_nodes=args.max_tree_nodes, max_tree_depth=args.max_tree_depth, idle_timeout_s=args.idle_timeout,
+        grace_s=args.grace, trace_console=args.trace_console,
+    )
+    try:
+        config.check()
+    except ValueError as exc:
+        fail(str(exc))
+    return config
+
+
+async def run(config: VerifierConfig, verifier: TreeVerifier) -> str | None:
+    """Serve until SIGTERM/SIGINT; returns an error message if the server cannot start."""
+    try:
+        server, port = await serve(config, verifier)
+    except OSError as exc:
+        return str(exc)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    print(f"verifier listening on {config.host}:{port}", flush=True)
+    await stop.wait()
+    logging.getLogger(__name__).info("shutting down (grace %g s)", config.grace_s)
+    await server.stop(config.grace_s)
+    return None
+
+
+def main(argv: list[str] | None = None) -> None:
+    config = parse_config(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        verifier = load_verifier(config)
+    except (CheckpointError, ValueError) as exc:
+        fail(str(exc))
+    setup_tracing("verifier", console=config.trace_console)
+    try:
+        error = asyncio.run(run(config, verifier))
+    finally:
+        shutdown_tracing()
+    if error:
+        fail(error)
+
+
+if __name__ == "__main__":
+    main()
