@@ -2,6 +2,7 @@
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 TINY   := models/tiny
+MODELS := models/default
 PROMPT ?= def fibonacci(n):
 
 .PHONY: install demo local test tiny clean
@@ -18,13 +19,13 @@ $(TINY)/target/config.json: | install
 tiny: $(TINY)/target/config.json
 
 # Both services on localhost plus a client; stops both afterwards.
-demo: install tiny
-	$(PY) scripts/demo.py --target $(TINY)/target --draft $(TINY)/draft --prompt "$(PROMPT)" --max-new-tokens 48
+demo: install
+	$(PY) scripts/demo.py --target $(MODELS)/target --draft $(MODELS)/draft --prompt "$(PROMPT)" --max-new-tokens 96
 
 # The same generation in one process, without the network.
-local: install tiny
-	$(PY) -m drafter_svc.generate --target $(TINY)/target --draft $(TINY)/draft \
-		--prompt "$(PROMPT)" --max-new-tokens 48 --tree-budget 16
+local: install
+	$(PY) -m drafter_svc.generate --target $(MODELS)/target --draft $(MODELS)/draft \
+		--prompt "$(PROMPT)" --max-new-tokens 96 --tree-budget 16
 
 test: install
 	$(PY) -m pytest -q tests

@@ -69,6 +69,10 @@ def build_parser() -> argparse.ArgumentParser:
                    default=_bool(os.environ.get("VERIFIER_TRACE_CONSOLE", _DEFAULTS["trace_console"])),
                    help="print trace spans to stdout (OTLP export is set by OTEL_EXPORTER_OTLP_ENDPOINT) "
                         "[env VERIFIER_TRACE_CONSOLE]")
+    p.add_argument("--no-cuda-graphs", action="store_true",
+                   default=_bool(os.environ.get("VERIFIER_NO_CUDA_GRAPHS", str(not _DEFAULTS["cuda_graphs"]))),
+                   help="run the verify forward eagerly on CUDA instead of replaying captured CUDA graphs "
+                        "[env VERIFIER_NO_CUDA_GRAPHS]")
     return p
 
 
@@ -95,7 +99,7 @@ def parse_config(argv: list[str] | None = None) -> VerifierConfig:
         target_dir=args.target, feature_layer_ids=feature_layers(args), host=args.host, port=args.port,
         device=args.device, dtype=args.dtype, max_sessions=args.max_sessions, max_seq_len=args.max_seq_len,
         max_tree_nodes=args.max_tree_nodes, max_tree_depth=args.max_tree_depth, idle_timeout_s=args.idle_timeout,
-        grace_s=args.grace, trace_console=args.trace_console,
+        grace_s=args.grace, trace_console=args.trace_console, cuda_graphs=not args.no_cuda_graphs,
     )
     try:
         config.check()

@@ -51,6 +51,7 @@ class VerifierConfig:
     idle_timeout_s: float = 300.0  # a session with no message for this long is closed
     grace_s: float = 5.0  # on shutdown, how long running RPCs may finish
     trace_console: bool = False  # also print spans to stdout
+    cuda_graphs: bool = True  # on CUDA, replay captured graphs for the verify forward (False = eager)
 
     def check(self) -> None:
         """Raise ValueError with a one-line message for out-of-range values."""
@@ -93,7 +94,8 @@ def load_verifier(config: VerifierConfig) -> TreeVerifier:
         raise CheckpointError(f"feature layer ids {bad} outside the target's {target.num_layers} layers")
     model = TargetModel.from_pretrained(config.target_dir, config.feature_layer_ids,
                                         device=config.torch_device(), dtype=config.torch_dtype())
-    return TreeVerifier(TargetRunner(model, config.max_sessions, config.max_seq_len), config.limits())
+    runner = TargetRunner(model, config.max_sessions, config.max_seq_len, cuda_graphs=config.cuda_graphs)
+    return TreeVerifier(runner, config.limits())
 
 
 def _status_code(name: str) -> grpc.StatusCode:

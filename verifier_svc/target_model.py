@@ -60,6 +60,11 @@ class ForwardOutput:
 
 
 class TargetModel(nn.Module):
+    # "sdpa": KVCache.read + AttentionProjections.attend (SDPA with enable_gqa). "triton":
+    # `verifier_svc.cuda_graphs.slot_attention`, which reads the cache slot in place (CUDA, or the
+    # Triton interpreter); same result up to rounding.
+    attention = "sdpa"
+
     def __init__(self, cfg: TargetConfig, feature_layer_ids: tuple[int, ...] = ()):
         super().__init__()
         self.cfg = cfg
@@ -107,8 +112,14 @@ class TargetModel(nn.Module):
             q = attn.query(x, cos, sin)
             k, v = attn.key_value(x, cos, sin)
             cache.write(i, slots, cache_pos, k, v)
-            k_all, v_all = cache.read(i, slots, kv_len)
-            h = h + attn.attend(q, k_all, v_all, attn_mask)
+            if self.attention == "triton":
+                from verifier_svc.cuda_graphs import slot_attention
+
+                out = slot_attention(q, cache.k[i], cache.v[i], slots, mask)
+                h = h + attn.o_proj(out.view(*out.shape[:2], -1))
+            else:
+                k_all, v_all = cache.read(i, slots, kv_len)
+                h = h + attn.attend(q, k_all, v_all, attn_mask)
             h = h + layer.mlp(layer.post_attention_layernorm(h))
             if i in self.feature_layer_ids:
                 features.append((i, h))

@@ -2,21 +2,35 @@
 
 The runner knows positions, cache indices and masks, not sessions or sampling: the
 verifier above it decides which slot a request uses and what was accepted.
+
+On CUDA the tree-verify forward replays CUDA graphs (`verifier_svc.cuda_graphs`), captured
+when the runner is built; trees larger than the largest bucket, `cuda_graphs=False` and
+CPU devices run eagerly. Prefill is always eager.
 """
 from __future__ import annotations
 
 import torch
 
+from common.protocol import SamplingParams
+from common.tree import DraftTree
+from verifier_svc.cuda_graphs import AcceptResult, GraphConfig, VerifyGraphs, accept_step, cache_length, unpack_accept
 from verifier_svc.target_model import ForwardOutput, KVCache, TargetModel
 
 
 class TargetRunner:
-    def __init__(self, model: TargetModel, num_slots: int, max_seq_len: int):
+    def __init__(self, model: TargetModel, num_slots: int, max_seq_len: int, cuda_graphs: bool = True,
+                 graph_config: GraphConfig | None = None):
         self.model = model
         p = model.embed_tokens.weight
         self.device = p.device
-        self.cache = KVCache(model.cfg, num_slots, max_seq_len, p.device, p.dtype)
         self.max_seq_len = max_seq_len
+        use_graphs = cuda_graphs and self.device.type == "cuda"
+        config = graph_config or GraphConfig()
+        # Graphs pad trees to their bucket: the padding's K/V land after the tree, so the cache
+        # keeps room for the largest bucket past max_seq_len (never committed, never visible).
+        length = cache_length(max_seq_len, config) if use_graphs else max_seq_len
+        self.cache = KVCache(model.cfg, num_slots, length, p.device, p.dtype)
+        self.graphs = VerifyGraphs(model, self.cache, max_seq_len, config) if use_graphs else None
 
     def _run(self, slot: int, tokens: torch.Tensor, positions: torch.Tensor, past: int,
              local_mask: torch.Tensor, logit_rows: torch.Tensor | None) -> ForwardOutput:
@@ -40,8 +54,42 @@ class TargetRunner:
 
     def verify(self, slot: int, past: int, tokens: torch.Tensor, depths: torch.Tensor,
                tree_mask: torch.Tensor) -> ForwardOutput:
-        """Tree forward: node i at position past + depth[i], cache index past + i."""
+        """Tree forward: node i at position past + depth[i], cache index past + i.
+
+        Under CUDA graphs the outputs are views of static buffers, valid until the next verify.
+        """
+        if self.graphs is not None:
+            out = self.graphs.forward(slot, past, tokens, depths, tree_mask)
+            if out is not None:
+                return out
         return self._run(slot, tokens, past + depths, past, tree_mask.to(self.device), None)
+
+    def verify_accept(self, slot: int, past: int, tree: DraftTree, depths: torch.Tensor, tree_mask: torch.Tensor,
+                      sampling: SamplingParams, coins: torch.Tensor | None = None) -> AcceptResult:
+        """Forward + accept (greedy, or target-only sampling with `coins` float32 [n + 1]) + the
+        features of the accepted path: one graph replay on CUDA, the same steps eagerly otherwise.
+
+        Gives the same path and bonus as `TreeVerifier._accept` on `verify`'s logits.
+        """
+        if not sampling.greedy and coins is None:
+            raise ValueError("sampling needs coins: float32 [num_nodes + 1]")
+        if self.graphs is not None:
+            result = self.graphs.verify_accept(slot, past, tree, depths, tree_mask, sampling, coins)
+            if result is not None:
+                return result
+        out = self.verify(slot, past, tree.tokens, depths, tree_mask)
+        n, dev = tree.num_nodes, self.device
+        extra = {}
+        if not sampling.greedy:
+            extra = dict(coins=coins[:n].to(dev), final_coin=coins[n:n + 1].to(dev),
+                         temperature=torch.tensor([sampling.temperature], dtype=torch.float32, device=dev),
+                         top_k=torch.tensor([sampling.top_k], dtype=torch.int64, device=dev),
+                         top_p=torch.tensor([sampling.top_p], dtype=torch.float32, device=dev))
+        with torch.inference_mode():
+            result, features = accept_step("greedy" if sampling.greedy else "sample", tree.tokens.to(dev),
+                                           tree.next_token.to(dev), tree.next_sibling.to(dev), out.logits[0],
+                                           out.features[0], **extra)
+        return unpack_accept(result, features)
 
     def commit(self, slot: int, past: int, path: torch.Tensor) -> None:
         """Compact the accepted path's K/V (tree node indices, root first) to [past, past+len)."""

@@ -146,7 +146,7 @@ class TreeVerifier:
             self.runner.commit(session.slot, session.length, path)
             session.length += path.shape[0]
             session.next_token = bonus
-            accepted = tree.tokens[path[1:]].tolist()
+            accepted = tree.tokens[path[1:].cpu()].tolist()
             features = out.features[0, path.to(out.features.device)]
         return Verified(accepted_tokens=accepted, next_token=bonus, features=features)
 

@@ -1,0 +1,191 @@
+"""Acceptance length and speed of AR, chain and DDTree budgets on held-out prompts.
+
+    python bench/acceptance.py --target models/default/target --draft models/default/draft
+        [--prompts 16] [--max-new-tokens 128] [--device cpu] [--temperatures 0,1]
+        [--budgets 4,8,16,32,64] [--out-json FILE] [--out-png FILE]
+
+Prompts are the beginnings (first `--prompt-tokens` tokens) of the held-out standard-library
+files that scripts/train_target.py wrote into TARGET/corpus.json (their first characters are
+stored there, so the prompts do not depend on this machine's Python); without that file
+the same held-out rule is applied to this interpreter's stdlib. For every prompt, every
+mode runs back to back (so background load hits all modes alike) with `LocalEngine`;
+temperature > 0 runs use seed `--seed + prompt index`. Reported per temperature and mode:
+mean acceptance length (tokens per round, bonus included, averaged over prompts), tokens/s
+(all tokens / all generation time), speed-up over AR, and at T=0 the fraction of prompts
+whose output equals AR's token for token.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from common.protocol import SamplingParams  # noqa: E402
+from drafter_svc.drafter import DraftMode  # noqa: E402
+from drafter_svc.generate import LocalEngine  # noqa: E402
+from drafter_svc.session_loop import GenerationConfig  # noqa: E402
+from verifier_svc.tree_verifier import VerifierLimits  # noqa: E402
+
+
+def heldout_texts(target_dir: Path) -> list[tuple[str, str]]:
+    """(name, text) of the held-out files, in sorted order."""
+    corpus = target_dir / "corpus.json"
+    if corpus.is_file():
+        heads = json.loads(corpus.read_text()).get("heldout_heads") or {}
+        if heads:
+            return sorted(heads.items())
+    from scripts.train_target import corpus_files, read_texts, split_corpus
+
+    _, heldout = split_corpus(corpus_files())
+    return list(zip(heldout, read_texts(heldout)))
+
+
+def load_prompts(target_dir: Path, tokenizer, n: int, prompt_tokens: int) -> list[tuple[str, list[int]]]:
+    prompts = []
+    for name, text in heldout_texts(target_dir):
+        ids = tokenizer.encode(text).ids[:prompt_tokens]
+        if len(ids) >= min(8, prompt_tokens):
+            prompts.append((name, ids))
+        if len(prompts) == n:
+            break
+    return prompts
+
+
+def mode_name(mode: DraftMode) -> str:
+    return mode.kind if mode.kind != "tree" else f"tree{mode.budget}"
+
+
+def run(engine: LocalEngine, prompts, modes, temperature: float, max_new: int, seed: int, log) -> dict:
+    per_mode = {mode_name(m): {"acc": [], "tokens": 0, "elapsed": 0.0, "outputs": []} for m in modes}
+    for i, (name, ids) in enumerate(prompts):
+        sampling = SamplingParams(temperature, 0, 1.0, seed + i if temperature > 0 else None)
+        for mode in modes:
+            res = engine.generate(ids, GenerationConfig(max_new, sampling, mode=mode))
+            rec = per_mode[mode_name(mode)]
+            rec["acc"].append(res.mean_acceptance)
+            rec["tokens"] += len(res.tokens)
+            rec["elapsed"] += res.elapsed_s
+            rec["outputs"].append(res.tokens)
+        log(f"  T={temperature:g} prompt {i + 1}/{len(prompts)} ({name}) done")
+    ar = per_mode.get("ar")
+    out = {}
+    for name, rec in per_mode.items():
+        tps = rec["tokens"] / rec["elapsed"] if rec["elapsed"] else 0.0
+        row = {"mean_acceptance": sum(rec["acc"]) / len(rec["acc"]), "tokens_per_s": tps,
+               "tokens": rec["tokens"], "elapsed_s": rec["elapsed"]}
+        if ar is not None:
+            ar_tps = ar["tokens"] / ar["elapsed"] if ar["elapsed"] else 0.0
+            row["speedup_vs_ar"] = tps / ar_tps if ar_tps else 0.0
+            if temperature == 0:
+                row["equals_ar"] = sum(o == a for o, a in zip(rec["outputs"], ar["outputs"])) / len(rec["outputs"])
+        out[name] = row
+    return out
+
+
+def print_table(results: dict) -> None:
+    for temp, rows in results.items():
+        print(f"\n{temp}")
+        print(f"{'mode':>8} | {'mean acc':>8} | {'tokens/s':>9} | {'vs AR':>6} | {'== AR':>6}")
+        print("-" * 50)
+        for name, r in rows.items():
+            eq = f"{r['equals_ar']:.0%}" if "equals_ar" in r else ""
+            print(f"{name:>8} | {r['mean_acceptance']:8.3f} | {r['tokens_per_s']:9.1f} | "
+                  f"{r.get('speedup_vs_ar', 0):5.2f}x | {eq:>6}")
+
+
+def plot(results: dict, budgets: list[int], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    colors = ["tab:blue", "tab:orange", "tab:green", "tab:red"]
+    for color, (temp, rows) in zip(colors, results.items()):
+        tree = [b for b in budgets if f"tree{b}" in rows]
+        ax1.plot(tree, [rows[f"tree{b}"]["mean_acceptance"] for b in tree], "o-", color=color, label=f"DDTree {temp}")
+        ax2.plot(tree, [rows[f"tree{b}"]["tokens_per_s"] for b in tree], "o-", color=color, label=f"DDTree {temp}")
+        if "chain" in rows:
+            ax1.axhline(rows["chain"]["mean_acceptance"], color=color, ls="--", lw=1, label=f"chain {temp}")
+            ax2.axhline(rows["chain"]["tokens_per_s"], color=color, ls="--", lw=1, label=f"chain {temp}")
+        if "ar" in rows:
+            ax2.axhline(rows["ar"]["tokens_per_s"], color=color, ls=":", lw=1, label=f"AR {temp}")
+    for ax, label in ((ax1, "mean acceptance length (tokens/round)"), (ax2, "tokens/s")):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(budgets, [str(b) for b in budgets])
+        ax.set_xlabel("tree budget (drafted nodes)")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--target", default="models/default/target")
+    p.add_argument("--draft", default="models/default/draft")
+    p.add_argument("--prompts", type=int, default=16, help="held-out prompts")
+    p.add_argument("--prompt-tokens", type=int, default=64, help="tokens taken from the start of each held-out file")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--temperatures", default="0,1", help="comma-separated temperatures")
+    p.add_argument("--budgets", default="4,8,16,32,64", help="comma-separated DDTree budgets")
+    p.add_argument("--no-ar", action="store_true", help="skip the AR baseline")
+    p.add_argument("--no-chain", action="store_true", help="skip the chain")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
+    p.add_argument("--out-json", default=None)
+    p.add_argument("--out-png", default=None)
+    p.add_argument("--quiet", action="store_true")
+    a = p.parse_args(argv)
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    log = (lambda m: None) if a.quiet else (lambda m: print(m, file=sys.stderr, flush=True))
+    budgets = [int(x) for x in a.budgets.split(",") if x.strip()]
+    temps = [float(x) for x in a.temperatures.split(",") if x.strip()]
+    modes = ([] if a.no_ar else [DraftMode("ar", 0)]) + ([] if a.no_chain else [DraftMode("chain", 0)])
+    modes += [DraftMode("tree", b) for b in budgets]
+
+    engine = LocalEngine.load(a.target, a.draft, a.device, getattr(torch, a.dtype),
+                              VerifierLimits(max_sessions=1, max_seq_len=a.prompt_tokens + a.max_new_tokens
+                                             + max(budgets + [16]) + 64))
+    prompts = load_prompts(Path(a.target), engine.tokenizer, a.prompts, a.prompt_tokens)
+    if not prompts:
+        print("error: no held-out prompts found", file=sys.stderr)
+        raise SystemExit(2)
+    log(f"{len(prompts)} held-out prompts of {a.prompt_tokens} tokens, {a.max_new_tokens} new tokens, "
+        f"modes {[mode_name(m) for m in modes]}, torch threads {torch.get_num_threads()}")
+    # Warm-up (allocations, first-call costs) so the first timed mode is not penalised.
+    for mode in modes:
+        engine.generate(prompts[0][1], GenerationConfig(8, SamplingParams(0.0), mode=mode))
+    t0 = time.time()
+    results = {f"T={t:g}": run(engine, prompts, modes, t, a.max_new_tokens, a.seed, log) for t in temps}
+    print_table(results)
+    summary = {"target": a.target, "draft": a.draft, "device": a.device, "dtype": a.dtype,
+               "threads": torch.get_num_threads(), "prompts": [n for n, _ in prompts],
+               "prompt_tokens": a.prompt_tokens, "max_new_tokens": a.max_new_tokens, "budgets": budgets,
+               "wall_s": round(time.time() - t0, 1), "results": results}
+    if a.out_json:
+        Path(a.out_json).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.out_json).write_text(json.dumps(summary, indent=2))
+    if a.out_png:
+        Path(a.out_png).parent.mkdir(parents=True, exist_ok=True)
+        plot(results, budgets, Path(a.out_png),
+             f"{Path(a.draft).name} on {Path(a.target).name}: {len(prompts)} held-out prompts, "
+             f"{a.max_new_tokens} new tokens, {a.device}")
+    return summary
+
+
+if __name__ == "__main__":
+    main()

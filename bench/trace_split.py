@@ -1,0 +1,101 @@
+"""Per-round time split and bytes per round, read from the OpenTelemetry spans of real runs.
+
+    python bench/trace_split.py --target DIR --draft DIR [--prompt TEXT] [--max-new-tokens N]
+        [--budgets 0,4,16] [--device cpu] [--out-json FILE]
+
+Starts the verifier and the drafter in this process on loopback (each on its own event
+loop, exactly the servers `python -m verifier_svc` / `python -m drafter_svc` run), sends
+one Generate request per budget, and averages over the rounds: draft, tree build, the
+verify RPC as the drafter sees it, and inside it the verifier's verify (forward, sample,
+commit); the rest of the RPC is transport plus encode/decode.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import grpc
+import torch
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from common.config import load_draft_config  # noqa: E402
+from common.rpc import CHANNEL_OPTIONS, pb, pb_grpc  # noqa: E402
+from common.tracing import setup_tracing  # noqa: E402
+from drafter_svc.server import DrafterConfig, DrafterEngine  # noqa: E402
+from drafter_svc.server import serve as serve_drafter  # noqa: E402
+from tests.servers import ServerThread  # noqa: E402
+from verifier_svc.server import VerifierConfig  # noqa: E402
+from verifier_svc.server import serve as serve_verifier  # noqa: E402
+
+STAGES = ["round", "draft", "tree_build", "verify_rpc", "verify", "forward", "sample", "commit"]
+
+
+def split(spans, trace_id) -> dict:
+    mine = [s for s in spans if s.context.trace_id == trace_id]
+    rounds = [s for s in mine if s.name == "round"]
+    round_ids = {s.context.span_id for s in rounds}
+    verify_ids = {s.context.span_id for s in mine if s.name == "verify" and s.parent.span_id in round_ids}
+    parents = {"verify": round_ids, "forward": verify_ids, "sample": verify_ids, "commit": verify_ids}
+    ms = {}
+    for name in STAGES:
+        picked = [s for s in mine if s.name == name and (name not in parents or s.parent.span_id in parents[name])]
+        ms[name] = statistics.mean((s.end_time - s.start_time) / 1e6 for s in picked) if picked else 0.0
+    ms["transport+codec"] = ms["verify_rpc"] - ms["verify"]
+    rpc = [s for s in mine if s.name == "verify_rpc"]
+    return {
+        "rounds": len(rounds),
+        "ms_per_round": ms,
+        "bytes_up_per_round": statistics.mean(s.attributes.get("bytes.sent", 0) for s in rpc) if rpc else 0,
+        "bytes_down_per_round": statistics.mean(s.attributes.get("bytes.received", 0) for s in rpc) if rpc else 0,
+        "mean_acceptance": statistics.mean(s.attributes.get("accepted", 0) + 1 for s in rounds) if rounds else 0,
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--target", required=True, help="target checkpoint folder")
+    p.add_argument("--draft", required=True, help="DFlash draft checkpoint folder")
+    p.add_argument("--prompt", default="def fibonacci(n):", help="prompt text")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens per request")
+    p.add_argument("--budgets", default="0,4,16", help="comma-separated tree budgets")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="device of both services")
+    p.add_argument("--out-json", help="write the results here")
+    a = p.parse_args()
+    exporter = InMemorySpanExporter()
+    setup_tracing("trace-split").add_span_processor(SimpleSpanProcessor(exporter))
+    layers = load_draft_config(a.draft).target_layer_ids
+    vcfg = VerifierConfig(target_dir=a.target, feature_layer_ids=layers, host="127.0.0.1", port=0, device=a.device)
+    results = {}
+    with ServerThread(lambda: serve_verifier(vcfg)) as verifier:
+        dtype = torch.bfloat16 if a.device.startswith("cuda") else torch.float32
+        engine = DrafterEngine.start(DrafterConfig(draft_dir=a.draft, target_dir=a.target, device=a.device,
+                                                   verifier=f"127.0.0.1:{verifier.port}"), dtype)
+        with ServerThread(lambda: serve_drafter(engine, "127.0.0.1", 0)) as drafter, \
+                grpc.insecure_channel(f"127.0.0.1:{drafter.port}", options=CHANNEL_OPTIONS) as channel:
+            stub = pb_grpc.GenerationStub(channel)
+            for budget in [int(b) for b in a.budgets.split(",")]:
+                req = pb.GenerateRequest(text=a.prompt, max_new_tokens=a.max_new_tokens, tree_budget=budget)
+                stub.GenerateOnce(req, timeout=600)  # warm-up
+                exporter.clear()
+                stub.GenerateOnce(req, timeout=600)
+                spans = exporter.get_finished_spans()
+                root = next(s for s in spans if s.name == "generate")
+                results[budget] = split(spans, root.context.trace_id)
+    cols = ["round", "draft", "tree_build", "verify_rpc", "verify", "forward", "sample", "commit", "transport+codec"]
+    print(f"{'budget':>6} {'rounds':>6} {'accept':>6} " + " ".join(f"{c:>15}" for c in cols) + "   bytes up/down")
+    for budget, r in results.items():
+        ms = r["ms_per_round"]
+        print(f"{budget:>6} {r['rounds']:>6} {r['mean_acceptance']:>6.2f} " + " ".join(f"{ms[c]:>13.3f}ms" for c in cols)
+              + f"   {r['bytes_up_per_round']:.0f}/{r['bytes_down_per_round']:.0f}")
+    if a.out_json:
+        Path(a.out_json).write_text(json.dumps({"device": a.device, "results": results}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
