@@ -63,13 +63,14 @@ def mode_name(mode: DraftMode) -> str:
 
 
 def run(engine: LocalEngine, prompts, modes, temperature: float, max_new: int, seed: int, log) -> dict:
-    per_mode = {mode_name(m): {"acc": [], "tokens": 0, "elapsed": 0.0, "outputs": []} for m in modes}
+    per_mode = {mode_name(m): {"acc": [], "rounds": [], "tokens": 0, "elapsed": 0.0, "outputs": []} for m in modes}
     for i, (name, ids) in enumerate(prompts):
         sampling = SamplingParams(temperature, 0, 1.0, seed + i if temperature > 0 else None)
         for mode in modes:
             res = engine.generate(ids, GenerationConfig(max_new, sampling, mode=mode))
             rec = per_mode[mode_name(mode)]
             rec["acc"].append(res.mean_acceptance)
+            rec["rounds"].extend(res.acceptance_lengths)
             rec["tokens"] += len(res.tokens)
             rec["elapsed"] += res.elapsed_s
             rec["outputs"].append(res.tokens)
@@ -78,7 +79,9 @@ def run(engine: LocalEngine, prompts, modes, temperature: float, max_new: int, s
     out = {}
     for name, rec in per_mode.items():
         tps = rec["tokens"] / rec["elapsed"] if rec["elapsed"] else 0.0
-        row = {"mean_acceptance": sum(rec["acc"]) / len(rec["acc"]), "tokens_per_s": tps,
+        # Two averages: over responses (the DDTree paper's tau) and over all rounds (tokens per verify).
+        row = {"mean_acceptance": sum(rec["acc"]) / len(rec["acc"]),
+               "mean_acceptance_per_round": sum(rec["rounds"]) / max(1, len(rec["rounds"])), "tokens_per_s": tps,
                "tokens": rec["tokens"], "elapsed_s": rec["elapsed"]}
         if ar is not None:
             ar_tps = ar["tokens"] / ar["elapsed"] if ar["elapsed"] else 0.0
@@ -92,11 +95,12 @@ def run(engine: LocalEngine, prompts, modes, temperature: float, max_new: int, s
 def print_table(results: dict) -> None:
     for temp, rows in results.items():
         print(f"\n{temp}")
-        print(f"{'mode':>8} | {'mean acc':>8} | {'tokens/s':>9} | {'vs AR':>6} | {'== AR':>6}")
-        print("-" * 50)
+        print(f"{'mode':>8} | {'mean acc':>8} | {'per round':>9} | {'tokens/s':>9} | {'vs AR':>6} | {'== AR':>6}")
+        print("-" * 62)
         for name, r in rows.items():
             eq = f"{r['equals_ar']:.0%}" if "equals_ar" in r else ""
-            print(f"{name:>8} | {r['mean_acceptance']:8.3f} | {r['tokens_per_s']:9.1f} | "
+            print(f"{name:>8} | {r['mean_acceptance']:8.3f} | {r['mean_acceptance_per_round']:9.3f} | "
+                  f"{r['tokens_per_s']:9.1f} | "
                   f"{r.get('speedup_vs_ar', 0):5.2f}x | {eq:>6}")
 
 

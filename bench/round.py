@@ -101,14 +101,7 @@ def verifier_main(conn, small: bool, device: str, cuda_graphs: bool, max_seq_len
                             max_sessions=2, max_seq_len=max_seq_len, cuda_graphs=cuda_graphs)
     runner = TargetRunner(model, config.max_sessions, max_seq_len, cuda_graphs=cuda_graphs)
 
-    class HostPathVerifier(TreeVerifier):
-        # Work around tree_verifier.py on CUDA: its _accept returns the path on the device and
-        # verify() indexes the CPU tree tokens with it. (One .cpu() there fixes it.)
-        def _accept(self, *args, **kwargs):
-            path, bonus = super()._accept(*args, **kwargs)
-            return path.cpu(), bonus
-
-    verifier = HostPathVerifier(runner, config.limits())
+    verifier = TreeVerifier(runner, config.limits())
     startup_s = time.perf_counter() - t0
 
     async def run() -> None:
