@@ -54,8 +54,7 @@ from torch import Tensor
 
 from common.protocol import SamplingParams
 from common.tree import DraftTree
-from kernels.probs import process_probs
-from kernels.tree_sampling import tree_speculative_sampling_target_only, verify_tree_greedy
+from verifier_svc.accept import AcceptResult, accept_step, unpack_accept
 from verifier_svc.target_model import ForwardOutput, KVCache, TargetModel
 
 log = logging.getLogger(__name__)
@@ -116,15 +115,6 @@ def auto_kv_buckets(cache_len: int, max_buckets: int = 8) -> tuple[int, ...]:
         buckets.add(length)
         k += 1
     return tuple(sorted(buckets))
-
-
-@dataclass
-class AcceptResult:
-    """One verified tree: accepted node path (root first), bonus token, features of the path."""
-
-    path: Tensor  # int64 [1 + accepted], CPU, node indices
-    bonus: int
-    features: Tensor  # [1 + accepted, feature_dim] on the model's device (a copy)
 
 
 class _Inputs:
@@ -240,48 +230,6 @@ class _Inputs:
         self.fill(0, 0, torch.zeros(t, dtype=torch.int64), parents + 1, chain, next_token,
                   torch.full((t,), -1), SamplingParams(temperature=1.0, top_k=0, top_p=1.0),
                   torch.full((t + 1,), 0.5))
-
-
-def accept_step(mode: str, tokens: Tensor, next_token: Tensor, next_sibling: Tensor, logits: Tensor,
-                features: Tensor, *, coins: Tensor | None = None, final_coin: Tensor | None = None,
-                temperature: Tensor | None = None, top_k: Tensor | None = None,
-                top_p: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """The accept kernels on one tree of T rows, with static shapes and no host sync on CUDA.
-
-    tokens / next_token / next_sibling: int64 [T]; logits [T, V]; features [T, F];
-    coins float32 [T], final_coin [1], temperature / top_p float32 [1], top_k int64 [1]
-    (sampling only). Returns (result int64 [T + 2] = [accepted, bonus, path padded with -1],
-    features of the path rows [T, F] (rows past the path repeat row 0)).
-    """
-    t = tokens.shape[0]
-    device = logits.device
-    predicts = torch.full((t,), -1, dtype=torch.int32, device=device)
-    accept_index = torch.full((1, t), -1, dtype=torch.int32, device=device)
-    accept_num = torch.zeros(1, dtype=torch.int32, device=device)
-    retrive_index = torch.arange(t, device=device)[None]
-    tree = (tokens[None], retrive_index, next_token[None], next_sibling[None])
-    if mode == "greedy":
-        verify_tree_greedy(predicts, accept_index, accept_num, *tree, logits.argmax(-1)[None])
-    elif mode == "sample":
-        probs = process_probs(logits, temperature.expand(t).contiguous(), top_k.expand(t).contiguous(),
-                              top_p.expand(t).contiguous())
-        tree_speculative_sampling_target_only(predicts, accept_index, accept_num, *tree, coins[None], final_coin,
-                                              probs[None], torch.zeros_like(probs)[None])
-    else:
-        raise ValueError(f"unknown accept mode {mode!r}")
-    num = accept_num.long()
-    path = accept_index[0].long()
-    bonus = predicts.long().gather(0, path.gather(0, num))
-    result = torch.cat([num, bonus, path])
-    return result, features.index_select(0, path.clamp(min=0))
-
-
-def unpack_accept(result: Tensor, features: Tensor) -> AcceptResult:
-    """Host side of `accept_step`'s outputs (one device-to-host copy of T + 2 integers)."""
-    values = result.cpu()
-    accepted = int(values[0])
-    path = values[2: 3 + accepted].clone()
-    return AcceptResult(path=path, bonus=int(values[1]), features=features[: accepted + 1].clone())
 
 
 # ---------------------------------------------------------------------------------------

@@ -13,7 +13,8 @@ import torch
 
 from common.protocol import SamplingParams
 from common.tree import DraftTree
-from verifier_svc.cuda_graphs import AcceptResult, GraphConfig, VerifyGraphs, accept_step, cache_length, unpack_accept
+from verifier_svc.accept import AcceptResult, accept_tree
+from verifier_svc.cuda_graphs import GraphConfig, VerifyGraphs, cache_length
 from verifier_svc.target_model import ForwardOutput, KVCache, TargetModel
 
 
@@ -78,18 +79,7 @@ class TargetRunner:
             if result is not None:
                 return result
         out = self.verify(slot, past, tree.tokens, depths, tree_mask)
-        n, dev = tree.num_nodes, self.device
-        extra = {}
-        if not sampling.greedy:
-            extra = dict(coins=coins[:n].to(dev), final_coin=coins[n:n + 1].to(dev),
-                         temperature=torch.tensor([sampling.temperature], dtype=torch.float32, device=dev),
-                         top_k=torch.tensor([sampling.top_k], dtype=torch.int64, device=dev),
-                         top_p=torch.tensor([sampling.top_p], dtype=torch.float32, device=dev))
-        with torch.inference_mode():
-            result, features = accept_step("greedy" if sampling.greedy else "sample", tree.tokens.to(dev),
-                                           tree.next_token.to(dev), tree.next_sibling.to(dev), out.logits[0],
-                                           out.features[0], **extra)
-        return unpack_accept(result, features)
+        return accept_tree(tree, out.logits[0], out.features[0], sampling, coins)
 
     def commit(self, slot: int, past: int, path: torch.Tensor) -> None:
         """Compact the accepted path's K/V (tree node indices, root first) to [past, past+len)."""

@@ -16,14 +16,8 @@ import torch
 
 from common.protocol import Prefilled, SamplingParams, StatusError, Verified
 from common.tree import DraftTree, TreeError, ancestor_mask, walk_tree
-from kernels.probs import process_probs
-from kernels.tree_sampling import tree_speculative_sampling_target_only, verify_tree_greedy
+from verifier_svc.accept import AcceptResult, accept_tree, draw_coins
 from verifier_svc.target_runner import TargetRunner
-
-# Coins are kept inside (0, 1): a coin of exactly 0 would accept a zero-probability child
-# (the test is `coin <= mass`), one of exactly 1 could pick a zero-probability bonus token.
-_COIN_MIN = torch.finfo(torch.float32).tiny
-_COIN_MAX = 1.0 - 2.0**-24
 
 # An optional hook around each step of a request ("forward", "sample", "commit"): called
 # with the step's name, it returns a context manager that wraps the step (a tracing span, a
@@ -102,7 +96,7 @@ class TreeVerifier:
             session.length = len(prompt_ids)
             root_only = DraftTree(prompt[-1:], torch.tensor([-1]), torch.tensor([-1]))
             with stage("sample"):
-                path, bonus = self._accept(session, root_only, out.logits[0])
+                bonus = self._accept(session, root_only, out.logits[0], out.features[0, -1:]).bonus
         except Exception:
             self.close(session_id)
             raise
@@ -141,45 +135,16 @@ class TreeVerifier:
             mask = ancestor_mask(layout.parents, layout.depths)
             out = self.runner.verify(session.slot, session.length, tree.tokens, layout.depths, mask)
         with stage("sample"):
-            path, bonus = self._accept(session, tree, out.logits[0], max_depth=layout.max_depth)
+            result = self._accept(session, tree, out.logits[0], out.features[0])
         with stage("commit"):
-            self.runner.commit(session.slot, session.length, path)
-            session.length += path.shape[0]
-            session.next_token = bonus
-            accepted = tree.tokens[path[1:].cpu()].tolist()
-            features = out.features[0, path.to(out.features.device)]
-        return Verified(accepted_tokens=accepted, next_token=bonus, features=features)
+            self.runner.commit(session.slot, session.length, result.path)
+            session.length += result.path.shape[0]
+            session.next_token = result.bonus
+        return Verified(accepted_tokens=tree.tokens[result.path[1:]].tolist(), next_token=result.bonus,
+                        features=result.features)
 
-    def _accept(self, session: _Session, tree: DraftTree, logits: torch.Tensor, max_depth: int = 0):
-        """Run the tree-acceptance kernel: returns (accepted node path incl. root, bonus token)."""
-        device = logits.device
-        n = tree.num_nodes
-        s = max_depth + 1
-        candidates = tree.tokens[None].to(device)
-        retrive_index = torch.arange(n, device=device)[None]
-        next_token = tree.next_token[None].to(device)
-        next_sibling = tree.next_sibling[None].to(device)
-        predicts = torch.full((n,), -1, dtype=torch.int32, device=device)
-        accept_index = torch.full((1, s), -1, dtype=torch.int32, device=device)
-        accept_num = torch.zeros(1, dtype=torch.int32, device=device)
-        sp = session.sampling
-        if sp.greedy:
-            target_predict = logits.argmax(-1)[None]
-            verify_tree_greedy(predicts, accept_index, accept_num, candidates, retrive_index,
-                               next_token, next_sibling, target_predict)
-        else:
-            rows = logits.shape[0]
-            probs = process_probs(
-                logits,
-                torch.full((rows,), sp.temperature, device=device),
-                torch.full((rows,), sp.top_k, dtype=torch.int64, device=device),
-                torch.full((rows,), sp.top_p, device=device),
-            )
-            coins = torch.rand(n + 1, generator=session.generator).clamp_(_COIN_MIN, _COIN_MAX).to(device)
-            tree_speculative_sampling_target_only(
-                predicts, accept_index, accept_num, candidates, retrive_index, next_token, next_sibling,
-                coins[None, :n], coins[n:], probs[None], torch.zeros_like(probs)[None],
-            )
-        path = accept_index[0, : int(accept_num[0]) + 1].long()
-        bonus = int(predicts[path[-1]])
-        return path, bonus
+    @staticmethod
+    def _accept(session: _Session, tree: DraftTree, logits: torch.Tensor, features: torch.Tensor) -> AcceptResult:
+        """The acceptance kernel on one tree; sampling draws the tree's coins from the session's generator."""
+        coins = None if session.sampling.greedy else draw_coins(session.generator, tree.num_nodes)
+        return accept_tree(tree, logits, features, session.sampling, coins)

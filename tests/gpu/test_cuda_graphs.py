@@ -18,11 +18,14 @@ from common.tree import DraftTree, ancestor_mask, walk_tree
 from drafter_svc.drafter import DraftMode
 from drafter_svc.generate import LocalEngine
 from drafter_svc.session_loop import GenerationConfig
+from kernels.probs import process_probs_reference
+from kernels.tree_sampling import tree_speculative_sampling_target_only_reference, verify_tree_greedy_reference
 from tests.reference import OracleProposer
+from verifier_svc.accept import draw_coins
 from verifier_svc.cuda_graphs import GraphConfig, VerifyGraphs, auto_kv_buckets, cache_length
 from verifier_svc.target_model import TargetModel
 from verifier_svc.target_runner import TargetRunner
-from verifier_svc.tree_verifier import _COIN_MAX, _COIN_MIN, TreeVerifier, VerifierLimits, _Session
+from verifier_svc.tree_verifier import TreeVerifier, VerifierLimits
 
 CUDA = torch.cuda.is_available()
 DTYPES = [torch.float32, torch.bfloat16]
@@ -82,15 +85,30 @@ def _runners(model, config: GraphConfig, capture: bool, max_seq: int = MAX_SEQ):
 
 
 def _accept_like_verifier(runner: TargetRunner, out, tree, max_depth, sampling, seed):
-    """TreeVerifier._accept on given logits; its coins come from a generator seeded with `seed`."""
-    verifier = TreeVerifier(runner, VerifierLimits(max_sessions=2, max_seq_len=MAX_SEQ))
-    session = _Session(0, sampling, torch.Generator().manual_seed(seed))
-    return verifier._accept(session, tree, out.logits[0], max_depth=max_depth)
+    """(path, bonus) of the kernels' plain references on given logits; coins as TreeVerifier
+    draws them from a generator seeded with `seed` (an implementation independent of accept.py)."""
+    n, vocab = tree.num_nodes, out.logits.shape[-1]
+    logits = out.logits[0].float().cpu()
+    ridx = torch.arange(n)[None]
+    links = (tree.tokens[None], ridx, tree.next_token[None], tree.next_sibling[None])
+    predicts = torch.full((n,), -1, dtype=torch.int32)
+    accept_index = torch.full((1, max_depth + 1), -1, dtype=torch.int32)
+    num = torch.zeros(1, dtype=torch.int32)
+    if sampling.greedy:
+        verify_tree_greedy_reference(predicts, accept_index, num, *links, logits.argmax(-1)[None])
+    else:
+        rows = torch.full((n,), sampling.temperature), torch.full((n,), sampling.top_k), torch.full((n,), sampling.top_p)
+        probs = process_probs_reference(logits, *rows)
+        coins = _coins(seed, n)
+        tree_speculative_sampling_target_only_reference(predicts, accept_index, num, *links, coins[None, :n],
+                                                        coins[n:], probs[None], torch.zeros(1, n, vocab))
+    path = accept_index[0, : int(num[0]) + 1].long()
+    return path, int(predicts[path[-1]])
 
 
 def _coins(seed: int, n: int) -> torch.Tensor:
     """The coins TreeVerifier draws for an n-node tree from a generator seeded with `seed`."""
-    return torch.rand(n + 1, generator=torch.Generator().manual_seed(seed)).clamp_(_COIN_MIN, _COIN_MAX)
+    return draw_coins(torch.Generator().manual_seed(seed), n)
 
 
 def _rounds(model, eager, graphed, rng, sizes, check_exact: bool, tol: float, modes=("greedy", "sample")):
@@ -208,7 +226,7 @@ def test_triton_attention_matches_sdpa_on_cpu(qwen3_pair):
 
 
 def test_verify_accept_eager_matches_tree_verifier(qwen3_pair):
-    """TargetRunner.verify_accept without graphs == TreeVerifier._accept + feature gather."""
+    """TargetRunner.verify_accept without graphs == the kernels' references + feature gather."""
     model = _model(qwen3_pair, "cpu", torch.float32)
     runner = TargetRunner(model, 1, MAX_SEQ)
     rng = np.random.default_rng(3)

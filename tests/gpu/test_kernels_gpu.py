@@ -98,7 +98,7 @@ def test_process_probs_matches_reference_at_full_vocab(dtype, rows):
 
 def test_kernels_are_cuda_graph_capturable():
     """The accept step as the verify graphs run it: captured once, replayed on new inputs."""
-    from verifier_svc.cuda_graphs import accept_step
+    from verifier_svc.accept import accept_step
 
     t, feat = 65, 32
     rng = np.random.default_rng(0)
