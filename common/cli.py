@@ -1,6 +1,8 @@
 """Small helpers every command-line entry point shares."""
 from __future__ import annotations
 
+import argparse
+import os
 import sys
 from typing import NoReturn
 
@@ -11,14 +13,24 @@ def fail(message: str, code: int = 2) -> NoReturn:
     raise SystemExit(code)
 
 
-def env_default(name: str, default, cast=str):
-    """The value of environment variable `name` cast to the flag's type, else `default`."""
-    import os
+def env_flag(text: str) -> bool:
+    """An on/off value from the environment: 1, true, yes, on."""
+    return str(text).lower() in ("1", "true", "yes", "on")
 
-    raw = os.environ.get(name)
-    if raw is None or raw == "":
-        return default
-    try:
-        return cast(raw)
-    except ValueError:
-        fail(f"environment variable {name}={raw!r} is not a valid {cast.__name__}")
+
+class FlagParser(argparse.ArgumentParser):
+    """argparse with one-line errors, and flags that fall back to an environment variable
+    and then to a default (given by the caller from its config dataclass)."""
+
+    def error(self, message: str) -> NoReturn:
+        fail(message)
+
+    def flag(self, name: str, *, env: str, default=None, help: str, type=str, **kwargs) -> None:
+        # argparse applies `type` to string defaults, so a bad environment value fails like a bad flag.
+        self.add_argument(name, type=type, default=os.environ.get(env, default), help=f"{help} [env {env}]",
+                          **kwargs)
+
+    def switch(self, name: str, *, env: str, default: bool = False, help: str) -> None:
+        """An on/off flag whose environment variable takes 1/true/yes/on."""
+        self.add_argument(name, action="store_true", default=env_flag(os.environ.get(env, default)),
+                          help=f"{help} [env {env}]")

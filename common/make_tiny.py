@@ -9,7 +9,6 @@ offline. Tests and the demo use these checkpoints.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import sysconfig
@@ -19,7 +18,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from common.cli import fail
+from common.cli import FlagParser, fail
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|mask|>"]
 TOKENIZER_SOURCES = ("textwrap.py", "string.py", "heapq.py", "bisect.py", "fractions.py", "shlex.py")
@@ -186,7 +185,7 @@ def make_tiny(out: str | Path, seed: int, sizes: TinySizes, shards: int = 1, tok
 
 def main(argv: list[str] | None = None) -> None:
     d = TinySizes()
-    p = argparse.ArgumentParser(prog="python -m common.make_tiny", description=__doc__.split("\n\n")[0])
+    p = FlagParser(prog="python -m common.make_tiny", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="output folder; target/ and draft/ are written inside")
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights (default 0)")
     p.add_argument("--arch", choices=["qwen3", "llama"], default=d.arch, help="target architecture")

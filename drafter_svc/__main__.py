@@ -8,14 +8,13 @@ and reflection. Every flag falls back to the environment variable named in its h
 """
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
 import signal
 
 import torch
 
-from common.cli import env_default, fail
+from common.cli import FlagParser, fail
 from common.config import CheckpointError
 from common.protocol import StatusError
 from common.tracing import setup_tracing, shutdown_tracing
@@ -27,33 +26,32 @@ DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "f
 
 def parse_args(argv=None) -> DrafterConfig:
     d = DrafterConfig()
-    p = argparse.ArgumentParser(prog="python -m drafter_svc", description=__doc__.split("\n\n")[0])
-    p.add_argument("--draft", default=env_default("DRAFT_DIR", ""), help="DFlash draft checkpoint folder [DRAFT_DIR]")
-    p.add_argument("--target", default=env_default("TARGET_DIR", ""),
-                   help="target checkpoint folder; only embed_tokens, lm_head and the tokenizer are loaded [TARGET_DIR]")
-    p.add_argument("--verifier", default=env_default("VERIFIER_ADDR", d.verifier),
-                   help=f"verifier address HOST:PORT [VERIFIER_ADDR] (default {d.verifier})")
-    p.add_argument("--host", default=env_default("DRAFTER_HOST", d.host), help=f"listen address [DRAFTER_HOST] (default {d.host})")
-    p.add_argument("--port", type=int, default=env_default("DRAFTER_PORT", d.port, int),
-                   help=f"listen port, 0 = any free port [DRAFTER_PORT] (default {d.port})")
-    p.add_argument("--device", default=env_default("DRAFTER_DEVICE", "cuda" if torch.cuda.is_available() else "cpu"),
-                   help="torch device of the draft model [DRAFTER_DEVICE] (default cuda if available, else cpu)")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default=env_default("DRAFTER_DTYPE", d.dtype),
-                   help="weights dtype; auto = bfloat16 on GPU, float32 on CPU [DRAFTER_DTYPE]")
-    p.add_argument("--tree-budget", type=int, default=env_default("TREE_BUDGET", d.tree_budget, int),
-                   help=f"default DDTree nodes per round when a request sets none [TREE_BUDGET] (default {d.tree_budget})")
-    p.add_argument("--chain", action="store_true", default=env_default("DRAFT_CHAIN", False, _flag),
-                   help="draft the argmax chain (vanilla DFlash) for requests that set no tree_budget [DRAFT_CHAIN]")
-    p.add_argument("--max-new-tokens", type=int, default=env_default("MAX_NEW_TOKENS", d.max_new_tokens, int),
-                   help=f"default max_new_tokens when a request sets none [MAX_NEW_TOKENS] (default {d.max_new_tokens})")
-    p.add_argument("--max-concurrent", type=int, default=env_default("MAX_CONCURRENT", d.max_concurrent, int),
-                   help=f"Generate calls running at once [MAX_CONCURRENT] (default {d.max_concurrent})")
-    p.add_argument("--verifier-wait", type=float, default=env_default("VERIFIER_WAIT_S", d.verifier_wait_s, float),
-                   help=f"seconds start-up waits for the verifier [VERIFIER_WAIT_S] (default {d.verifier_wait_s:.0f})")
-    p.add_argument("--queue-timeout", type=float, default=env_default("QUEUE_TIMEOUT_S", d.queue_timeout_s, float),
-                   help="seconds a request waits for a free verifier session slot before RESOURCE_EXHAUSTED "
-                        f"[QUEUE_TIMEOUT_S] (default {d.queue_timeout_s:.0f})")
-    p.add_argument("--trace-console", action="store_true", help="also print spans to stdout")
+    p = FlagParser(prog="python -m drafter_svc", description=__doc__.split("\n\n")[0])
+    p.flag("--draft", env="DRAFT_DIR", default="", help="DFlash draft checkpoint folder")
+    p.flag("--target", env="TARGET_DIR", default="",
+           help="target checkpoint folder; only embed_tokens, lm_head and the tokenizer are loaded")
+    p.flag("--verifier", env="VERIFIER_ADDR", default=d.verifier, help=f"verifier address HOST:PORT (default {d.verifier})")
+    p.flag("--host", env="DRAFTER_HOST", default=d.host, help=f"listen address (default {d.host})")
+    p.flag("--port", env="DRAFTER_PORT", default=d.port, type=int, help=f"listen port, 0 = any free port (default {d.port})")
+    p.flag("--device", env="DRAFTER_DEVICE", default="cuda" if torch.cuda.is_available() else "cpu",
+           help="torch device of the draft model (default cuda if available, else cpu)")
+    p.flag("--dtype", env="DRAFTER_DTYPE", default=d.dtype, choices=sorted(DTYPES),
+           help="weights dtype; auto = bfloat16 on GPU, float32 on CPU")
+    p.flag("--tree-budget", env="TREE_BUDGET", default=d.tree_budget, type=int,
+           help=f"default DDTree nodes per round when a request sets none (default {d.tree_budget})")
+    p.switch("--chain", env="DRAFT_CHAIN", default=d.chain,
+             help="draft the argmax chain (vanilla DFlash) for requests that set no tree_budget")
+    p.flag("--max-new-tokens", env="MAX_NEW_TOKENS", default=d.max_new_tokens, type=int,
+           help=f"default max_new_tokens when a request sets none (default {d.max_new_tokens})")
+    p.flag("--max-concurrent", env="MAX_CONCURRENT", default=d.max_concurrent, type=int,
+           help=f"Generate calls running at once (default {d.max_concurrent})")
+    p.flag("--verifier-wait", env="VERIFIER_WAIT_S", default=d.verifier_wait_s, type=float,
+           help=f"seconds start-up waits for the verifier (default {d.verifier_wait_s:.0f})")
+    p.flag("--queue-timeout", env="QUEUE_TIMEOUT_S", default=d.queue_timeout_s, type=float,
+           help="seconds a request waits for a free verifier session slot before RESOURCE_EXHAUSTED "
+                f"(default {d.queue_timeout_s:.0f})")
+    p.switch("--trace-console", env="DRAFTER_TRACE_CONSOLE", default=d.trace_console,
+             help="also print spans to stdout")
     a = p.parse_args(argv)
     if not a.draft or not a.target:
         fail("--draft and --target are required (or DRAFT_DIR and TARGET_DIR)")
@@ -64,10 +62,6 @@ def parse_args(argv=None) -> DrafterConfig:
                          max_new_tokens=a.max_new_tokens, max_concurrent=a.max_concurrent,
                          verifier_wait_s=a.verifier_wait, queue_timeout_s=a.queue_timeout,
                          trace_console=a.trace_console)
-
-
-def _flag(text: str) -> bool:
-    return text.lower() in ("1", "true", "yes", "on")
 
 
 async def run(cfg: DrafterConfig) -> None:

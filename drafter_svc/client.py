@@ -4,13 +4,12 @@
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 
 import grpc
 
-from common.cli import env_default, fail
+from common.cli import FlagParser, fail
 from common.rpc import CHANNEL_OPTIONS, pb, pb_grpc
 
 
@@ -33,10 +32,10 @@ def build_request(a) -> pb.GenerateRequest:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m drafter_svc.client", description=__doc__.split("\n\n")[0])
+    p = FlagParser(prog="python -m drafter_svc.client", description=__doc__.split("\n\n")[0])
     p.add_argument("prompt", nargs="?", help="prompt text")
-    p.add_argument("--server", default=env_default("DRAFTER_ADDR", "localhost:50050"),
-                   help="drafter address HOST:PORT [DRAFTER_ADDR] (default localhost:50050)")
+    p.flag("--server", env="DRAFTER_ADDR", default="localhost:50050",
+           help="drafter address HOST:PORT (default localhost:50050)")
     p.add_argument("--prompt-ids", help="prompt as comma-separated token ids instead of text")
     p.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate at most (default 128)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")

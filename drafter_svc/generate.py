@@ -8,7 +8,6 @@ or one JSON object with `--json`.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from dataclasses import dataclass
@@ -16,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from common.checkpoint import load_tokenizer
-from common.cli import fail
+from common.cli import FlagParser, fail
 from common.config import CheckpointError, load_draft_config
 from common.protocol import SamplingParams
 from drafter_svc.drafter import DFlashProposer, DraftMode
@@ -75,8 +74,8 @@ def parse_prompt_ids(text: str) -> list[int]:
         fail(f"--prompt-ids must be comma-separated integers, got {text!r}")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m drafter_svc.generate", description=__doc__.split("\n\n")[0])
+def build_parser() -> FlagParser:
+    p = FlagParser(prog="python -m drafter_svc.generate", description=__doc__.split("\n\n")[0])
     p.add_argument("--target", required=True, help="target checkpoint folder (config.json, safetensors, tokenizer.json)")
     p.add_argument("--draft", help="DFlash draft checkpoint folder (not needed with --ar)")
     src = p.add_mutually_exclusive_group(required=True)

@@ -12,21 +12,15 @@ import argparse
 import asyncio
 import dataclasses
 import logging
-import os
 import signal
 
-from common.cli import fail
+from common.cli import FlagParser, fail
 from common.config import CheckpointError, check_draft_fits_target, load_draft_config, load_target_config
 from common.tracing import setup_tracing, shutdown_tracing
 from verifier_svc.server import VerifierConfig, load_verifier, serve
 from verifier_svc.tree_verifier import TreeVerifier
 
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(VerifierConfig)}
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # one line, no usage dump
-        fail(message)
 
 
 def _int_list(text: str) -> tuple[int, ...]:
@@ -36,20 +30,14 @@ def _int_list(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
 
 
-def _bool(text: str) -> bool:
-    return str(text).lower() in ("1", "true", "yes", "on")
-
-
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="python -m verifier_svc", description=__doc__.split("\n\n")[0],
-                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = FlagParser(prog="python -m verifier_svc", description=__doc__.split("\n\n")[0],
+                   formatter_class=argparse.ArgumentDefaultsHelpFormatter)
 
     def flag(name: str, field: str | None, help: str, type=str, env: str | None = None):
         env = env or "VERIFIER_" + name.removeprefix("--").replace("-", "_").upper()
-        default = os.environ.get(env, _DEFAULTS.get(field) if field else None)  # argparse applies `type`
-        if default is dataclasses.MISSING:
-            default = None
-        p.add_argument(name, type=type, default=default, help=f"{help} [env {env}]")
+        default = _DEFAULTS.get(field) if field else None
+        p.flag(name, env=env, default=None if default is dataclasses.MISSING else default, help=help, type=type)
 
     flag("--target", "target_dir", "target checkpoint folder (config.json + safetensors); required")
     flag("--draft", None, "DFlash draft checkpoint folder: only its config.json is read, for target_layer_ids")
@@ -65,14 +53,10 @@ def build_parser() -> argparse.ArgumentParser:
     flag("--max-tree-depth", "max_tree_depth", "deepest tree accepted", type=int)
     flag("--idle-timeout", "idle_timeout_s", "seconds without a message before a session is closed", type=float)
     flag("--grace", "grace_s", "seconds running RPCs get to finish on shutdown", type=float)
-    p.add_argument("--trace-console", action="store_true",
-                   default=_bool(os.environ.get("VERIFIER_TRACE_CONSOLE", _DEFAULTS["trace_console"])),
-                   help="print trace spans to stdout (OTLP export is set by OTEL_EXPORTER_OTLP_ENDPOINT) "
-                        "[env VERIFIER_TRACE_CONSOLE]")
-    p.add_argument("--no-cuda-graphs", action="store_true",
-                   default=_bool(os.environ.get("VERIFIER_NO_CUDA_GRAPHS", str(not _DEFAULTS["cuda_graphs"]))),
-                   help="run the verify forward eagerly on CUDA instead of replaying captured CUDA graphs "
-                        "[env VERIFIER_NO_CUDA_GRAPHS]")
+    p.switch("--trace-console", env="VERIFIER_TRACE_CONSOLE", default=_DEFAULTS["trace_console"],
+             help="print trace spans to stdout (OTLP export is set by OTEL_EXPORTER_OTLP_ENDPOINT)")
+    p.switch("--no-cuda-graphs", env="VERIFIER_NO_CUDA_GRAPHS", default=not _DEFAULTS["cuda_graphs"],
+             help="run the verify forward eagerly on CUDA instead of replaying captured CUDA graphs")
     return p
 
 
