@@ -7,6 +7,9 @@ shapes, no host synchronisation until `unpack_accept` copies the small result ba
 """
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
 import torch
@@ -21,6 +24,16 @@ from kernels.tree_sampling import tree_speculative_sampling_target_only, verify_
 # (the test is `coin <= mass`), one of exactly 1 could pick a zero-probability bonus token.
 COIN_MIN = torch.finfo(torch.float32).tiny
 COIN_MAX = 1.0 - 2.0**-24
+
+
+# An optional hook around each step of a request ("forward", "sample", "commit"): called
+# with the step's name, it returns a context manager that wraps the step (a tracing span, a
+# timer). It only observes; results are the same with or without it.
+Stage = Callable[[str], AbstractContextManager]
+
+
+def no_stage(name: str) -> AbstractContextManager:
+    return contextlib.nullcontext()
 
 
 def draw_coins(generator: torch.Generator, num_nodes: int) -> Tensor:

@@ -54,7 +54,7 @@ from torch import Tensor
 
 from common.protocol import SamplingParams
 from common.tree import DraftTree
-from verifier_svc.accept import AcceptResult, accept_step, unpack_accept
+from verifier_svc.accept import AcceptResult, Stage, accept_step, no_stage, unpack_accept
 from verifier_svc.target_model import ForwardOutput, KVCache, TargetModel
 
 log = logging.getLogger(__name__)
@@ -438,7 +438,8 @@ class VerifyGraphs:
         return ForwardOutput(logits=out.logits[:, :n], features=out.features[:, :n])
 
     def verify_accept(self, slot: int, past: int, tree: DraftTree, depths: Tensor, tree_mask: Tensor,
-                      sampling: SamplingParams, coins: Tensor | None = None) -> AcceptResult | None:
+                      sampling: SamplingParams, coins: Tensor | None = None,
+                      stage: Stage = no_stage) -> AcceptResult | None:
         """Forward + accept + feature gather in one replay, or None if no graph fits."""
         mode = "greedy" if sampling.greedy else "sample"
         n = tree.num_nodes
@@ -446,7 +447,9 @@ class VerifyGraphs:
         if shape is None:
             return None
         t, length = shape
-        self._inputs[t].fill(slot, past, tree.tokens, depths, tree_mask, tree.next_token, tree.next_sibling,
-                             sampling, coins)
-        result, features = self._run(mode, t, length)
-        return unpack_accept(result, features)
+        with stage("forward"):
+            self._inputs[t].fill(slot, past, tree.tokens, depths, tree_mask, tree.next_token, tree.next_sibling,
+                                 sampling, coins)
+            result, features = self._run(mode, t, length)
+        with stage("sample"):
+            return unpack_accept(result, features)

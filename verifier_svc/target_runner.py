@@ -13,7 +13,7 @@ import torch
 
 from common.protocol import SamplingParams
 from common.tree import DraftTree
-from verifier_svc.accept import AcceptResult, accept_tree
+from verifier_svc.accept import AcceptResult, Stage, accept_tree, no_stage
 from verifier_svc.cuda_graphs import GraphConfig, VerifyGraphs, cache_length
 from verifier_svc.target_model import ForwardOutput, KVCache, TargetModel
 
@@ -66,20 +66,24 @@ class TargetRunner:
         return self._run(slot, tokens, past + depths, past, tree_mask.to(self.device), None)
 
     def verify_accept(self, slot: int, past: int, tree: DraftTree, depths: torch.Tensor, tree_mask: torch.Tensor,
-                      sampling: SamplingParams, coins: torch.Tensor | None = None) -> AcceptResult:
+                      sampling: SamplingParams, coins: torch.Tensor | None = None,
+                      stage: Stage = no_stage) -> AcceptResult:
         """Forward + accept (greedy, or target-only sampling with `coins` float32 [n + 1]) + the
         features of the accepted path: one graph replay on CUDA, the same steps eagerly otherwise.
 
-        Gives the same path and bonus as `TreeVerifier._accept` on `verify`'s logits.
+        `stage` wraps the steps: "forward" and "sample" eagerly; under a graph, "forward" is the
+        replay (forward and accept kernels together) and "sample" reading the result back.
         """
         if not sampling.greedy and coins is None:
             raise ValueError("sampling needs coins: float32 [num_nodes + 1]")
         if self.graphs is not None:
-            result = self.graphs.verify_accept(slot, past, tree, depths, tree_mask, sampling, coins)
+            result = self.graphs.verify_accept(slot, past, tree, depths, tree_mask, sampling, coins, stage)
             if result is not None:
                 return result
-        out = self.verify(slot, past, tree.tokens, depths, tree_mask)
-        return accept_tree(tree, out.logits[0], out.features[0], sampling, coins)
+        with stage("forward"):
+            out = self.verify(slot, past, tree.tokens, depths, tree_mask)
+        with stage("sample"):
+            return accept_tree(tree, out.logits[0], out.features[0], sampling, coins)
 
     def commit(self, slot: int, past: int, path: torch.Tensor) -> None:
         """Compact the accepted path's K/V (tree node indices, root first) to [past, past+len)."""

@@ -6,28 +6,15 @@ capacity. Errors are `VerifierError`s that carry a gRPC-style status name.
 """
 from __future__ import annotations
 
-import contextlib
 import secrets
-from collections.abc import Callable
-from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
 import torch
 
 from common.protocol import Prefilled, SamplingParams, StatusError, Verified
 from common.tree import DraftTree, TreeError, ancestor_mask, walk_tree
-from verifier_svc.accept import AcceptResult, accept_tree, draw_coins
+from verifier_svc.accept import Stage, accept_tree, draw_coins, no_stage
 from verifier_svc.target_runner import TargetRunner
-
-# An optional hook around each step of a request ("forward", "sample", "commit"): called
-# with the step's name, it returns a context manager that wraps the step (a tracing span, a
-# timer). It only observes; results are the same with or without it.
-Stage = Callable[[str], AbstractContextManager]
-
-
-def no_stage(name: str) -> AbstractContextManager:
-    return contextlib.nullcontext()
-
 
 class VerifierError(StatusError):
     """A request the verifier refuses; `status` names the gRPC status code."""
@@ -96,7 +83,8 @@ class TreeVerifier:
             session.length = len(prompt_ids)
             root_only = DraftTree(prompt[-1:], torch.tensor([-1]), torch.tensor([-1]))
             with stage("sample"):
-                bonus = self._accept(session, root_only, out.logits[0], out.features[0, -1:]).bonus
+                coins = None if sampling.greedy else draw_coins(session.generator, 1)
+                bonus = accept_tree(root_only, out.logits[0], out.features[0, -1:], sampling, coins).bonus
         except Exception:
             self.close(session_id)
             raise
@@ -131,20 +119,13 @@ class TreeVerifier:
                 "INVALID_ARGUMENT",
                 f"tree of {n} nodes does not fit: session holds {session.length} of {self.limits.max_seq_len} tokens",
             )
-        with stage("forward"):
-            mask = ancestor_mask(layout.parents, layout.depths)
-            out = self.runner.verify(session.slot, session.length, tree.tokens, layout.depths, mask)
-        with stage("sample"):
-            result = self._accept(session, tree, out.logits[0], out.features[0])
+        coins = None if session.sampling.greedy else draw_coins(session.generator, n)
+        mask = ancestor_mask(layout.parents, layout.depths)
+        result = self.runner.verify_accept(session.slot, session.length, tree, layout.depths, mask,
+                                           session.sampling, coins, stage=stage)
         with stage("commit"):
             self.runner.commit(session.slot, session.length, result.path)
             session.length += result.path.shape[0]
             session.next_token = result.bonus
         return Verified(accepted_tokens=tree.tokens[result.path[1:]].tolist(), next_token=result.bonus,
                         features=result.features)
-
-    @staticmethod
-    def _accept(session: _Session, tree: DraftTree, logits: torch.Tensor, features: torch.Tensor) -> AcceptResult:
-        """The acceptance kernel on one tree; sampling draws the tree's coins from the session's generator."""
-        coins = None if session.sampling.greedy else draw_coins(session.generator, tree.num_nodes)
-        return accept_tree(tree, logits, features, session.sampling, coins)

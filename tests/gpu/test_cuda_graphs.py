@@ -347,6 +347,19 @@ def test_greedy_equals_ar_on_gpu_float32(tiny_pair):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_sampling_on_gpu_is_seeded(tiny_pair):
+    """Sampled rounds go through the captured accept graph: same seed, same output."""
+    engine = _engine(tiny_pair, torch.float32)
+    config = GenerationConfig(max_new_tokens=40, sampling=SamplingParams(0.9, 30, 0.95, seed=7),
+                              mode=DraftMode("tree", 16))
+    first = engine.generate(PROMPTS[0], config).tokens
+    assert engine.generate(PROMPTS[0], config).tokens == first and len(first) == 40
+    other = GenerationConfig(40, sampling=SamplingParams(0.9, 30, 0.95, seed=8), mode=DraftMode("tree", 16))
+    assert engine.generate(PROMPTS[0], other).tokens != first
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
 def test_greedy_equals_ar_on_gpu_triton_attention(tiny_pair):
     """attention="triton" in the captured graphs (float32): tree decoding == ar with "sdpa"."""
     engine = _engine(tiny_pair, torch.float32)
