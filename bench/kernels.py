@@ -39,6 +39,7 @@ from kernels.tree_sampling import (
     verify_tree_greedy,
     verify_tree_greedy_reference,
 )
+from tests.reference import distinct_sibling_tokens
 
 VOCAB = 151_936
 STAGES = ("sample", "sample-temp", "greedy")
@@ -55,16 +56,7 @@ def random_trees(rng: np.random.Generator, batch: int, nodes: int, vocab: int, d
             parent = int(open_nodes[int(rng.integers(len(open_nodes)))])
             parents.append(parent)
             depths.append(depths[parent] + 1)
-        toks = [int(rng.integers(vocab))]
-        seen: dict[int, set] = {}
-        for i in range(1, nodes):
-            s = seen.setdefault(parents[i], set())
-            t = int(rng.integers(vocab))
-            while t in s:
-                t = int(rng.integers(vocab))
-            s.add(t)
-            toks.append(t)
-        tree = DraftTree.from_parents(toks, parents)
+        tree = DraftTree.from_parents(distinct_sibling_tokens(rng, parents, vocab), parents)
         tokens.append(tree.tokens)
         next_token.append(tree.next_token)
         next_sibling.append(tree.next_sibling)

@@ -4,6 +4,21 @@ from __future__ import annotations
 import torch
 
 
+def distinct_sibling_tokens(rng, parents: list[int], vocab: int) -> list[int]:
+    """Random node tokens for a tree given by `parents`, siblings pairwise distinct
+    (a valid draft tree: duplicate sibling tokens are refused by the verifier)."""
+    tokens = [int(rng.integers(vocab))]
+    used: dict[int, set[int]] = {}
+    for node in range(1, len(parents)):
+        siblings = used.setdefault(parents[node], set())
+        tok = int(rng.integers(vocab))
+        while tok in siblings:
+            tok = int(rng.integers(vocab))
+        siblings.add(tok)
+        tokens.append(tok)
+    return tokens
+
+
 def hf_greedy(target_dir, prompt_ids: list[int], n: int) -> list[int]:
     """Greedy decoding with transformers' own model, recomputing the full sequence each step."""
     from transformers import AutoModelForCausalLM

@@ -210,12 +210,15 @@ def test_health_and_reflection(drafter):
         assert GENERATION_SERVICE in names
 
 
-def test_one_request_is_one_trace(client, spans):
+def test_one_request_is_one_trace(client, spans, verifier_stub):
+    wait_full(verifier_stub)  # requests of earlier tests (cancelled ones too) are over
+    time.sleep(0.2)
     spans.clear()
-    run(client, request(PROMPTS[0], n=10, budget=4))
+    prompt = [7, 8, 9, 10, 11, 12, 13]  # a prompt no other test uses
+    run(client, request(prompt, n=10, budget=4))
     time.sleep(0.2)
     finished = spans.get_finished_spans()
-    roots = [s for s in finished if s.name == "generate"]
+    roots = [s for s in finished if s.name == "generate" and s.attributes.get("prompt.tokens") == len(prompt)]
     assert len(roots) == 1
     trace_id = roots[0].context.trace_id
     mine = [s for s in finished if s.context.trace_id == trace_id]

@@ -20,7 +20,7 @@ from drafter_svc.generate import LocalEngine
 from drafter_svc.session_loop import GenerationConfig
 from kernels.probs import process_probs_reference
 from kernels.tree_sampling import tree_speculative_sampling_target_only_reference, verify_tree_greedy_reference
-from tests.reference import OracleProposer
+from tests.reference import OracleProposer, distinct_sibling_tokens
 from verifier_svc.accept import draw_coins
 from verifier_svc.cuda_graphs import GraphConfig, VerifyGraphs, auto_kv_buckets, cache_length
 from verifier_svc.target_model import TargetModel
@@ -40,16 +40,7 @@ def random_tree(rng: np.random.Generator, n: int, vocab: int, shape: str = "rand
         parents = [-1] + list(range(n - 1))
     else:
         parents = [-1] + [int(rng.integers(max(0, i - 4), i)) for i in range(1, n)]
-    tokens = [int(rng.integers(vocab))]
-    used: dict[int, set[int]] = {}
-    for node in range(1, n):
-        siblings = used.setdefault(parents[node], set())
-        tok = int(rng.integers(vocab))
-        while tok in siblings:
-            tok = int(rng.integers(vocab))
-        siblings.add(tok)
-        tokens.append(tok)
-    return DraftTree.from_parents(tokens, parents)
+    return DraftTree.from_parents(distinct_sibling_tokens(rng, parents, vocab), parents)
 
 
 def layout(tree: DraftTree, vocab: int):
