@@ -10,11 +10,13 @@ target logits [B, T, V] and random trees:
 * sample-temp: the same with temperature only (no top-k / top-p filter)
 * greedy:      argmax + verify_tree_greedy
 
-each with its output buffers allocated and initialised as the verifier does. Times: the
-eager stage (device time), the stage captured in a CUDA graph (device time of a replay),
-and the reference (plain PyTorch; slow, so only where B * T is small and with few
-repetitions). The yardstick is reading the logits once: bytes / read bandwidth measured in
-this run (a sum over a 2 GiB bf16 tensor). Prints a table, writes JSON with --out-json.
+each with its output buffers allocated and initialised as the verifier does, and the same
+stage fused into one operation (kernels/fused_accept.py: tree_accept, which never
+materialises the probabilities). Times: the eager stage (device time), the stage captured
+in a CUDA graph (device time of a replay), and the reference (plain PyTorch; slow, so only
+where B * T is small and with few repetitions). The yardstick is reading the logits once:
+bytes / read bandwidth measured in this run (a sum over a 2 GiB bf16 tensor). Prints a
+table, writes JSON with --out-json.
 """
 from __future__ import annotations
 
@@ -32,6 +34,7 @@ import torch
 
 from bench.bench_timing import device_ms, measure_bandwidth, write_json
 from common.tree import DraftTree
+from kernels.fused_accept import tree_accept
 from kernels.probs import process_probs, process_probs_reference
 from kernels.tree_sampling import (
     tree_speculative_sampling_target_only,
@@ -80,14 +83,18 @@ class Stage:
         self.logits[rows, torch.arange(nodes, device=device)[None], self.candidates.gather(1, parent_rows)] += 8.0
         self.coins = torch.rand(batch, nodes, generator=gen, device=device)
         self.final = torch.rand(batch, generator=gen, device=device)
-        rows_all = batch * nodes
         self.filters = {
             "sample": (0.8, 50, 0.9),
             "sample-temp": (0.8, 0, 1.0),
         }
-        self.filter_tensors = {
-            k: (torch.full((rows_all,), t, device=device), torch.full((rows_all,), kk, dtype=torch.int64, device=device),
-                torch.full((rows_all,), p, device=device)) for k, (t, kk, p) in self.filters.items()}
+        self.filter_tensors = self._filter_tensors(batch * nodes)  # per row of logits (process_probs)
+        self.batch_filters = self._filter_tensors(batch)  # per tree (tree_accept)
+
+    def _filter_tensors(self, n: int) -> dict[str, tuple]:
+        """(temperature, top_k, top_p) of each sampling stage, repeated n times."""
+        dev = self.device
+        return {k: (torch.full((n,), t, device=dev), torch.full((n,), kk, dtype=torch.int64, device=dev),
+                    torch.full((n,), p, device=dev)) for k, (t, kk, p) in self.filters.items()}
 
     def run(self, stage: str, impl: str):
         b, t = self.batch, self.nodes
@@ -95,6 +102,12 @@ class Stage:
         predicts = torch.full((b * t,), -1, dtype=torch.int32, device=dev)
         accept_index = torch.full((b, t), -1, dtype=torch.int32, device=dev)
         accept_num = torch.zeros(b, dtype=torch.int32, device=dev)
+        if impl == "fused":
+            temperature, top_k, top_p = self.batch_filters.get(stage, (None, None, None))
+            tree_accept(self.logits, self.candidates, self.next_token, self.next_sibling, predicts, accept_index,
+                        accept_num, greedy=stage == "greedy", coins=self.coins, final_coins=self.final,
+                        temperature=temperature, top_k=top_k, top_p=top_p, filters=stage == "sample")
+            return predicts, accept_index, accept_num
         tree = (self.candidates, self.retrive_index, self.next_token, self.next_sibling)
         if stage == "greedy":
             fn = verify_tree_greedy if impl == "triton" else verify_tree_greedy_reference
@@ -164,13 +177,18 @@ def main(argv=None) -> dict:
                         row["triton_graph_ms"] = device_ms(replay, device, reps, budget_ms=150)
                     best = row.get("triton_graph_ms", row["triton_ms"])
                     row["over_read"] = best / read_ms
+                    row["fused_ms"] = device_ms(lambda: st.run(stage, "fused"), device, reps, budget_ms=150)
+                    if cuda:
+                        replay = graphed(lambda: st.run(stage, "fused"), device)
+                        row["fused_graph_ms"] = device_ms(replay, device, reps, budget_ms=150)
+                    row["fused_over_read"] = row.get("fused_graph_ms", row["fused_ms"]) / read_ms
                 if batch * nodes <= ref_max_rows:
                     row["reference_ms"] = device_ms(lambda: st.run(stage, "reference"), device, min(reps, 3), warmup=1,
                                                     budget_ms=150)
-                    if triton_ok:  # the two must agree (greedy exactly; sampling up to float rounding)
-                        same = [torch.equal(x.cpu(), y.cpu()) for x, y in
-                                zip(st.run(stage, "triton"), st.run(stage, "reference"))]
-                        row["same_as_reference"] = all(same)
+                    if triton_ok:  # they must agree (greedy exactly; sampling up to float rounding)
+                        want = [x.cpu() for x in st.run(stage, "reference")]
+                        for impl, key in (("triton", "same_as_reference"), ("fused", "fused_same")):
+                            row[key] = all(torch.equal(x.cpu(), y) for x, y in zip(st.run(stage, impl), want))
                 res["rows"].append(row)
                 write_json(a.out_json, res)  # keep what is done even if the run is cut short
                 print("  " + "  ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
@@ -183,12 +201,15 @@ def main(argv=None) -> dict:
 
 def print_table(res: dict) -> None:
     print(f"\nsampling + accept stage, vocab {res['vocab']} ({res['device']}); ms; read-once = logits bytes / "
-          f"{res['read_TBps']:.2f} TB/s; x-read = best Triton time / read-once")
-    head = ("batch", "tokens", "stage", "MB", "read-once", "triton", "graph", "x-read", "reference", "same")
+          f"{res['read_TBps']:.2f} TB/s; x-read = best time / read-once; fused = kernels/fused_accept.py")
+    head = ("batch", "tokens", "stage", "MB", "read-once", "triton", "graph", "x-read", "fused", "fused-graph",
+            "fused-x-read", "reference", "same", "fused-same")
     print(" ".join(f"{h:>11}" for h in head))
     for r in res["rows"]:
         vals = (r["batch"], r["tokens"], r["stage"], r["logits_MB"], r["read_once_ms"], r.get("triton_ms"),
-                r.get("triton_graph_ms"), r.get("over_read"), r.get("reference_ms"), r.get("same_as_reference", "-"))
+                r.get("triton_graph_ms"), r.get("over_read"), r.get("fused_ms"), r.get("fused_graph_ms"),
+                r.get("fused_over_read"), r.get("reference_ms"), r.get("same_as_reference", "-"),
+                r.get("fused_same", "-"))
         print(" ".join(f"{'-':>11}" if v is None else f"{v:11.4f}" if isinstance(v, float) else f"{str(v):>11}"
                        for v in vals))
 

@@ -2,13 +2,15 @@
 
     PYTHONPATH=. python bench/round.py [--modes ar,chain,8,16,32,64] [--rounds 32] [--out-json round.json]
     PYTHONPATH=. python bench/round.py --small          # toy sizes, runs on CPU too
+    PYTHONPATH=. python bench/round.py --no-draft-graphs  # the draft step eagerly (compare)
 
 The verifier runs in its own process (`verifier_svc.server.serve` with a TreeVerifier built
 in memory: a random-weight TargetModel at Qwen3-8B dimensions, CUDA graphs as the server
 uses them), with an in-memory span exporter. This process is the drafter: a random-weight
 DFlash draft of the published Qwen3-8B shape (5 layers, block 16, hidden 4096, target layers
 1, 9, 17, 25, 33) in a `DecodeSession` over a `GrpcVerifierLink`, i.e. the drafter service's
-own loop. Nothing is written to disk.
+own loop, its draft step replaying CUDA graphs as the drafter service does (eager with
+--no-draft-graphs; bench/draft_step.py times the draft step alone). Nothing is written to disk.
 
 Per round (medians over the rounds of one generation, after a warm-up generation):
 draft forward (synchronised), tree build, tree encode, the gRPC exchange, and inside it the
@@ -40,6 +42,7 @@ from common.layers import RotaryEmbedding
 from common.protocol import SamplingParams, Verified
 from common.rpc import pb, pb_grpc
 from common.wire import encode_tree
+from drafter_svc.draft_graphs import DraftGraphConfig
 from drafter_svc.draft_model import DFlashDraftModel
 from drafter_svc.drafter import DFlashProposer, DraftMode
 from drafter_svc.session_loop import DecodeSession, GenerationConfig
@@ -160,7 +163,9 @@ class TimedLink(GrpcVerifierLink):
         return out
 
 
-def random_proposer(small: bool, device, dtype, max_seq_len: int) -> DFlashProposer:
+def random_proposer(small: bool, device, dtype, max_seq_len: int, cuda_graphs: bool = True,
+                    cls: type[DFlashProposer] = SyncedProposer) -> DFlashProposer:
+    """A random-weight draft of the bench's shape with the target's embedding and head (one context slot)."""
     target = qwen3_8b_config(small)
     cfg = draft_config(small, target)
     with torch.device("meta"):
@@ -171,7 +176,7 @@ def random_proposer(small: bool, device, dtype, max_seq_len: int) -> DFlashPropo
     gen = torch.Generator(device=device).manual_seed(2)
     embed = torch.empty(target.vocab_size, target.hidden_size, device=device, dtype=dtype).normal_(0, 0.02, generator=gen)
     head = torch.empty_like(embed).normal_(0, 0.02, generator=gen)
-    return SyncedProposer(draft, embed, head, max_seq_len)
+    return cls(draft, embed, head, max_seq_len, cuda_graphs, DraftGraphConfig(slots=1))
 
 
 def parse_mode(text: str) -> DraftMode:
@@ -249,6 +254,7 @@ def main(argv=None) -> dict:
     p.add_argument("--prompt-len", type=int, default=None, help="prompt tokens (default 512; 32 with --small)")
     p.add_argument("--max-seq-len", type=int, default=2048)
     p.add_argument("--no-cuda-graphs", action="store_true", help="verifier without CUDA graphs")
+    p.add_argument("--no-draft-graphs", action="store_true", help="draft step without CUDA graphs")
     p.add_argument("--out-json", help="write the results here")
     a = p.parse_args(argv)
 
@@ -270,7 +276,8 @@ def main(argv=None) -> dict:
                  "torch": torch.__version__, "dtype": str(dtype).removeprefix("torch."), "prompt_len": prompt_len,
                  "rounds": rounds, "cuda_graphs": not a.no_cuda_graphs, "modes": []}
     try:
-        proposer = random_proposer(a.small, device, dtype, max_seq)
+        proposer = random_proposer(a.small, device, dtype, max_seq, not a.no_draft_graphs)
+        res["draft_graphs"] = proposer.graphs.num_graphs if proposer.graphs is not None else 0
         if not parent.poll(900):
             raise RuntimeError("the verifier did not start")
         info = parent.recv()
@@ -314,7 +321,8 @@ def main(argv=None) -> dict:
 
 def print_table(res: dict) -> None:
     print(f"\nround split, medians in ms ({res['device']}, {res['dtype']}, prompt {res['prompt_len']}, "
-          f"CUDA graphs {'on' if res['cuda_graphs'] else 'off'}); overhead = round - (draft + verify forward)")
+          f"verifier CUDA graphs {'on' if res['cuda_graphs'] else 'off'}, draft CUDA graphs "
+          f"{'on' if res.get('draft_graphs') else 'off'}); overhead = round - (draft + verify forward)")
     cols = [("mode", "mode"), ("nodes", "tree_nodes"), ("acc", "accepted_per_round"), ("round", "round_ms"),
             ("draft", "draft_ms"), ("build", "tree_build_ms"), ("encode", "encode_ms"), ("network", "network_ms"),
             ("forward", "forward_ms"), ("sample", "sample_ms"), ("commit", "commit_ms"),

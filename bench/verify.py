@@ -43,7 +43,8 @@ from common.protocol import SamplingParams
 from common.layers import RotaryEmbedding
 from common.tree import ancestor_mask, walk_tree
 from drafter_svc.ddtree import build_ddtree
-from verifier_svc.cuda_graphs import GraphConfig, VerifyGraphs, auto_kv_buckets, cache_length
+from common.buckets import auto_kv_buckets
+from verifier_svc.cuda_graphs import GraphConfig, VerifyGraphs, cache_length
 from verifier_svc.target_model import TargetModel
 from verifier_svc.target_runner import TargetRunner
 
@@ -151,7 +152,7 @@ def attention_variants(cfg: TargetConfig, tokens: int, kv_len: int, past: int, d
     cache = torch.randn(2, 4, kvh, kv_len + 256, d, device=device, dtype=dtype)  # [K/V, slots, heads, len, D]
     slots = torch.tensor([1], device=device)
 
-    from verifier_svc.cuda_graphs import slot_attention
+    from kernels.slot_attention import slot_attention
 
     variants = {
         "gqa_bool": lambda m=mask: F.scaled_dot_product_attention(q, k, v, attn_mask=m, enable_gqa=True),

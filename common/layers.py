@@ -18,10 +18,15 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return rms_norm(x, self.weight, self.eps)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' RMSNorm: normalise in float32, round back, then scale."""
+    dtype = x.dtype
+    x = x.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x.to(dtype)
 
 
 class RotaryEmbedding(nn.Module):
@@ -52,9 +57,30 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
         self.up_proj = nn.Linear(hidden, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.gate_up_weight: torch.Tensor | None = None
+
+    def fuse_weights(self) -> None:
+        """One [2 * intermediate, hidden] weight for gate and up (one GEMM instead of two);
+        gate_proj / up_proj keep views of it, so state dicts are unchanged."""
+        if self.gate_up_weight is None:
+            self.gate_up_weight = _fuse_linears(self.gate_proj, self.up_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up_weight is None:
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = F.linear(x, self.gate_up_weight).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+def _fuse_linears(*linears: nn.Linear) -> torch.Tensor:
+    """Concatenate bias-free Linear weights along the output dim; each Linear keeps a view."""
+    fused = torch.cat([lin.weight.detach() for lin in linears], dim=0)
+    start = 0
+    for lin in linears:
+        rows = lin.weight.shape[0]
+        lin.weight = nn.Parameter(fused[start:start + rows], requires_grad=False)
+        start += rows
+    return fused
 
 
 class AttentionProjections(nn.Module):
@@ -72,6 +98,18 @@ class AttentionProjections(nn.Module):
             self.k_norm = RMSNorm(head_dim, eps)
         else:
             self.q_norm = self.k_norm = None
+        self.qkv_weight: torch.Tensor | None = None
+
+    def fuse_weights(self) -> None:
+        """One [(heads + 2 kv_heads) * D, hidden] weight for q, k, v (see `MLP.fuse_weights`)."""
+        if self.qkv_weight is None:
+            self.qkv_weight = _fuse_linears(self.q_proj, self.k_proj, self.v_proj)
+
+    def qkv(self, x: torch.Tensor) -> torch.Tensor:
+        """The raw q, k, v projections side by side: [B, T, (heads + 2 kv_heads) * D]."""
+        if self.qkv_weight is None:
+            return torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
+        return F.linear(x, self.qkv_weight)
 
     def query(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """[B, T, hidden] -> rotated queries [B, heads, T, D]."""
@@ -90,6 +128,7 @@ class AttentionProjections(nn.Module):
         return apply_rope(k.transpose(1, 2), cos, sin), v.transpose(1, 2)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-        """SDPA with grouped KV heads; mask is bool [B, 1, Tq, Tk] (True = visible) or None."""
+        """SDPA with grouped KV heads; mask [B, 1, Tq, Tk] is bool (True = visible), additive
+        (0 or -inf, in q's dtype), or None."""
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.num_heads != self.num_kv_heads)
         return self.o_proj(out.transpose(1, 2).reshape(q.shape[0], q.shape[2], -1))

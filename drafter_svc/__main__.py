@@ -52,6 +52,8 @@ def parse_args(argv=None) -> DrafterConfig:
                 f"(default {d.queue_timeout_s:.0f})")
     p.switch("--trace-console", env="DRAFTER_TRACE_CONSOLE", default=d.trace_console,
              help="also print spans to stdout")
+    p.switch("--no-cuda-graphs", env="DRAFTER_NO_CUDA_GRAPHS", default=not d.cuda_graphs,
+             help="run the draft step eagerly on CUDA instead of replaying captured CUDA graphs")
     a = p.parse_args(argv)
     if not a.draft or not a.target:
         fail("--draft and --target are required (or DRAFT_DIR and TARGET_DIR)")
@@ -61,7 +63,7 @@ def parse_args(argv=None) -> DrafterConfig:
                          device=a.device, dtype=a.dtype, tree_budget=a.tree_budget, chain=a.chain,
                          max_new_tokens=a.max_new_tokens, max_concurrent=a.max_concurrent,
                          verifier_wait_s=a.verifier_wait, queue_timeout_s=a.queue_timeout,
-                         trace_console=a.trace_console)
+                         trace_console=a.trace_console, cuda_graphs=not a.no_cuda_graphs)
 
 
 async def run(cfg: DrafterConfig) -> None:

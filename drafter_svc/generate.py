@@ -18,6 +18,7 @@ from common.checkpoint import load_tokenizer
 from common.cli import FlagParser, fail
 from common.config import CheckpointError, load_draft_config
 from common.protocol import SamplingParams
+from drafter_svc.draft_graphs import DraftGraphConfig
 from drafter_svc.drafter import DFlashProposer, DraftMode
 from drafter_svc.session_loop import GenerationConfig, GenerationResult, LocalVerifierLink, generate
 from verifier_svc.target_model import TargetModel
@@ -39,14 +40,16 @@ class LocalEngine:
 
     @classmethod
     def load(cls, target_dir: str, draft_dir: str | None, device: str = "cpu", dtype: torch.dtype | None = None,
-             limits: VerifierLimits = VerifierLimits()) -> "LocalEngine":
+             limits: VerifierLimits = VerifierLimits(), cuda_graphs: bool = True) -> "LocalEngine":
+        """`cuda_graphs` (on CUDA): replay captured graphs for the draft step and the verify forward."""
         dtype = dtype or default_dtype(device)
         layer_ids = load_draft_config(draft_dir).target_layer_ids if draft_dir else ()
         proposer = None
         if draft_dir:
-            proposer = DFlashProposer.from_pretrained(draft_dir, target_dir, device, dtype, limits.max_seq_len)
+            proposer = DFlashProposer.from_pretrained(draft_dir, target_dir, device, dtype, limits.max_seq_len,
+                                                      cuda_graphs, DraftGraphConfig(slots=limits.max_sessions))
         model = TargetModel.from_pretrained(target_dir, layer_ids, device=device, dtype=dtype)
-        runner = TargetRunner(model, limits.max_sessions, limits.max_seq_len)
+        runner = TargetRunner(model, limits.max_sessions, limits.max_seq_len, cuda_graphs=cuda_graphs)
         return cls(TreeVerifier(runner, limits), proposer, load_tokenizer(target_dir), model.cfg.eos_token_ids)
 
     def generate(self, prompt_ids: list[int], config: GenerationConfig) -> GenerationResult:
@@ -92,6 +95,8 @@ def build_parser() -> FlagParser:
     mode.add_argument("--ar", action="store_true", help="plain target autoregressive decoding (baseline)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="torch device")
     p.add_argument("--max-seq-len", type=int, default=2048, help="KV capacity of the session in tokens")
+    p.add_argument("--no-cuda-graphs", action="store_true",
+                   help="run the draft step and the verify forward eagerly on CUDA (no captured CUDA graphs)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text + stats")
     return p
 
@@ -114,7 +119,8 @@ def main(argv: list[str] | None = None) -> None:
         fail(f"--max-seq-len must be >= 2, got {a.max_seq_len}")
     try:
         engine = LocalEngine.load(a.target, a.draft if mode.kind != "ar" else None, a.device,
-                                  limits=VerifierLimits(max_sessions=1, max_seq_len=a.max_seq_len))
+                                  limits=VerifierLimits(max_sessions=1, max_seq_len=a.max_seq_len),
+                                  cuda_graphs=not a.no_cuda_graphs)
     except CheckpointError as exc:
         fail(str(exc))
     prompt_ids = parse_prompt_ids(a.prompt_ids) if a.prompt_ids is not None else engine.tokenizer.encode(a.prompt).ids

@@ -22,6 +22,7 @@ from common.grpc_server import start_grpc_server
 from common.protocol import StatusError
 from common.rpc import GENERATION_SERVICE, pb, pb_grpc
 from common.wire import decode_sampling
+from drafter_svc.draft_graphs import DraftGraphConfig
 from drafter_svc.drafter import DFlashProposer, DraftMode
 from drafter_svc.session_loop import DecodeSession, GenerationConfig, GenerationResult
 from drafter_svc.text_stream import TextStream
@@ -47,6 +48,7 @@ class DrafterConfig:
     verifier_wait_s: float = 60.0    # how long start-up waits for the verifier
     queue_timeout_s: float = 30.0    # how long a request waits for a free verifier slot
     trace_console: bool = False
+    cuda_graphs: bool = True         # on CUDA, replay captured graphs for the draft step (False = eager)
 
 
 @dataclass
@@ -86,8 +88,10 @@ class DrafterEngine:
                     raise StatusError("UNAVAILABLE", f"verifier at {cfg.verifier} did not answer within "
                                                      f"{cfg.verifier_wait_s:.0f} s: {status_error(exc).message}")
         check_verifier(info, target_cfg, draft_cfg)
+        # One context slot per session that can be drafting at once: the verifier admits no more.
+        slots = max(1, min(info.max_sessions, cfg.max_concurrent))
         proposer = DFlashProposer.from_pretrained(cfg.draft_dir, cfg.target_dir, cfg.device, torch_dtype,
-                                                  info.max_seq_len)
+                                                  info.max_seq_len, cfg.cuda_graphs, DraftGraphConfig(slots=slots))
         return cls(cfg, proposer, tokenizer, channel, info, target_cfg.eos_token_ids)
 
     def parse(self, request: pb.GenerateRequest) -> _Request:

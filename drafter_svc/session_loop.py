@@ -1,7 +1,9 @@
 """One generation, round by round, against any verifier link.
 
 The loop is the same whether the verifier lives in this process (`LocalVerifierLink`) or
-behind a gRPC stream: open -> (draft, build tree, verify) per round -> close. It yields a
+behind a gRPC stream: open -> (draft, build tree, verify) per round -> close. However the
+loop ends (done, error, or the caller dropping it), the link is closed and the proposer's
+session state finished (a draft context slot goes back to its pool). It yields a
 `RoundUpdate` per round so servers can stream tokens as they are accepted.
 """
 from __future__ import annotations
@@ -90,6 +92,7 @@ class DecodeSession:
         self.link, self.proposer, self.prompt_ids, self.config = link, proposer, list(prompt_ids), config
         self.stop_ids = frozenset(config.stop_token_ids) | frozenset(eos_token_ids)
         self.result = GenerationResult()
+        self._draft_state: object | None = None  # the proposer's per-session state, finished at the end
 
     def _emit(self, tokens: list[int]) -> list[int]:
         """Append tokens up to the first stop token or the length limit; sets finish_reason."""
@@ -120,6 +123,9 @@ class DecodeSession:
             raise
         finally:
             self.result.elapsed_s = time.perf_counter() - start
+            if self._draft_state is not None:
+                state, self._draft_state = self._draft_state, None
+                self.proposer.finish(state)
             self.link.close()
             root.set_attributes({"completion.tokens": len(self.result.tokens), "rounds": self.result.rounds,
                                  "mean_acceptance": self.result.mean_acceptance,
@@ -135,7 +141,7 @@ class DecodeSession:
         root = prefilled.token
         yield RoundUpdate(0, self._emit([root]))
         use_draft = cfg.mode.kind == "chain" or (cfg.mode.kind == "tree" and cfg.mode.budget > 0)
-        state = self.proposer.start(self.prompt_ids, prefilled.features) if use_draft else None
+        state = self._draft_state = self.proposer.start(self.prompt_ids, prefilled.features) if use_draft else None
         new_tokens, new_features = [root], prefilled.features[:0]
         r = 0
         while not self.result.finish_reason:

@@ -47,6 +47,9 @@ class OracleProposer:
     def start(self, prompt_ids, features):
         return list(prompt_ids)
 
+    def finish(self, state):
+        pass
+
     def _continuation(self, ids: list[int], n: int) -> list[int]:
         from verifier_svc.target_model import KVCache
 

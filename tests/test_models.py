@@ -20,12 +20,17 @@ def _causal_forward(model, ids):
         return model(torch.tensor([ids]), pos, cache, torch.tensor([1]), pos, mask)
 
 
-def test_target_matches_transformers(tiny_pair):
+@pytest.mark.parametrize("fast", [False, True], ids=["plain", "fused-weights-triton"])
+def test_target_matches_transformers(tiny_pair, fast, monkeypatch):
+    """Also with the serving fast path: fused q/k/v and gate/up weights, Triton norm/RoPE kernels."""
     from transformers import AutoModelForCausalLM
 
     target_dir, draft_dir = tiny_pair
     layer_ids = load_draft_config(draft_dir).target_layer_ids
     ours = TargetModel.from_pretrained(target_dir, layer_ids)
+    if fast:
+        ours.fuse_weights()
+        monkeypatch.setenv("DDTREE_KERNELS", "triton")
     hf = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).eval()
     ids = torch.randint(0, ours.cfg.vocab_size, (37,), generator=torch.Generator().manual_seed(0)).tolist()
     out = _causal_forward(ours, ids)

@@ -1,7 +1,9 @@
 """The accept step of a verified tree: run the tree-acceptance kernel on the target's logits.
 
-Greedy: argmax + `verify_tree_greedy`. Sampling: the probability step (`process_probs`) +
-`tree_speculative_sampling_target_only` with one coin per node and a final coin. The same
+Greedy: argmax + `verify_tree_greedy`. Sampling: the probability step (temperature, top-k,
+top-p) + `tree_speculative_sampling_target_only` with one coin per node and a final coin.
+Both through `kernels.fused_accept.tree_accept`, which on the GPU reads the logits in their
+own dtype and never materialises the probabilities. The same
 code runs eagerly (CPU, or GPU without graphs) and inside the verifier's CUDA graphs: static
 shapes, no host synchronisation until `unpack_accept` copies the small result back.
 """
@@ -17,8 +19,7 @@ from torch import Tensor
 
 from common.protocol import SamplingParams
 from common.tree import DraftTree
-from kernels.probs import process_probs
-from kernels.tree_sampling import tree_speculative_sampling_target_only, verify_tree_greedy
+from kernels.fused_accept import tree_accept
 
 # Coins are kept inside (0, 1): a coin of exactly 0 would accept a zero-probability child
 # (the test is `coin <= mass`), one of exactly 1 could pick a zero-probability bonus token.
@@ -66,17 +67,13 @@ def accept_step(mode: str, tokens: Tensor, next_token: Tensor, next_sibling: Ten
     predicts = torch.full((t,), -1, dtype=torch.int32, device=device)
     accept_index = torch.full((1, t), -1, dtype=torch.int32, device=device)
     accept_num = torch.zeros(1, dtype=torch.int32, device=device)
-    retrive_index = torch.arange(t, device=device)[None]
-    tree = (tokens[None], retrive_index, next_token[None], next_sibling[None])
-    if mode == "greedy":
-        verify_tree_greedy(predicts, accept_index, accept_num, *tree, logits.argmax(-1)[None])
-    elif mode == "sample":
-        probs = process_probs(logits, temperature.expand(t).contiguous(), top_k.expand(t).contiguous(),
-                              top_p.expand(t).contiguous())
-        tree_speculative_sampling_target_only(predicts, accept_index, accept_num, *tree, coins[None], final_coin,
-                                              probs[None], torch.zeros_like(probs)[None])
-    else:
+    if mode not in ("greedy", "sample"):
         raise ValueError(f"unknown accept mode {mode!r}")
+    extra = {}
+    if mode == "sample":
+        extra = dict(coins=coins[None], final_coins=final_coin, temperature=temperature, top_k=top_k, top_p=top_p)
+    tree_accept(logits[None], tokens[None], next_token[None], next_sibling[None], predicts, accept_index, accept_num,
+                greedy=mode == "greedy", **extra)
     num = accept_num.long()
     path = accept_index[0].long()
     bonus = predicts.long().gather(0, path.gather(0, num))

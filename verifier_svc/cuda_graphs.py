@@ -19,11 +19,12 @@ pass), so on CUDA the runner captures it once per shape and replays it every rou
   past, slot, top-k), one float32 buffer (coins, temperature, top-p) and the [T, T] tree
   mask, each filled from a pinned host copy with one asynchronous copy. Cache positions and
   the [T, L] attention mask are computed from them inside the graph.
-* **Modes.** "forward" replays the target forward only (logits and features of all T rows;
-  the caller slices the first n). "greedy" and "sample" replay forward + accept in one graph:
-  argmax + `verify_tree_greedy`, or `process_probs` + `tree_speculative_sampling_target_only`,
-  then the bonus-token lookup and the gather of the accepted rows' features; one small
-  device-to-host copy returns [accepted count, bonus, accepted path].
+* **Modes.** "greedy" and "sample" (the default, what a verifier's rounds use) replay forward
+  + accept in one graph: `kernels.fused_accept.tree_accept` (greedy, or sampling with
+  temperature / top-k / top-p), then the bonus-token lookup and the gather of the accepted
+  rows' features; one small device-to-host copy returns [accepted count, bonus, accepted
+  path]. "forward" replays the target forward only (logits and features of all T rows; the
+  caller slices the first n): benchmarks and tests use it.
 
 Graphs are captured once, at start-up (`VerifyGraphs.capture_all`, called by the
 constructor on CUDA), after the warm-up runs that PyTorch requires on a side stream. The
@@ -35,24 +36,21 @@ graph: use them (or copy them) before the next verify.
 With `capture=False` (any device, CPU included) the same static-shape code runs eagerly;
 the tests use that to check the padding logic without a GPU.
 
-`slot_attention` (used when `TargetModel.attention == "triton"`, opt-in) is an attention
-kernel for this path: it reads K/V of the session's slot in place instead of gathering them,
-so the slot stays data in the captured graph. On an H200 it is break-even with the default
-SDPA path so far (bench/RESULTS.md); a split-KV version is the next step.
+The attention inside the graphs is `kernels.slot_attention` on CUDA (see `TargetModel.attention`):
+it reads the session's cache slot in place, so the slot is data in the captured graph.
 """
 from __future__ import annotations
 
 import logging
-import math
 import time
 from dataclasses import dataclass
 
 import torch
-import triton
-import triton.language as tl
 from torch import Tensor
 
+from common.buckets import KV_ALIGN, auto_kv_buckets, round_up
 from common.protocol import SamplingParams
+from common.staging import StagedInputs
 from common.tree import DraftTree
 from verifier_svc.accept import AcceptResult, Stage, accept_step, no_stage, unpack_accept
 from verifier_svc.target_model import ForwardOutput, KVCache, TargetModel
@@ -61,12 +59,6 @@ log = logging.getLogger(__name__)
 
 DEFAULT_TREE_BUCKETS = (8, 16, 32, 64, 128)
 MODES = ("forward", "greedy", "sample")
-KV_ALIGN = 128  # static KV lengths are multiples of this (aligned masks for the attention kernels)
-MIN_KV_BUCKET = 256
-
-
-def _round_up(value: int, multiple: int) -> int:
-    return -(-value // multiple) * multiple
 
 
 @dataclass(frozen=True)
@@ -75,7 +67,8 @@ class GraphConfig:
 
     tree_buckets: tuple[int, ...] = DEFAULT_TREE_BUCKETS  # drafted nodes N; a bucket forwards 1 + N tokens
     kv_buckets: tuple[int, ...] | None = None  # static KV lengths; None = auto_kv_buckets(cache length)
-    modes: tuple[str, ...] = ("forward",)  # "forward", "greedy", "sample" (see the module doc)
+    # "forward", "greedy", "sample" (see the module doc); a verifier's rounds use the last two.
+    modes: tuple[str, ...] = ("greedy", "sample")
     max_kv_buckets: int = 8  # for the automatic ladder
     warmup_iters: int = 2
 
@@ -101,20 +94,7 @@ class GraphConfig:
 
 def cache_length(max_seq_len: int, config: GraphConfig) -> int:
     """KV positions per slot when graphs are used: room for the largest padded tree."""
-    return _round_up(max_seq_len + config.headroom(), KV_ALIGN)
-
-
-def auto_kv_buckets(cache_len: int, max_buckets: int = 8) -> tuple[int, ...]:
-    """A geometric ladder (ratio sqrt 2) of static KV lengths, from cache_len down to 256."""
-    buckets = {cache_len}
-    k = 1
-    while len(buckets) < max_buckets:
-        length = _round_up(math.ceil(cache_len / 2 ** (k / 2)), KV_ALIGN)
-        if length < MIN_KV_BUCKET:
-            break
-        buckets.add(length)
-        k += 1
-    return tuple(sorted(buckets))
+    return round_up(max_seq_len + config.headroom(), KV_ALIGN)
 
 
 class _Inputs:
@@ -123,20 +103,11 @@ class _Inputs:
     def __init__(self, tokens: int, device: torch.device, pinned: bool):
         t = self.T = tokens
         self.device = device
-        self.ints = torch.zeros(4 * t + 3, dtype=torch.int64, device=device)
-        self.floats = torch.zeros(t + 3, dtype=torch.float32, device=device)
-        self.tree_mask = torch.zeros(t, t, dtype=torch.bool, device=device)
+        self._staging = StagedInputs(device, pinned)
+        self.ints, self._host_ints = self._staging.buffer(4 * t + 3, dtype=torch.int64)
+        self.floats, self._host_floats = self._staging.buffer(t + 3, dtype=torch.float32)
+        self.tree_mask, self._host_mask = self._staging.buffer(t, t, dtype=torch.bool)
         self.arange = torch.arange(t, device=device)
-        on_host = device.type == "cpu"
-
-        def staging(buffer: Tensor) -> Tensor:
-            if on_host:
-                return buffer  # no copy needed: fill the static buffer itself
-            host = torch.zeros_like(buffer, device="cpu")
-            return host.pin_memory() if pinned else host
-
-        self._host_ints, self._host_floats, self._host_mask = map(staging, (self.ints, self.floats, self.tree_mask))
-        self._copied = torch.cuda.Event() if device.type == "cuda" else None
         self._eye = torch.eye(t, dtype=torch.bool)
 
     # Views of the device buffers (what the graphs read).
@@ -189,8 +160,7 @@ class _Inputs:
              sampling: SamplingParams | None = None, coins: Tensor | None = None) -> None:
         """Stage one tree (n <= T nodes) and copy it to the device buffers (asynchronously)."""
         t, n = self.T, tokens.shape[0]
-        if self._copied is not None:
-            self._copied.synchronize()  # the previous round's copy has read the staging buffers
+        self._staging.begin()
         ints, floats, mask = self._host_ints, self._host_floats, self._host_mask
         ints.zero_()
         ints[:n] = tokens
@@ -215,11 +185,7 @@ class _Inputs:
         if coins is not None:
             floats[:n] = coins[:n]
             floats[t] = coins[n]
-        if self._copied is not None:
-            self.ints.copy_(ints, non_blocking=True)
-            self.floats.copy_(floats, non_blocking=True)
-            self.tree_mask.copy_(mask, non_blocking=True)
-            self._copied.record()
+        self._staging.commit()
 
     def fill_dummy(self) -> None:
         """A valid tree for warm-up and capture: a chain of T token-0 nodes in slot 0 at past 0."""
@@ -230,96 +196,6 @@ class _Inputs:
         self.fill(0, 0, torch.zeros(t, dtype=torch.int64), parents + 1, chain, next_token,
                   torch.full((t,), -1), SamplingParams(temperature=1.0, top_k=0, top_p=1.0),
                   torch.full((t + 1,), 0.5))
-
-
-# ---------------------------------------------------------------------------------------
-# Slot attention: the graph-friendly attention (TargetModel.attention = "triton").
-# ---------------------------------------------------------------------------------------
-
-
-@triton.jit
-def _slot_attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, mask_ptr, slots_ptr, sm_scale, T, L, GROUP,
-                           s_qb, s_qh, s_qt, s_cs, s_ch, s_cl, s_mb, s_mt, s_ob, s_ot, s_oh,
-                           D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
-    """One program per (KV head, block of GROUP * T query rows, batch row): online softmax over the
-    slot's first L cache positions, skipping key blocks that no row of the block may see."""
-    kvh = tl.program_id(0)
-    b = tl.program_id(2)
-    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-    valid = rows < GROUP * T
-    t = rows % T
-    head = kvh * GROUP + rows // T
-    d = tl.arange(0, D)
-    q = tl.load(q_ptr + b * s_qb + head[:, None] * s_qh + t[:, None] * s_qt + d[None, :], mask=valid[:, None],
-                other=0.0)
-    slot = tl.load(slots_ptr + b).to(tl.int64)
-    k_base = k_ptr + slot * s_cs + kvh * s_ch
-    v_base = v_ptr + slot * s_cs + kvh * s_ch
-    mask_rows = mask_ptr + b * s_mb + t * s_mt
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, D], tl.float32)
-    for start in range(0, L, BLOCK_N):
-        cols = start + tl.arange(0, BLOCK_N)
-        inside = cols < L
-        visible = tl.load(mask_rows[:, None] + cols[None, :], mask=valid[:, None] & inside[None, :], other=0) != 0
-        if tl.max(visible.to(tl.int32)) > 0:
-            k = tl.load(k_base + cols[:, None] * s_cl + d[None, :], mask=inside[:, None], other=0.0)
-            if IEEE:  # float32 products (also the interpreter's only working path)
-                scores = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
-            else:
-                scores = tl.dot(q, tl.trans(k))
-            scores = tl.where(visible, scores * sm_scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(scores, 1))
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.exp(scores - m_use[:, None])
-            alpha = tl.exp(m_i - m_use)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(v_base + cols[:, None] * s_cl + d[None, :], mask=inside[:, None], other=0.0)
-            if IEEE:
-                acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
-            else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m_i = m_new
-    out = acc / tl.where(valid, l_i, 1.0)[:, None]
-    tl.store(o_ptr + b * s_ob + t[:, None] * s_ot + head[:, None] * s_oh + d[None, :],
-             out.to(o_ptr.dtype.element_ty), mask=valid[:, None])
-
-
-def slot_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, mask: Tensor,
-                   float32_products: bool | None = None) -> Tensor:
-    """Masked GQA attention that reads K/V straight from the cache slots (no gather, no mask copy).
-
-    q [B, H, T, D] (rotated queries); k_cache / v_cache [slots, KVH, max_len, D] (one layer of
-    KVCache.k / .v, already holding this pass's keys); slots [B]; mask bool [B, T, L] (True =
-    visible, L <= max_len). Returns [B, T, H, D], the layout o_proj wants. Same result as
-    SDPA over `KVCache.read` with that mask; in one launch that takes no host sync, so it
-    captures in CUDA graphs with the slot as data. Triton (CUDA, or the interpreter).
-    float32_products: multiply in float32 (default: for float32 inputs only; bf16/fp16 inputs
-    use the tensor cores' native products with float32 accumulation, as flash attention does).
-    """
-    b, h, t, d = q.shape
-    kvh, length = k_cache.shape[1], mask.shape[-1]
-    if q.stride(-1) != 1:
-        q = q.contiguous()
-    if mask.stride(-1) != 1 or mask.dtype != torch.bool:
-        mask = mask.to(torch.bool).contiguous()
-    if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1:
-        raise ValueError("k_cache and v_cache need the same strides, last dimension contiguous")
-    if d < 16 or d & (d - 1):
-        raise ValueError(f"head_dim must be a power of two >= 16, got {d}")
-    group = h // kvh
-    out = torch.empty(b, t, h, d, dtype=q.dtype, device=q.device)
-    block_m = 64 if group * t > 32 else 16
-    grid = (kvh, triton.cdiv(group * t, block_m), b)
-    mask_u8 = mask.view(torch.uint8)
-    _slot_attention_kernel[grid](
-        q, k_cache, v_cache, out, mask_u8, slots, 1.0 / math.sqrt(d), t, length, group,
-        q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        mask_u8.stride(0), mask_u8.stride(1), out.stride(0), out.stride(1), out.stride(2),
-        D=d, BLOCK_M=block_m, BLOCK_N=64,
-        IEEE=q.dtype == torch.float32 if float32_products is None else float32_products)
-    return out
 
 
 class VerifyGraphs:

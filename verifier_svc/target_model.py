@@ -16,6 +16,8 @@ from torch import nn
 from common.checkpoint import load_tensors
 from common.config import TargetConfig, load_target_config
 from common.layers import MLP, AttentionProjections, RMSNorm, RotaryEmbedding
+from kernels.norm_rope import add_rms_norm, qk_norm_rope_store
+from kernels.slot_attention import slot_attention
 
 
 class KVCache:
@@ -26,12 +28,6 @@ class KVCache:
         self.k = torch.zeros(shape, device=device, dtype=dtype)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
         self.num_slots, self.max_seq_len = num_slots, max_seq_len
-
-    def write(self, layer: int, slots: torch.Tensor, cache_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-        """Store k/v [B, kv_heads, T, D] at cache_pos [B, T] of each batch row's slot."""
-        rows = slots[:, None].expand_as(cache_pos)
-        self.k[layer][rows, :, cache_pos] = k.transpose(1, 2)
-        self.v[layer][rows, :, cache_pos] = v.transpose(1, 2)
 
     def read(self, layer: int, slots: torch.Tensor, kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k[layer, slots, :, :kv_len], self.v[layer, slots, :, :kv_len]
@@ -60,10 +56,10 @@ class ForwardOutput:
 
 
 class TargetModel(nn.Module):
-    # "sdpa": KVCache.read + AttentionProjections.attend (SDPA with enable_gqa). "triton":
-    # `verifier_svc.cuda_graphs.slot_attention`, which reads the cache slot in place (CUDA, or the
-    # Triton interpreter); same result up to rounding.
-    attention = "sdpa"
+    # "triton": `kernels.slot_attention`, which reads the cache slot in place and splits the keys
+    # over the GPU (CUDA, or the Triton interpreter). "sdpa": `KVCache.read` (a gather of the
+    # slot) + SDPA. "auto": triton on CUDA, sdpa elsewhere. Same result up to rounding.
+    attention = "auto"
 
     def __init__(self, cfg: TargetConfig, feature_layer_ids: tuple[int, ...] = ()):
         super().__init__()
@@ -91,6 +87,12 @@ class TargetModel(nn.Module):
     def feature_dim(self) -> int:
         return len(self.feature_layer_ids) * self.cfg.hidden_size
 
+    def fuse_weights(self) -> None:
+        """Concatenate q/k/v and gate/up weights (fewer, wider GEMMs); call after `.to(device)`."""
+        for layer in self.layers:
+            layer.self_attn.fuse_weights()
+            layer.mlp.fuse_weights()
+
     def forward(
         self,
         input_ids: torch.Tensor,   # [B, T]
@@ -101,30 +103,39 @@ class TargetModel(nn.Module):
         mask: torch.Tensor,        # [B, T, kv_len] bool, True = visible
         logit_rows: torch.Tensor | None = None,  # [R] rows to return logits for (all when None)
     ) -> ForwardOutput:
+        cfg = self.cfg
         kv_len = mask.shape[-1]
         h = self.embed_tokens(input_ids)
         cos, sin = self.rotary(positions, h.dtype)
-        attn_mask = mask[:, None]
-        features = []
+        # Additive mask, built once per pass: SDPA's fused kernels take it faster than a bool one.
+        bias = torch.zeros(mask.shape, dtype=h.dtype, device=h.device).masked_fill_(~mask, float("-inf"))[:, None]
+        slot_kernel = self.attention == "triton" or (self.attention == "auto" and h.is_cuda)
+        outputs = {}  # layer index -> its output (the residual stream after the layer)
+        pending = None  # the last MLP's output, added to h by the next fused add + norm
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
-            x = layer.input_layernorm(h)
-            q = attn.query(x, cos, sin)
-            k, v = attn.key_value(x, cos, sin)
-            cache.write(i, slots, cache_pos, k, v)
-            if self.attention == "triton":
-                from verifier_svc.cuda_graphs import slot_attention
-
+            h, x = add_rms_norm(h, pending, layer.input_layernorm.weight, cfg.rms_norm_eps)
+            if i - 1 in self.feature_layer_ids:
+                outputs[i - 1] = h
+            q = qk_norm_rope_store(attn.qkv(x), cos, sin, _weight(attn.q_norm), _weight(attn.k_norm),
+                                   cfg.rms_norm_eps, cfg.num_heads, cfg.num_kv_heads, cache.k[i], cache.v[i],
+                                   slots, cache_pos)
+            if slot_kernel:
                 out = slot_attention(q, cache.k[i], cache.v[i], slots, mask)
-                h = h + attn.o_proj(out.view(*out.shape[:2], -1))
+                o = attn.o_proj(out.view(*out.shape[:2], -1))
             else:
                 k_all, v_all = cache.read(i, slots, kv_len)
-                h = h + attn.attend(q, k_all, v_all, attn_mask)
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
-            if i in self.feature_layer_ids:
-                features.append((i, h))
-        by_layer = dict(features)
-        feats = torch.cat([by_layer[i] for i in self.feature_layer_ids], dim=-1) if features else h[..., :0]
+                o = attn.attend(q, k_all, v_all, bias)
+            h, x = add_rms_norm(h, o, layer.post_attention_layernorm.weight, cfg.rms_norm_eps)
+            pending = layer.mlp(x)
+        h, x = add_rms_norm(h, pending, self.norm.weight, cfg.rms_norm_eps)
+        outputs[len(self.layers) - 1] = h
+        feats = (torch.cat([outputs[i] for i in self.feature_layer_ids], dim=-1) if self.feature_layer_ids
+                 else h[..., :0])
         if logit_rows is not None:
-            h = h[:, logit_rows]
-        return ForwardOutput(logits=self.lm_head(self.norm(h)), features=feats)
+            x = x[:, logit_rows]
+        return ForwardOutput(logits=self.lm_head(x), features=feats)
+
+
+def _weight(norm: RMSNorm | None) -> torch.Tensor | None:
+    return None if norm is None else norm.weight

@@ -22,6 +22,7 @@ class TargetRunner:
     def __init__(self, model: TargetModel, num_slots: int, max_seq_len: int, cuda_graphs: bool = True,
                  graph_config: GraphConfig | None = None):
         self.model = model
+        model.fuse_weights()
         p = model.embed_tokens.weight
         self.device = p.device
         self.max_seq_len = max_seq_len

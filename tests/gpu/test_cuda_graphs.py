@@ -22,7 +22,8 @@ from kernels.probs import process_probs_reference
 from kernels.tree_sampling import tree_speculative_sampling_target_only_reference, verify_tree_greedy_reference
 from tests.reference import OracleProposer, distinct_sibling_tokens
 from verifier_svc.accept import draw_coins
-from verifier_svc.cuda_graphs import GraphConfig, VerifyGraphs, auto_kv_buckets, cache_length
+from common.buckets import auto_kv_buckets
+from verifier_svc.cuda_graphs import GraphConfig, VerifyGraphs, cache_length
 from verifier_svc.target_model import TargetModel
 from verifier_svc.target_runner import TargetRunner
 from verifier_svc.tree_verifier import TreeVerifier, VerifierLimits
@@ -392,3 +393,14 @@ def test_sessions_free_capacity_with_graphs(qwen3_pair):
     before = engine.verifier.free_capacity
     engine.generate([1, 2, 3], GenerationConfig(max_new_tokens=5, mode=DraftMode("tree", 8)))
     assert engine.verifier.free_capacity == before
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("splits", [1, 3, None])
+@pytest.mark.parametrize("t", [17, 65])
+def test_slot_attention_compiled_matches_sdpa(splits, t):
+    from tests.test_slot_attention import check_slot_attention
+
+    check_slot_attention("cuda", torch.bfloat16, splits, b=1, heads=32, kv_heads=8, d=128, t=t, length=1152,
+                         tol=2e-2)

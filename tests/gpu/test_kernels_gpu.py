@@ -2,7 +2,9 @@
 
 Skipped without CUDA (the CPU suite checks the same kernels in the Triton interpreter at
 small vocabularies, tests/test_kernels.py). Random target probabilities are multiples of
-2**-20 there and here, so both implementations must agree bit for bit.
+2**-20 there and here, so both implementations must agree bit for bit. The fused accept
+stage (kernels/fused_accept.py) starts from random bf16 logits: its float32 sums differ from
+torch's in rounding only, so its outputs must be equal too.
 """
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from kernels.fused_accept import tree_accept, tree_accept_reference, tree_accept_triton
 from kernels.probs import process_probs, process_probs_reference, process_probs_triton
 from kernels.tree_sampling import (
     tree_speculative_sampling_target_only,
@@ -19,6 +22,7 @@ from kernels.tree_sampling import (
     verify_tree_greedy_reference,
     verify_tree_greedy_triton,
 )
+from tests.test_fused_accept import filter_kinds, random_stage, row_params, run_on
 from tests.test_kernels import assert_same, random_batch, random_filters
 
 VOCAB = 151_936
@@ -127,3 +131,77 @@ def test_kernels_are_cuda_graph_capturable():
         graph.replay()
         again = accept_step(mode, tokens, nt, ns, logits, features, **static)
         assert torch.equal(out[0], again[0]) and torch.equal(out[1], again[1])
+
+
+# ---------------------------------------------------------------------------------------
+# The fused sampling + accept stage (kernels/fused_accept.py).
+# ---------------------------------------------------------------------------------------
+
+STAGES = ("greedy", "sample-temp", "sample")
+
+
+def _stage_options(stage: str, bs: int, seed: int) -> dict:
+    """tree_accept's keyword arguments for a stage; `sample` mixes top-k 50 / top-p 0.9 with the edges."""
+    if stage == "greedy":
+        return {"greedy": True}
+    params = row_params(VOCAB, bs, seed, [(50, 0.9)] + filter_kinds(VOCAB))
+    if stage == "sample-temp":
+        return {"greedy": False, "temperature": params["temperature"], "filters": False}
+    return {"greedy": False, **params}
+
+
+@pytest.mark.parametrize("stage", STAGES)
+@pytest.mark.parametrize("nodes", [17, 65])
+@pytest.mark.parametrize("bs", [1, 4])
+def test_fused_accept_matches_reference_at_full_vocab(bs, nodes, stage):
+    seed = 10 * bs + nodes
+    inputs = random_stage(seed, bs, nodes, VOCAB, torch.bfloat16, shape="deep")
+    options = _stage_options(stage, bs, seed)
+    expected = run_on("cpu", tree_accept_reference, inputs, **options)
+    for impl in (tree_accept_triton, tree_accept):  # the dispatcher picks Triton on CUDA
+        actual = run_on("cuda", impl, inputs, **options)
+        for a, e in zip(actual, expected):
+            assert torch.equal(a, e), f"{impl.__name__}:\n{a}\n{e}"
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_fused_accept_cuda_graph_replay_equals_eager(stage):
+    """Captured once, replayed on new logits and coins: the same outputs as eager calls."""
+    bs, nodes = 4, 65
+    inputs = {k: v.cuda() for k, v in random_stage(3, bs, nodes, VOCAB, torch.bfloat16).items()}
+    options = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in _stage_options(stage, bs, 3).items()}
+    if stage != "greedy":
+        options.update(coins=inputs["coins"], final_coins=inputs["final_coins"])
+    tree = [inputs[k] for k in ("logits", "tokens", "next_token", "next_sibling")]
+
+    def fresh():
+        return [torch.full((bs * nodes,), -1, dtype=torch.int32, device="cuda"),
+                torch.full((bs, nodes), -1, dtype=torch.int32, device="cuda"),
+                torch.zeros(bs, dtype=torch.int32, device="cuda")]
+
+    def eager():
+        out = fresh()
+        tree_accept_triton(*tree, *out, **options)
+        return out
+
+    static = fresh()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        tree_accept_triton(*tree, *fresh(), **options)  # compiles outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        tree_accept_triton(*tree, *static, **options)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for _ in range(3):
+        for out in static:
+            out.fill_(-1)
+        static[2].zero_()
+        graph.replay()
+        want = eager()
+        assert all(torch.equal(a, b) for a, b in zip(static, want))
+        tree[0].copy_((torch.randn(tree[0].shape, generator=gen, device="cuda") * 3).to(torch.bfloat16))
+        if stage != "greedy":
+            options["coins"].copy_(torch.rand(options["coins"].shape, generator=gen, device="cuda"))
+            options["final_coins"].copy_(torch.rand(options["final_coins"].shape, generator=gen, device="cuda"))

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# The GPU tests and the GPU benchmarks in one go, each step's log and JSON into OUTDIR.
+#
+#   bash bench/run_gpu_suite.sh OUTDIR [tests] [verify] [kernels] [draft] [round] [transport]
+#
+# With no steps named, runs them all (about 15 minutes on an H200). Needs the project's
+# dependencies importable by python3; PYTHONPATH gets the repository root added.
+set -u
+out=${1:?usage: bash bench/run_gpu_suite.sh OUTDIR [steps...]}
+shift
+steps=${*:-tests verify kernels draft round transport}
+mkdir -p "$out"
+export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+status=0
+for step in $steps; do
+    case $step in
+        tests) cmd=(python3 -m pytest -q -rsxX -p no:cacheprovider --tb=short tests/gpu) ;;
+        verify) cmd=(python3 bench/verify.py --out-json "$out/verify.json") ;;
+        kernels) cmd=(python3 bench/kernels.py --batches 1,4,16,32 --trees 16,64,128 --out-json "$out/kernels.json") ;;
+        draft) cmd=(python3 bench/draft_step.py --out-json "$out/draft.json") ;;
+        round) cmd=(python3 bench/round.py --out-json "$out/round.json") ;;
+        transport) cmd=(python3 bench/transport.py --out-json "$out/transport.json") ;;
+        *) echo "unknown step: $step" >&2; exit 2 ;;
+    esac
+    echo "== $step: ${cmd[*]}"
+    start=$SECONDS
+    "${cmd[@]}" 2>&1 | tee "$out/$step.log"
+    rc=${PIPESTATUS[0]}
+    echo "== $step: exit $rc after $((SECONDS - start)) s"
+    [ "$rc" = 0 ] || status=1
+done
+exit $status

@@ -1,0 +1,170 @@
+"""Tree attention that reads K/V straight from a session's cache slot (no gather), split over keys.
+
+    out[b, t, h] = softmax(q[b, h, t] . K[slot_b, h // group, :L]^T / sqrt(D), masked) V[...]
+
+with mask bool [B, T, L] (True = visible). `slot_attention_reference` is exactly that with
+PyTorch's SDPA over the gathered slot; `slot_attention` (Triton) leaves the cache in place,
+so a captured CUDA graph takes the slot as data, and cuts the keys into ranges whose partial
+softmaxes a second kernel merges, as flash-decoding does: at batch 1 one program per (KV head,
+query block) would leave most of the GPU idle.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+from torch import Tensor
+
+
+def slot_attention_reference(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, mask: Tensor) -> Tensor:
+    """SDPA over the gathered slots; same arguments and result layout as `slot_attention`."""
+    length = mask.shape[-1]
+    k, v = k_cache[slots, :, :length], v_cache[slots, :, :length]
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], enable_gqa=q.shape[1] != k.shape[1])
+    return out.transpose(1, 2)
+
+
+@triton.jit
+def _slot_attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, m_ptr, l_ptr, mask_ptr, slots_ptr, sm_scale, T, L, GROUP,
+                           SPLITS, split_len,
+                           s_qb, s_qh, s_qt, s_cs, s_ch, s_cl, s_mb, s_mt, s_ob, s_os, s_ot, s_oh,
+                           D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+                           PARTIAL: tl.constexpr):
+    """One program per (KV head, block of GROUP * T query rows, batch row x key split): online
+    softmax over the split's cache positions, skipping key blocks that no row of the block may
+    see. PARTIAL: write the unnormalised output and the row max / sum of the split (combined
+    by `_combine_splits_kernel`); else the normalised output."""
+    kvh = tl.program_id(0)
+    b = tl.program_id(2) // SPLITS
+    split = tl.program_id(2) % SPLITS
+    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    valid = rows < GROUP * T
+    t = rows % T
+    head = kvh * GROUP + rows // T
+    d = tl.arange(0, D)
+    q = tl.load(q_ptr + b * s_qb + head[:, None] * s_qh + t[:, None] * s_qt + d[None, :], mask=valid[:, None],
+                other=0.0)
+    slot = tl.load(slots_ptr + b).to(tl.int64)
+    k_base = k_ptr + slot * s_cs + kvh * s_ch
+    v_base = v_ptr + slot * s_cs + kvh * s_ch
+    mask_rows = mask_ptr + b * s_mb + t * s_mt
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D], tl.float32)
+    first = split * split_len
+    for start in range(first, tl.minimum(first + split_len, L), BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        inside = cols < L
+        visible = tl.load(mask_rows[:, None] + cols[None, :], mask=valid[:, None] & inside[None, :], other=0) != 0
+        if tl.max(visible.to(tl.int32)) > 0:
+            k = tl.load(k_base + cols[:, None] * s_cl + d[None, :], mask=inside[:, None], other=0.0)
+            if IEEE:  # float32 products (also the interpreter's only working path)
+                scores = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+            else:
+                scores = tl.dot(q, tl.trans(k))
+            scores = tl.where(visible, scores * sm_scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(scores, 1))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp(scores - m_use[:, None])
+            alpha = tl.exp(m_i - m_use)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(v_base + cols[:, None] * s_cl + d[None, :], mask=inside[:, None], other=0.0)
+            if IEEE:
+                acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
+    out_rows = b * s_ob + split * s_os + t * s_ot + head * s_oh
+    if PARTIAL:
+        stat_rows = ((b * SPLITS + split) * T + t) * (GROUP * tl.num_programs(0)) + head
+        tl.store(m_ptr + stat_rows, m_i, mask=valid)
+        tl.store(l_ptr + stat_rows, l_i, mask=valid)
+        tl.store(o_ptr + out_rows[:, None] + d[None, :], acc, mask=valid[:, None])
+    else:
+        out = acc / tl.where(valid, l_i, 1.0)[:, None]
+        tl.store(o_ptr + out_rows[:, None] + d[None, :], out.to(o_ptr.dtype.element_ty), mask=valid[:, None])
+
+
+@triton.jit
+def _combine_splits_kernel(part_ptr, m_ptr, l_ptr, o_ptr, T, H, SPLITS, D: tl.constexpr, BLOCK_S: tl.constexpr):
+    """One program per (batch row, token, head): merge the key splits' partial softmaxes.
+    Partials [B, SPLITS, T, H, D] and stats [B, SPLITS, T, H] (float32); out [B, T, H, D]."""
+    row = tl.program_id(0).to(tl.int64)  # (b * T + t) * H + head
+    b = row // (T * H)
+    th = row % (T * H)
+    splits = tl.arange(0, BLOCK_S)
+    present = splits < SPLITS
+    stats = (b * SPLITS + splits) * (T * H) + th
+    m = tl.load(m_ptr + stats, mask=present, other=float("-inf"))
+    l = tl.load(l_ptr + stats, mask=present, other=0.0)
+    m_all = tl.max(m, 0)
+    weight = tl.where(m == float("-inf"), 0.0, tl.exp(m - m_all))
+    d = tl.arange(0, D)
+    part = tl.load(part_ptr + stats[:, None] * D + d[None, :], mask=present[:, None], other=0.0)
+    out = tl.sum(part * weight[:, None], 0) / tl.sum(l * weight, 0)
+    tl.store(o_ptr + row * D + d, out.to(o_ptr.dtype.element_ty))
+
+
+def _key_splits(batch_programs: int, key_blocks: int, device: torch.device) -> int:
+    """How many key splits give the GPU about two programs per SM (1 when already that busy)."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    return max(1, min(key_blocks, -(-2 * sms // batch_programs)))
+
+
+def slot_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, mask: Tensor,
+                   float32_products: bool | None = None, splits: int | None = None) -> Tensor:
+    """Masked GQA attention that reads K/V straight from the cache slots (no gather, no mask copy).
+
+    q [B, H, T, D] (rotated queries); k_cache / v_cache [slots, KVH, max_len, D] (one layer of
+    KVCache.k / .v, already holding this pass's keys); slots [B]; mask bool [B, T, L] (True =
+    visible, L <= max_len). Returns [B, T, H, D], the layout o_proj wants. Same result as
+    SDPA over `KVCache.read` with that mask; takes no host sync, so it captures in CUDA
+    graphs with the slot as data. Triton (CUDA, or the interpreter).
+    The keys are cut into `splits` ranges (default: enough programs for about two per SM)
+    whose partial softmaxes a second kernel merges, as flash-decoding does: at batch 1 one
+    program per (KV head, query block) would leave most of the GPU idle.
+    float32_products: multiply in float32 (default: for float32 inputs only; bf16/fp16 inputs
+    use the tensor cores' native products with float32 accumulation, as flash attention does).
+    """
+    b, h, t, d = q.shape
+    kvh, length = k_cache.shape[1], mask.shape[-1]
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if mask.stride(-1) != 1 or mask.dtype != torch.bool:
+        mask = mask.to(torch.bool).contiguous()
+    if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1:
+        raise ValueError("k_cache and v_cache need the same strides, last dimension contiguous")
+    if d < 16 or d & (d - 1):
+        raise ValueError(f"head_dim must be a power of two >= 16, got {d}")
+    group = h // kvh
+    block_m, block_n = (64 if group * t > 32 else 16), 64
+    m_blocks = triton.cdiv(group * t, block_m)
+    key_blocks = triton.cdiv(length, block_n)
+    splits = splits or _key_splits(kvh * m_blocks * b, key_blocks, q.device)
+    splits = max(1, min(splits, key_blocks))
+    split_len = triton.cdiv(key_blocks, splits) * block_n
+    splits = triton.cdiv(length, split_len)
+    out = torch.empty(b, t, h, d, dtype=q.dtype, device=q.device)
+    if splits == 1:
+        part, m_stat, l_stat = out, out, out  # written directly; the stats are unused
+        s_part = (out.stride(0), 0, out.stride(1), out.stride(2))
+    else:
+        part = torch.empty(b, splits, t, h, d, dtype=torch.float32, device=q.device)
+        m_stat = torch.empty(b, splits, t, h, dtype=torch.float32, device=q.device)
+        l_stat = torch.empty_like(m_stat)
+        s_part = part.stride()[:4]
+    mask_u8 = mask.view(torch.uint8)
+    _slot_attention_kernel[(kvh, m_blocks, b * splits)](
+        q, k_cache, v_cache, part, m_stat, l_stat, mask_u8, slots, 1.0 / math.sqrt(d), t, length, group,
+        splits, split_len,
+        q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        mask_u8.stride(0), mask_u8.stride(1), *s_part,
+        D=d, BLOCK_M=block_m, BLOCK_N=block_n,
+        IEEE=q.dtype == torch.float32 if float32_products is None else float32_products, PARTIAL=splits > 1)
+    if splits > 1:
+        _combine_splits_kernel[(b * t * h,)](part, m_stat, l_stat, out, t, h, splits, D=d,
+                                             BLOCK_S=triton.next_power_of_2(splits))
+    return out

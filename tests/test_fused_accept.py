@@ -1,0 +1,254 @@
+"""The fused sampling + accept stage (kernels/fused_accept.py): Triton == the composed references.
+
+Without CUDA the Triton kernels run in the interpreter (tests/conftest.py), which is slow: the
+vocabularies are small, and the vocabulary chunk is lowered so that every row spans several
+chunks with a ragged last one. Some cases also raise the radix to 8 bits (half the levels of
+the top-k / top-p searches) to keep the run short; the code is the same for any radix.
+Outputs must be equal: the fused stage sums in another order than torch, which can only
+matter when a coin falls within rounding of a boundary (not on these seeds).
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch import Tensor
+
+from common.tree import DraftTree
+from kernels import fused_accept
+from kernels.fused_accept import tree_accept, tree_accept_reference, tree_accept_triton
+from kernels.tree_sampling import BACKEND_ENV
+from tests.reference import distinct_sibling_tokens
+from tests.test_kernels import random_parents
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def random_stage(seed: int, bs: int, nodes: int, vocab: int, dtype: torch.dtype, *, shape: str = "random",
+                 levels: int = 0, oracle: float = 0.7, boost: float = 4.0) -> dict[str, Tensor]:
+    """Trees, logits and coins of one batch (on the CPU).
+
+    levels > 0 quantises the logits to that many values (many ties, also at the maximum).
+    oracle: the chance that a node's logits favour one of its children's tokens, by `boost`
+    above the row's maximum (boost 0: tied with it, so the first maximum decides greedy).
+    """
+    rng = np.random.default_rng(seed)
+    trees = []
+    for _ in range(bs):
+        parents = random_parents(rng, shape, nodes)
+        trees.append((parents, DraftTree.from_parents(distinct_sibling_tokens(rng, parents, vocab), parents)))
+    if levels:
+        logits = rng.integers(0, levels, size=(bs, nodes, vocab)) * 0.75
+    else:
+        logits = rng.normal(size=(bs, nodes, vocab)) * rng.uniform(0.5, 4.0, size=(bs, nodes, 1))
+    for b, (parents, tree) in enumerate(trees):
+        for node in range(nodes):
+            children = [c for c in range(1, nodes) if parents[c] == node]
+            if children and rng.random() < oracle:
+                token = int(tree.tokens[int(rng.choice(children))])
+                logits[b, node, token] = logits[b, node].max() + boost
+    gen = torch.Generator().manual_seed(seed)
+    return {
+        "logits": torch.from_numpy(logits).to(dtype),
+        "tokens": torch.stack([t.tokens for _, t in trees]),
+        "next_token": torch.stack([t.next_token for _, t in trees]),
+        "next_sibling": torch.stack([t.next_sibling for _, t in trees]),
+        "coins": torch.rand(bs, nodes, generator=gen).clamp_min(2**-24),
+        "final_coins": torch.rand(bs, generator=gen).clamp(2**-24, 1 - 2**-24),
+    }
+
+
+def row_params(vocab: int, bs: int, seed: int, kinds: list[tuple[int, float]]) -> dict[str, Tensor]:
+    """Per-row temperature, top_k and top_p: the (k, p) pairs in turn, temperatures varied."""
+    rng = np.random.default_rng(seed)
+    pairs = [kinds[(seed + b) % len(kinds)] for b in range(bs)]
+    return {
+        "temperature": torch.tensor(rng.choice([0.05, 0.4, 1.0, 1.7], bs), dtype=torch.float32),
+        "top_k": torch.tensor([k for k, _ in pairs], dtype=torch.int64),
+        "top_p": torch.tensor([p for _, p in pairs], dtype=torch.float32),
+    }
+
+
+def run_on(device: str, impl, stage: dict[str, Tensor], **options) -> list[Tensor]:
+    """predicts / accept_index / accept_num of impl on device copies of the inputs (fresh
+    outputs), returned on the CPU."""
+    bs, nodes = stage["tokens"].shape
+    args = {k: v.to(device) for k, v in stage.items() if v is not None}
+    options = {k: v.to(device) if isinstance(v, Tensor) else v for k, v in options.items()}
+    if options.get("greedy"):
+        args.pop("coins"), args.pop("final_coins")
+    outputs = [torch.full((bs * nodes,), -1, dtype=torch.int32, device=device),
+               torch.full((bs, nodes), -1, dtype=torch.int32, device=device),
+               torch.zeros(bs, dtype=torch.int32, device=device)]
+    impl(args.pop("logits"), args.pop("tokens"), args.pop("next_token"), args.pop("next_sibling"), *outputs,
+         **args, **options)
+    return [t.cpu() for t in outputs]
+
+
+def run(impl, stage: dict[str, Tensor], **options) -> list[Tensor]:
+    return run_on(DEVICE, impl, stage, **options)
+
+
+def assert_same(stage: dict[str, Tensor], **options) -> list[Tensor]:
+    """The fused stage equals the reference; returns the reference's outputs."""
+    expected = run(tree_accept_reference, stage, **options)
+    actual = run(tree_accept_triton, stage, **options)
+    for name, a, e in zip(("predicts", "accept_index", "accept_num"), actual, expected):
+        assert torch.equal(a, e), f"{name} differs:\n{a}\n{e}"
+    return expected
+
+
+@pytest.fixture
+def chunk(monkeypatch):
+    """Set the vocabulary chunk (and optionally the radix bits) of the fused kernels."""
+    def set_sizes(chunk_v: int, radix_bits: int = fused_accept.RADIX_BITS) -> None:
+        monkeypatch.setattr(fused_accept, "CHUNK_V", chunk_v)
+        monkeypatch.setattr(fused_accept, "RADIX_BITS", radix_bits)
+    return set_sizes
+
+
+# ---------------------------------------------------------------------------------------
+# Greedy and temperature-only sampling.
+# ---------------------------------------------------------------------------------------
+
+BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
+PLAIN_CASES = [
+    # (batch, nodes, V, dtype, chunk, tree shape, quantisation levels, oracle boost)
+    (1, 1, 50, F32, 16, "random", 0, 4.0),  # the root only
+    (4, 10, 97, BF16, 32, "random", 0, 4.0),
+    (3, 12, 300, F32, 128, "deep", 4, 0.0),  # ties, also between the favoured child and the maximum
+    (2, 16, 1000, BF16, 256, "chain", 0, 6.0),  # long paths, some holding every node
+    (3, 9, 300, F16, 64, "wide", 3, 1.0),
+]
+
+
+@pytest.mark.parametrize("seed, case", list(enumerate(PLAIN_CASES)),
+                         ids=[f"B{c[0]}-T{c[1]}-V{c[2]}-{str(c[3])[6:]}" for c in PLAIN_CASES])
+def test_greedy_and_temperature_match_reference(seed, case, chunk):
+    bs, nodes, vocab, dtype, chunk_v, shape, levels, boost = case
+    chunk(chunk_v)
+    stage = random_stage(seed, bs, nodes, vocab, dtype, shape=shape, levels=levels, boost=boost,
+                         oracle=1.0 if shape == "chain" else 0.7)
+    greedy = assert_same(stage, greedy=True)
+    if nodes > 1 and shape == "chain":
+        assert greedy[2].max().item() == nodes - 1  # a path holding every node
+    off = row_params(vocab, bs, seed, [(0, 1.0), (vocab, 1.0), (vocab + 5, 2.0), (-1, 1.0)])
+    temperature_only = assert_same(stage, greedy=False, temperature=off["temperature"], filters=False)
+    # Rows with both filters off give the same through the filtered kernels.
+    assert torch.equal(assert_same(stage, greedy=False, **off)[0], temperature_only[0])
+
+
+def test_greedy_ties_take_the_first_maximum(chunk):
+    """All logits equal but a few maxima: argmax is the first one, in any chunk."""
+    chunk(16)
+    stage = random_stage(0, 2, 6, 60, BF16, shape="chain", oracle=0.0)
+    stage["logits"].zero_()
+    stage["logits"][:, :, [17, 40, 59]] = 1.0
+    stage["tokens"][:, 1:] = 17
+    expected = assert_same(stage, greedy=True)
+    assert expected[2].tolist() == [5, 5]
+    assert expected[0].view(2, 6)[:, -1].tolist() == [17, 17]
+
+
+# ---------------------------------------------------------------------------------------
+# top-k / top-p.
+# ---------------------------------------------------------------------------------------
+
+
+def filter_kinds(vocab: int) -> list[tuple[int, float]]:
+    """(top_k, top_p) pairs: each filter alone at its edges, both, and neither."""
+    return [(1, 1.0), (vocab - 1, 1.0), (7, 1.0), (0, 1e-6), (0, 0.999), (0, 0.6), (vocab, 0.9),
+            (5, 0.5), (1, 0.3), (vocab - 1, 0.95), (0, 1.0)]
+
+
+FILTER_CASES = [
+    # (batch, nodes, V, dtype, chunk, radix bits, tree shape, quantisation levels)
+    (6, 3, 97, BF16, 32, 4, "random", 0),
+    (5, 4, 300, F32, 128, 8, "deep", 0),
+    (5, 4, 1000, BF16, 256, 8, "random", 5),
+    (4, 3, 300, F16, 128, 4, "wide", 0),
+    (3, 4, 97, F32, 64, 4, "chain", 3),
+    (6, 3, 97, BF16, 64, 8, "chain", 0),
+]
+
+
+@pytest.mark.parametrize("repeat", [0, 1])
+@pytest.mark.parametrize("index, case", list(enumerate(FILTER_CASES)),
+                         ids=[f"B{c[0]}-T{c[1]}-V{c[2]}-{str(c[3])[6:]}-r{c[5]}" for c in FILTER_CASES])
+def test_top_k_top_p_match_reference(repeat, index, case, chunk):
+    bs, nodes, vocab, dtype, chunk_v, radix_bits, shape, levels = case
+    chunk(chunk_v, radix_bits)
+    seed = index + len(FILTER_CASES) * repeat
+    stage = random_stage(100 + seed, bs, nodes, vocab, dtype, shape=shape, levels=levels)
+    assert_same(stage, greedy=False, **row_params(vocab, bs, seed, filter_kinds(vocab)))
+
+
+def test_filters_keep_ties_and_long_paths(chunk):
+    """Quantised logits tie at the top-k / top-p boundaries; favoured children give long paths."""
+    chunk(32, 8)
+    vocab, bs, nodes = 70, 4, 6
+    stage = random_stage(7, bs, nodes, vocab, BF16, shape="chain", levels=3, oracle=1.0, boost=12.0)
+    params = row_params(vocab, bs, 1, [(2, 1.0), (3, 0.7), (0, 0.5), (vocab - 2, 0.999)])
+    expected = assert_same(stage, greedy=False, **params)
+    assert expected[2].max().item() >= 3
+
+
+# ---------------------------------------------------------------------------------------
+# Dispatch and argument checking.
+# ---------------------------------------------------------------------------------------
+
+
+def test_dispatch_follows_device_and_env(monkeypatch):
+    calls = []
+    for backend in ("reference", "triton"):
+        monkeypatch.setattr(fused_accept, f"tree_accept_{backend}", lambda *a, _b=backend, **k: calls.append(_b))
+    logits = torch.zeros(1, 2, 3, device=DEVICE)
+    for env, want in ((None, "triton" if DEVICE == "cuda" else "reference"), ("reference", "reference"),
+                      ("triton", "triton")):
+        if env is None:
+            monkeypatch.delenv(BACKEND_ENV, raising=False)
+        else:
+            monkeypatch.setenv(BACKEND_ENV, env)
+        calls.clear()
+        tree_accept(logits, *[None] * 6, greedy=True)
+        assert calls == [want]
+
+
+def bad(stage: dict, **changes) -> dict:
+    return {**stage, **changes}
+
+
+BAD_ARGS = [
+    (lambda s: bad(s, logits=s["logits"].to(torch.float64)), {}, "logits must be a 3-D bfloat16"),
+    (lambda s: bad(s, logits=s["logits"][:, :0]), {}, "T >= 1"),
+    (lambda s: bad(s, tokens=s["tokens"].int()), {}, "tokens must be torch.int64"),
+    (lambda s: bad(s, next_sibling=s["next_sibling"][:, :-1].contiguous()), {}, "next_sibling must have shape"),
+    (lambda s: bad(s, coins=s["coins"].t().contiguous().t()), {}, "coins must be contiguous"),
+    (lambda s: bad(s, final_coins=None), {}, "sampling needs final_coins"),
+    (lambda s: s, {"top_k": None}, "sampling needs top_k"),
+    (lambda s: s, {"top_p": torch.ones(3, dtype=torch.float64)}, "top_p must be torch.float32"),
+    (lambda s: s, {"temperature": torch.ones(2)}, "temperature must have shape"),
+]
+
+
+@pytest.mark.parametrize("impl", [tree_accept_reference, tree_accept_triton])
+@pytest.mark.parametrize("corrupt, options, message", BAD_ARGS, ids=[b[2] for b in BAD_ARGS])
+def test_bad_arguments_raise(impl, corrupt, options, message):
+    stage = corrupt(random_stage(0, 3, 4, 20, F32))
+    params = {"temperature": torch.ones(3), "top_k": torch.zeros(3, dtype=torch.int64), "top_p": torch.ones(3),
+              **options}
+    with pytest.raises(ValueError, match=message):
+        run(impl, stage, greedy=False, **params)
+
+
+def test_bad_outputs_raise():
+    stage = random_stage(0, 2, 4, 20, F32)
+    args = [stage[k] for k in ("logits", "tokens", "next_token", "next_sibling")]
+    good = [torch.zeros(8, dtype=torch.int32), torch.zeros(2, 4, dtype=torch.int32), torch.zeros(2, dtype=torch.int32)]
+    for i, wrong, message in ((0, torch.zeros(8, dtype=torch.int64), "predicts must be torch.int32"),
+                              (1, torch.zeros(2, 3, dtype=torch.int32), "accept_index must have shape"),
+                              (2, torch.zeros(3, dtype=torch.int32), "accept_num must have shape")):
+        outputs = list(good)
+        outputs[i] = wrong
+        with pytest.raises(ValueError, match=message):
+            tree_accept_triton(*args, *outputs, greedy=True)
