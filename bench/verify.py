@@ -11,8 +11,9 @@ KV slot with `--past` tokens, then times one tree-verify pass of 1 + N tokens pe
 * graph: `TargetRunner.verify` replaying the captured graph (static KV length from the
   automatic ladder), the whole call with the input copies; `replay`: the replay alone;
 * graph, full KV: the same with one static KV length = the whole cache;
-* graph, triton attention: `TargetModel.attention = "triton"` (slot attention: reads the
-  cache slot in place, no K/V gather, skips key blocks nobody sees);
+* graph, sdpa attention: `TargetModel.attention = "sdpa"` (a K/V gather of the slot + SDPA
+  with an additive mask), against the default (on CUDA the split-KV slot attention kernel,
+  which reads the cache slot in place);
 * graph + accept: forward + greedy / sampling accept + feature gather in one replay
   (`TargetRunner.verify_accept`), against the eager equivalent;
 * decode: the plain one-token step (a T = 1 bucket);
@@ -152,7 +153,7 @@ def attention_variants(cfg: TargetConfig, tokens: int, kv_len: int, past: int, d
     cache = torch.randn(2, 4, kvh, kv_len + 256, d, device=device, dtype=dtype)  # [K/V, slots, heads, len, D]
     slots = torch.tensor([1], device=device)
 
-    from kernels.slot_attention import slot_attention
+    from kernels.slot_attention import slot_attention_triton
 
     variants = {
         "gqa_bool": lambda m=mask: F.scaled_dot_product_attention(q, k, v, attn_mask=m, enable_gqa=True),
@@ -162,7 +163,7 @@ def attention_variants(cfg: TargetConfig, tokens: int, kv_len: int, past: int, d
         "kv_gather": lambda: (cache[0, slots, :, :kv_len], cache[1, slots, :, :kv_len]),
         "gather+gqa_bool": lambda m=mask: F.scaled_dot_product_attention(
             q, cache[0, slots, :, :kv_len], cache[1, slots, :, :kv_len], attn_mask=m, enable_gqa=True),
-        "slot_triton": lambda m=mask: slot_attention(q, cache[0], cache[1], slots, m[:, 0]),
+        "slot_triton": lambda m=mask: slot_attention_triton(q, cache[0], cache[1], slots, m[:, 0]),
     }
     backends = {"default": None, "cudnn": SDPBackend.CUDNN_ATTENTION}
     rows = []
@@ -274,30 +275,26 @@ def main(argv=None) -> dict:
                         modes=("forward", "greedy", "sample"))
     graph_full = make_runner(model, max_seq, graphs=True, tree_buckets=buckets, kv_buckets=(cache_length(max_seq, probe),),
                              modes=("forward",))
-    # The Triton slot attention needs CUDA (or TRITON_INTERPRET=1 on CPU).
-    triton_ok = cuda or os.environ.get("TRITON_INTERPRET") == "1"
-    model.attention = "triton"
-    graph_tri = None if not triton_ok else make_runner(model, max_seq, graphs=True, tree_buckets=buckets, kv_buckets=needed,
-                               modes=("forward",))
     model.attention = "sdpa"
+    graph_sdpa = make_runner(model, max_seq, graphs=True, tree_buckets=buckets, kv_buckets=needed, modes=("forward",))
+    model.attention = "auto"
     sync(device)
     res["graphs"] = {"capture_s": time.perf_counter() - t0,
-                     "count": sum(r.graphs.num_graphs for r in (graph, graph_full, graph_tri) if r is not None)}
+                     "count": sum(r.graphs.num_graphs for r in (graph, graph_full, graph_sdpa))}
     print(f"captured {res['graphs']['count']} graphs in {res['graphs']['capture_s']:.1f} s", flush=True)
 
     prompt = torch.randint(cfg.vocab_size, (past,), generator=torch.Generator().manual_seed(0))
-    for r in (eager, graph, graph_full, graph_tri):
-        if r is not None:
-            r.prefill(0, prompt)
+    for r in (eager, graph, graph_full, graph_sdpa):
+        r.prefill(0, prompt)
     sync(device)
 
-    def with_triton_attention(fn):
+    def with_sdpa_attention(fn):
         def run():
-            model.attention = "triton"
+            model.attention = "sdpa"
             try:
                 return fn()
             finally:
-                model.attention = "sdpa"
+                model.attention = "auto"
         return run
 
     rows = []
@@ -316,20 +313,18 @@ def main(argv=None) -> dict:
 
         e_reps = max(3, reps // 2)
         row["eager_ms"] = wall_ms(verify(eager), device, e_reps)
-        row["eager_triton_attn_ms"] = wall_ms(with_triton_attention(verify(eager)), device, e_reps) \
-            if triton_ok else None
+        row["eager_sdpa_ms"] = wall_ms(with_sdpa_attention(verify(eager)), device, e_reps)
         row["graph_ms"] = wall_ms(verify(graph), device, reps)
         row["graph_replay_ms"] = replay_ms(graph, "forward", n, past, reps)
         row["graph_fullkv_ms"] = wall_ms(verify(graph_full), device, reps)
-        row["graph_triton_attn_ms"] = wall_ms(with_triton_attention(verify(graph_tri)), device, reps) \
-            if triton_ok else None
-        row["graph_triton_attn_replay_ms"] = replay_ms(graph_tri, "forward", n, past, reps) if triton_ok else None
+        row["graph_sdpa_ms"] = wall_ms(with_sdpa_attention(verify(graph_sdpa)), device, reps)
+        row["graph_sdpa_replay_ms"] = replay_ms(graph_sdpa, "forward", n, past, reps)
         row["accept_greedy_graph_ms"] = wall_ms(accept(graph, SamplingParams()), device, reps)
         row["accept_sample_graph_ms"] = wall_ms(accept(graph, sampling), device, reps)
         row["accept_greedy_eager_ms"] = wall_ms(accept(eager, SamplingParams()), device, e_reps)
         row["accept_sample_eager_ms"] = wall_ms(accept(eager, sampling), device, e_reps)
         row["floor_ms"] = floor_ms
-        best = min(row["graph_ms"], row["graph_triton_attn_ms"] or float("inf"))
+        best = min(row["graph_ms"], row["graph_sdpa_ms"])
         row["graph_over_floor"] = row["graph_ms"] / floor_ms
         row["best_graph_over_floor"] = best / floor_ms
         row["eager_over_graph"] = row["eager_ms"] / row["graph_ms"]
@@ -341,7 +336,7 @@ def main(argv=None) -> dict:
         res["verify"] = rows
         write_json(a.out_json, res)  # keep what is done even if the run is cut short
         print(f"  tokens {n:4d}: eager {row['eager_ms']:7.2f}  graph {row['graph_ms']:7.2f} "
-              f"(replay {row['graph_replay_ms'] or float('nan'):6.2f})  triton-attn {row['graph_triton_attn_ms'] or float('nan'):6.2f}  "
+              f"(replay {row['graph_replay_ms'] or float('nan'):6.2f})  sdpa-attn {row['graph_sdpa_ms']:6.2f}  "
               f"full-kv {row['graph_fullkv_ms']:6.2f}  +accept g/s {row['accept_greedy_graph_ms']:6.2f}/"
               f"{row['accept_sample_graph_ms']:6.2f} ms", flush=True)
     res["verify"] = rows
@@ -355,8 +350,8 @@ def main(argv=None) -> dict:
     if cuda and not a.no_profile:
         tree, depths, mask = make_tree(cfg, 64 if 64 in trees else trees[-1], seed=1)
         res["profile_eager"] = profile_pass(lambda: eager.verify(0, past, tree.tokens, depths, mask), device)
-        res["profile_eager_triton_attention"] = profile_pass(
-            with_triton_attention(lambda: eager.verify(0, past, tree.tokens, depths, mask)), device)
+        res["profile_eager_sdpa_attention"] = profile_pass(
+            with_sdpa_attention(lambda: eager.verify(0, past, tree.tokens, depths, mask)), device)
 
     print_table(res)
     write_json(a.out_json, res)
@@ -375,12 +370,12 @@ def print_table(res: dict) -> None:
     print(f"\nverify pass, past {res['past']} ({res['device']}, {res['dtype']}); "
           f"floor {res['floor_ms']:.3f} ms = {(res['weights']['streamed'] + res['kv_bytes_past']) / 1e9:.2f} GB / "
           f"{res['bandwidth']['read_TBps']:.2f} TB/s; times in ms (wall per call, synced)")
-    head = ("tokens", "eager", "graph", "replay", "full-kv", "tri-attn", "tri-rep", "g/floor", "best/fl",
+    head = ("tokens", "eager", "graph", "replay", "full-kv", "sdpa", "sdpa-rep", "g/floor", "best/fl",
             "eag/gr", "acc-g", "acc-s", "eacc-g", "eacc-s", "same")
     print(" ".join(f"{h:>8}" for h in head))
     for r in res["verify"]:
         vals = (r["tokens"], r["eager_ms"], r["graph_ms"], r["graph_replay_ms"], r["graph_fullkv_ms"],
-                r["graph_triton_attn_ms"], r["graph_triton_attn_replay_ms"], r["graph_over_floor"], r["best_graph_over_floor"],
+                r["graph_sdpa_ms"], r["graph_sdpa_replay_ms"], r["graph_over_floor"], r["best_graph_over_floor"],
                 r["eager_over_graph"], r["accept_greedy_graph_ms"], r["accept_sample_graph_ms"],
                 r["accept_greedy_eager_ms"], r["accept_sample_eager_ms"], r["greedy_same_as_eager"])
         print(" ".join(_cell(v) for v in vals))
@@ -389,7 +384,7 @@ def print_table(res: dict) -> None:
         for r in res["attention"]:
             print(f"  T={r['tokens']:4d} L={r['kv_len']:5d} {r['variant']:16s} {r['backend']:10s} "
                   + (f"{r['ms']:.4f}" if "ms" in r else r["error"]))
-    for key in ("profile_eager", "profile_eager_triton_attention"):
+    for key in ("profile_eager", "profile_eager_sdpa_attention"):
         if res.get(key):
             prof = res[key]
             cats = ", ".join(f"{k} {v:.2f}" for k, v in prof["by_category_ms"].items())

@@ -6,6 +6,8 @@ rotate-half RoPE) so logits agree to float32 precision.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -58,18 +60,27 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(hidden, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
         self.gate_up_weight: torch.Tensor | None = None
+        self.silu_mul = silu_mul
 
-    def fuse_weights(self) -> None:
+    def fuse_weights(self, silu_mul_impl: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         """One [2 * intermediate, hidden] weight for gate and up (one GEMM instead of two);
-        gate_proj / up_proj keep views of it, so state dicts are unchanged."""
+        gate_proj / up_proj keep views of it, so state dicts are unchanged. `silu_mul_impl`
+        replaces `silu_mul` on the fused projection (a fused kernel with the same semantics)."""
         if self.gate_up_weight is None:
             self.gate_up_weight = _fuse_linears(self.gate_proj, self.up_proj)
+        if silu_mul_impl is not None:
+            self.silu_mul = silu_mul_impl
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_weight is None:
             return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-        gate, up = F.linear(x, self.gate_up_weight).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.silu_mul(F.linear(x, self.gate_up_weight)))
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for [..., 2 * I] = [gate, up] (the MLP's activation)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
 
 
 def _fuse_linears(*linears: nn.Linear) -> torch.Tensor:
@@ -88,7 +99,7 @@ class AttentionProjections(nn.Module):
 
     def __init__(self, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int, eps: float, qk_norm: bool):
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim, self.eps = num_heads, num_kv_heads, head_dim, eps
         self.q_proj = nn.Linear(hidden, num_heads * head_dim, bias=False)
         self.k_proj = nn.Linear(hidden, num_kv_heads * head_dim, bias=False)
         self.v_proj = nn.Linear(hidden, num_kv_heads * head_dim, bias=False)
@@ -110,6 +121,12 @@ class AttentionProjections(nn.Module):
         if self.qkv_weight is None:
             return torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
         return F.linear(x, self.qkv_weight)
+
+    def kv(self, x: torch.Tensor) -> torch.Tensor:
+        """The raw k, v projections side by side: [B, T, 2 kv_heads * D]."""
+        if self.qkv_weight is None:
+            return torch.cat([self.k_proj(x), self.v_proj(x)], dim=-1)
+        return F.linear(x, self.qkv_weight[self.num_heads * self.head_dim:])
 
     def query(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """[B, T, hidden] -> rotated queries [B, heads, T, D]."""

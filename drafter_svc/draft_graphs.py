@@ -20,6 +20,11 @@ and replays it every round:
   must hold finite values (0 * NaN is NaN): a slot is zeroed when a session takes it, and
   padding rows are zero features.
   The capacity is max_seq_len + block_size, rounded up to `KV_ALIGN`: room for both.
+* **Fused kernels.** Per layer one kernel projects-normalises-rotates the new keys (context
+  rows and block alike) and stores them with the values into the slot
+  (`kernels.layer_ops.project_store`, on fused q/k/v weights), attention reads the slot in
+  place (`kernels.slot_attention`), and residual adds are fused into the RMSNorms: the graph
+  holds no gathers or scatters and few small kernels.
 * **KV-length buckets.** L is the smallest of `kv_buckets` (default: the verifier's
   `auto_kv_buckets` ladder below the capacity) with L >= past + k + T.
 * **Static buffers.** One int64 buffer (block tokens, past, new length, slot) and one
@@ -50,7 +55,10 @@ import torch
 from torch import Tensor
 
 from drafter_svc.draft_model import DFlashDraftModel, DraftContext
+from kernels.layer_ops import project_store
+from kernels.slot_attention import slot_attention
 from common.buckets import KV_ALIGN, auto_kv_buckets
+from common.layers import AttentionProjections
 from common.staging import StagedInputs
 
 log = logging.getLogger(__name__)
@@ -185,7 +193,6 @@ class DraftGraphs:
         self._inputs = _Inputs(cfg.block_size, self.rows, feature_dim, cfg.mask_token_id, draft.fc.weight.dtype,
                                self.device, pinned=self.capture)
         self._cols = {length: torch.arange(length, device=self.device) for length in self.kv_buckets}
-        self._zeros = torch.zeros(max(self.kv_buckets), dtype=draft.fc.weight.dtype, device=self.device)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, Tensor]] = {}
         self._lock = threading.Lock()
         self._warned_full = False
@@ -220,28 +227,24 @@ class DraftGraphs:
 
     # -- the static-shape computation (captured on CUDA, run eagerly otherwise) ---------------
 
-    def _write(self, layer: int, slot: Tensor, positions: Tensor, key: Tensor, value: Tensor) -> None:
-        """Store key/value [1, kv_heads, n, D] at positions [n] of the slot's layer."""
-        rows = slot.expand_as(positions)
-        self.pool.kv[:, layer, 0][rows, :, positions] = key[0].transpose(0, 1)
-        self.pool.kv[:, layer, 1][rows, :, positions] = value[0].transpose(0, 1)
-
     def _static(self, length: int) -> Tensor:
         inp, kv = self._inputs, self.pool.kv
         slot = inp.slot
         rows = inp.past + inp.row_offsets  # padded rows too: they land past the new length
-        for i, (key, value) in enumerate(self.draft.context_kv(inp.features, rows[None])):
-            self._write(i, slot, rows, key, value)
+        context = self.draft.context_hidden(inp.features)
+        cos, sin = self.draft.rotary(rows[None], context.dtype)
+        for i, layer in enumerate(self.draft.layers):
+            project_store(layer.self_attn, context, cos, sin, kv[:, i, 0], kv[:, i, 1], slot, rows[None],
+                          queries=False)
         block = inp.new_length + inp.block_offsets
-        # Additive mask (0 / -inf): SDPA's fused kernels take it with grouped KV heads.
-        hidden_cols = self._cols[length] >= inp.new_length + self.block_size
-        mask = self._zeros[:length].masked_fill(hidden_cols, float("-inf")).expand(self.block_size, length)[None, None]
+        visible = (self._cols[length] < inp.new_length + self.block_size).expand(1, self.block_size, length)
 
-        def context(i: int, k_blk: Tensor, v_blk: Tensor):
-            self._write(i, slot, block, k_blk, v_blk)
-            return kv[:, i, 0, :, :length].index_select(0, slot), kv[:, i, 1, :, :length].index_select(0, slot), mask
+        def attention(i: int, attn: AttentionProjections, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+            q = project_store(attn, x, cos, sin, kv[:, i, 0], kv[:, i, 1], slot, block[None])
+            out = slot_attention(q, kv[:, i, 0], kv[:, i, 1], slot, visible)
+            return attn.o_proj(out.reshape(1, self.block_size, -1))
 
-        hidden = self.draft.block_forward(self.embed_tokens[inp.tokens], block[None], context)
+        hidden = self.draft.block_forward(self.embed_tokens[inp.tokens], block[None], attention)
         return hidden[1:] @ self.lm_head.T
 
     def _run(self, length: int) -> Tensor:

@@ -16,6 +16,7 @@ from torch import nn
 from common.checkpoint import load_tensors
 from common.config import DraftConfig, load_draft_config
 from common.layers import MLP, AttentionProjections, RMSNorm, RotaryEmbedding
+from kernels.layer_ops import add_rms_norm, silu_mul
 
 
 class DraftLayer(nn.Module):
@@ -53,9 +54,9 @@ class DraftContext:
         self.kv = None
 
 
-# A block's attention context per layer: (layer index, block keys, block values) -> keys,
-# values and mask (None = all visible) for `AttentionProjections.attend`.
-ContextAttention = Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]
+# One layer's attention of the block over [context, block]: (layer index, its projections,
+# the normalised block x [1, T, hidden], cos, sin) -> the attention output after o_proj.
+BlockAttention = Callable[[int, AttentionProjections, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 class DFlashDraftModel(nn.Module):
@@ -83,10 +84,20 @@ class DFlashDraftModel(nn.Module):
         return DraftContext(torch.zeros(cfg.num_layers, 2, cfg.num_kv_heads, capacity, cfg.head_dim,
                                         device=p.device, dtype=p.dtype))
 
+    def fuse_weights(self) -> None:
+        """Concatenate q/k/v and gate/up weights (inference only; see `common.layers`)."""
+        for layer in self.layers:
+            layer.self_attn.fuse_weights()
+            layer.mlp.fuse_weights(silu_mul)
+
+    def context_hidden(self, features: torch.Tensor) -> torch.Tensor:
+        """The context rows [1, k, hidden] the layers' keys and values come from."""
+        return self.hidden_norm(self.fc(features.to(self.fc.weight.dtype)))[None]
+
     def context_kv(self, features: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Rotated keys and values [1, kv_heads, k, D] of every layer for feature rows
         [k, n_layers * hidden] at positions [1, k]."""
-        hidden = self.hidden_norm(self.fc(features.to(self.fc.weight.dtype)))[None]
+        hidden = self.context_hidden(features)
         cos, sin = self.rotary(positions, hidden.dtype)
         return [layer.self_attn.key_value(hidden, cos, sin) for layer in self.layers]
 
@@ -104,28 +115,28 @@ class DFlashDraftModel(nn.Module):
         ctx.length += k
 
     def block_forward(self, block_embeds: torch.Tensor, positions: torch.Tensor,
-                      context: ContextAttention) -> torch.Tensor:
+                      attention: BlockAttention) -> torch.Tensor:
         """Hidden states [T, hidden] of block embeddings [T, hidden] at positions [1, T], each
-        layer attending to what `context` gives it."""
+        layer's attention (o_proj included) computed by `attention`."""
         h = block_embeds[None].to(self.fc.weight.dtype)
         cos, sin = self.rotary(positions, h.dtype)
+        eps = self.cfg.rms_norm_eps
+        pending = None  # the last MLP's output, added to h by the next fused add + norm
         for i, layer in enumerate(self.layers):
-            attn = layer.self_attn
-            x = layer.input_layernorm(h)
-            q = attn.query(x, cos, sin)
-            k, v, mask = context(i, *attn.key_value(x, cos, sin))
-            h = h + attn.attend(q, k, v, mask)
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
-        return self.norm(h)[0]
+            h, x = add_rms_norm(h, pending, layer.input_layernorm.weight, eps)
+            h, x = add_rms_norm(h, attention(i, layer.self_attn, x, cos, sin), layer.post_attention_layernorm.weight, eps)
+            pending = layer.mlp(x)
+        return add_rms_norm(h, pending, self.norm.weight, eps)[1][0]
 
     def forward(self, ctx: DraftContext, block_embeds: torch.Tensor) -> torch.Tensor:
         """Hidden states [T, hidden] for a block of embeddings [T, hidden] placed right after the context."""
         t = block_embeds.shape[0]
         positions = torch.arange(ctx.length, ctx.length + t, device=self.fc.weight.device)[None]
 
-        def context(i: int, k_blk: torch.Tensor, v_blk: torch.Tensor):
+        def attention(i: int, attn: AttentionProjections, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+            k_blk, v_blk = attn.key_value(x, cos, sin)
             k = torch.cat([ctx.kv[i, 0, :, :ctx.length][None], k_blk], dim=2)
             v = torch.cat([ctx.kv[i, 1, :, :ctx.length][None], v_blk], dim=2)
-            return k, v, None
+            return attn.attend(attn.query(x, cos, sin), k, v, None)
 
-        return self.block_forward(block_embeds, positions, context)
+        return self.block_forward(block_embeds, positions, attention)

@@ -62,6 +62,7 @@ class DFlashProposer:
     def __init__(self, draft: DFlashDraftModel, embed_tokens: torch.Tensor, lm_head: torch.Tensor,
                  max_seq_len: int, cuda_graphs: bool = True, graph_config: DraftGraphConfig | None = None):
         self.draft = draft
+        draft.fuse_weights()
         self.embed_tokens = embed_tokens
         self.lm_head = lm_head
         self.block_size = draft.cfg.block_size

@@ -20,11 +20,15 @@ where M is the row's maximum logit, floor the smallest kept logit and Z the mass
 kept logits (the whole row without filters). p is non-decreasing in x for T > 0, so the
 top-k and top-p sets are thresholds on the logit itself: floor is found by a radix search
 over a monotone integer key of the logit (16 bits for bf16/fp16, 32 for fp32; -0.0 and
-+0.0 share a key), RADIX_BITS = 4 bits per level, each level a (row, chunk) pass that counts
-the keys and their mass per digit, then a one-program-per-row pick of the digit. The top-k
-search keeps the k-th largest logit and its ties; the top-p search then runs over the kept
-logits with the goal top_p * (their mass) and keeps the smallest head that reaches it, ties
-included, as process_probs does.
++0.0 share a key), RADIX_BITS = 4 bits per level. Each level is one (row, chunk) pass that
+first picks the previous level's digit (every program reduces that level's per-chunk counts
+of its row, which is cheap) and then counts the chunk's keys per digit (tl.histogram), with
+their mass in the top-p search; the first level's counts come with the stats pass, a last
+per-row launch picks the last digit. A pass reads only the blocks of logits whose maximum
+key (noted by the stats pass) reaches its level's range, so after the first levels it reads
+little. The top-k search keeps the k-th largest logit and its ties; the top-p search then
+runs over the kept logits with the goal top_p * (their mass) and keeps the smallest head
+that reaches it, ties included, as process_probs does.
 
 Differences to the references are float rounding only: Z and the masses are float32 sums
 in another order, and exp2 replaces torch's exp, so a sampled outcome can only differ where
@@ -53,7 +57,8 @@ from kernels.tree_sampling import (
 # Vocabulary chunk of one program in the parallel passes (a power of two). Tests lower it
 # to exercise several chunks, and a ragged last one, with a small vocabulary.
 CHUNK_V = 4096
-# Logits per inner step of a histogram pass: [HIST_BLOCK, RADIX] one-hot tiles.
+# Logits per inner step of a search pass, the unit it skips (and the one-hot [HIST_BLOCK,
+# RADIX] tiles of its masses); tests lower it to have several per chunk.
 HIST_BLOCK = 256
 RADIX_BITS = 4
 KEY_BITS = {torch.bfloat16: 16, torch.float16: 16, torch.float32: 32}
@@ -143,24 +148,42 @@ def _exp_from(x, ref, scale):
 
 @triton.jit
 def _key(raw, KEY_BITS: tl.constexpr):
-    """int64 key in [0, 2**KEY_BITS) ordered like the float values of raw (its storage dtype)."""
+    """Key in [0, 2**KEY_BITS) ordered like the float values of raw (its storage dtype): int32
+    for 16-bit keys, int64 for 32-bit ones."""
     if KEY_BITS == 16:
         bits = raw.to(tl.int16, bitcast=True).to(tl.int32)
     else:
         bits = raw.to(tl.int32, bitcast=True)
     bits = tl.where(bits == -(1 << (KEY_BITS - 1)), 0, bits)  # -0.0 -> +0.0
     ordered = tl.where(bits < 0, bits ^ ((1 << (KEY_BITS - 1)) - 1), bits)  # two's-complement order
-    return ordered.to(tl.int64) + (1 << (KEY_BITS - 1))
+    if KEY_BITS == 16:
+        key = ordered + (1 << 15)
+    else:
+        key = ordered.to(tl.int64) + (1 << 31)
+    return key
 
 
 @triton.jit
-def _chunk_stats_kernel(logits_ptr, temperature_ptr, part_max_ptr, part_aux_ptr, T, V, C,
-                        GREEDY: tl.constexpr, CHUNK: tl.constexpr):
-    """Per (row, chunk): the maximum logit, and its first index (GREEDY) or sum exp2((x - max) * scale)."""
+def _filters_on(top_k_ptr, top_p_ptr, b, V):
+    """(top-k on, top-p on) for batch row b."""
+    k = tl.load(top_k_ptr + b)
+    return (k > 0) & (k < V), tl.load(top_p_ptr + b) < 1.0
+
+
+@triton.jit
+def _chunk_stats_kernel(logits_ptr, temperature_ptr, top_k_ptr, top_p_ptr, part_max_ptr, part_aux_ptr,
+                        block_max_ptr, count_ptr, T, V, C, GREEDY: tl.constexpr, FILTERS: tl.constexpr,
+                        KEY_BITS: tl.constexpr, RADIX_BITS: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+    """Per (row, chunk): the maximum logit, and its first index (GREEDY) or sum exp2((x - max) * scale).
+
+    FILTERS, where a filter is on, also writes the maximum key of each BLOCK of the chunk (the
+    searches skip the blocks below their range) and, where top-k is on, the counts of the first
+    top-k level: per digit key >> (KEY_BITS - RADIX_BITS) (see `_search_level_kernel`)."""
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     offs = chunk * CHUNK + tl.arange(0, CHUNK)
-    x = tl.load(logits_ptr + row * V + offs, mask=offs < V, other=-float("inf")).to(tl.float32)
+    raw = tl.load(logits_ptr + row * V + offs, mask=offs < V, other=-float("inf"))
+    x = raw.to(tl.float32)
     if GREEDY:
         chunk_max, index = tl.max(x, axis=0, return_indices=True, return_indices_tie_break_left=True)
         aux = chunk * CHUNK + index
@@ -169,6 +192,17 @@ def _chunk_stats_kernel(logits_ptr, temperature_ptr, part_max_ptr, part_aux_ptr,
         aux = tl.sum(_exp_from(x, chunk_max, _log2_scale(temperature_ptr, row // T)), axis=0)
     tl.store(part_max_ptr + row * C + chunk, chunk_max)
     tl.store(part_aux_ptr + row * C + chunk, aux)
+    if FILTERS:
+        top_k_on, top_p_on = _filters_on(top_k_ptr, top_p_ptr, row // T, V)
+        if top_k_on | top_p_on:
+            key = _key(raw, KEY_BITS)
+            NB: tl.constexpr = CHUNK // BLOCK
+            tl.store(block_max_ptr + (row * C + chunk) * NB + tl.arange(0, NB),
+                     tl.max(tl.reshape(key, (NB, BLOCK)), axis=1))
+            if top_k_on:
+                RADIX: tl.constexpr = 1 << RADIX_BITS
+                counts = tl.histogram((key >> (KEY_BITS - RADIX_BITS)).to(tl.int32), RADIX, mask=offs < V)
+                tl.store(count_ptr + (row * C + chunk) * RADIX + tl.arange(0, RADIX), counts)
 
 
 @triton.jit
@@ -211,89 +245,195 @@ def _row_softmax(part_max_ptr, part_sum_ptr, row, C, scale, BLOCK_C: tl.constexp
     return row_max, tl.sum(_exp_from(maxima, row_max, scale) * sums, axis=0)
 
 
+# The searches' levels are numbered 0 .. 2 * LEVELS - 1: top-k's, then top-p's, LEVELS =
+# KEY_BITS // RADIX_BITS each; level j's digit is bits [shift, shift + RADIX_BITS) of the key,
+# shift = KEY_BITS - RADIX_BITS * (j % LEVELS + 1).
+
+
 @triton.jit
-def _search_on(top_k_ptr, top_p_ptr, b, V, TOP_P: tl.constexpr):
-    if TOP_P:
-        on = tl.load(top_p_ptr + b) < 1.0
+def _takes_part(top_k_ptr, top_p_ptr, b, V, level, LEVELS: tl.constexpr):
+    """Whether batch row b takes part in level - 1 and in level. A row takes part in the top-k
+    levels where top-k is on, in the top-p levels where top-p is on, and in the first top-p
+    level also where top-k alone is (its masses sum to the mass that top-k keeps)."""
+    k = tl.load(top_k_ptr + b)
+    top_k_on = (k > 0) & (k < V)  # as _filters_on, inline: the interpreter's calls are slow
+    top_p_on = tl.load(top_p_ptr + b) < 1.0
+    before = (top_k_on & (level <= LEVELS + 1)) | (top_p_on & (level > LEVELS))
+    at = (top_k_on & (level <= LEVELS)) | (top_p_on & (level >= LEVELS))
+    return before, at
+
+
+@triton.jit
+def _pick_digit(count_ptr, mass_ptr, prefix_ptr, above_count_ptr, above_mass_ptr, total_ptr, top_k_ptr, top_p_ptr,
+                row, b, R, C, level, shift, KEY_BITS: tl.constexpr, RADIX_BITS: tl.constexpr,
+                BLOCK_C: tl.constexpr):
+    """The digit of a row at a level, from the level's per-chunk counts and masses [R, C, RADIX]:
+    the largest digit whose keys at or above it (with those above the prefix) reach the goal:
+    count >= k (top-k), or count >= 1 and mass >= top_p * total (top-p; total: the mass of the
+    first top-p level, i.e. of the keys top-k keeps); digit 0 if none does (rounding).
+
+    The state before (prefix, count and mass of the keys above the prefix) is the previous
+    level's, empty at a search's first level. Returns the state after, total, and the mass of
+    the keys at or above the digit."""
+    LEVELS: tl.constexpr = KEY_BITS // RADIX_BITS
+    RADIX: tl.constexpr = 1 << RADIX_BITS
+    top_p = level >= LEVELS
+    chunks = tl.arange(0, BLOCK_C)[:, None]
+    digits = tl.arange(0, RADIX)
+    at = (row * C + chunks) * RADIX + digits[None, :]
+    at_or_above = digits[None, :] >= digits[:, None]  # [threshold digit, bin]
+    counts = tl.sum(tl.load(count_ptr + at, mask=chunks < C, other=0), axis=0)
+    count_from = tl.sum(tl.where(at_or_above, counts[None, :], 0), axis=1)
+    prefix = tl.full([], 0, tl.int64)
+    above_count = tl.full([], 0, tl.int32)
+    above_mass = tl.full([], 0.0, tl.float32)
+    later = level % LEVELS != 0  # not the search's first level: continue from the previous one
+    if later:
+        state = (level - 1) * R + row
+        prefix = tl.load(prefix_ptr + state)
+        above_count = tl.load(above_count_ptr + state)
+        above_mass = tl.load(above_mass_ptr + state)
+    # (tl.full, not tl.zeros, and no reductions the search does not use: in the interpreter,
+    # the tests' CPU path, each call of a @triton.jit function such as tl.zeros or tl.sum is slow.)
+    masses = tl.full([RADIX], 0.0, tl.float32)
+    mass_from = tl.full([RADIX], 0.0, tl.float32)
+    total = tl.full([], 0.0, tl.float32)
+    if top_p:
+        masses = tl.sum(tl.load(mass_ptr + at, mask=chunks < C, other=0.0), axis=0)
+        mass_from = tl.sum(tl.where(at_or_above, masses[None, :], 0.0), axis=1)
+        if later:
+            total = tl.load(total_ptr + row)
+        else:
+            total = tl.sum(masses, axis=0)
+        ok = (above_count + count_from >= 1) & (above_mass + mass_from >= tl.load(top_p_ptr + b) * total)
     else:
-        k = tl.load(top_k_ptr + b)
-        on = (k > 0) & (k < V)
-    return on
+        ok = above_count + count_from >= tl.load(top_k_ptr + b)
+    digit = tl.max(tl.where(ok, digits, 0), axis=0)
+    kept = above_mass
+    above_count += tl.sum(tl.where(digits > digit, counts, 0), axis=0)
+    if top_p:
+        kept += tl.sum(tl.where(digits == digit, mass_from, 0.0), axis=0)
+        above_mass += tl.sum(tl.where(digits > digit, masses, 0.0), axis=0)
+    prefix |= digit.to(tl.int64) << shift
+    return prefix, above_count, above_mass, total, kept
 
 
 @triton.jit
-def _digit_hist_kernel(logits_ptr, temperature_ptr, top_k_ptr, top_p_ptr, part_max_ptr, prefix_ptr, floor_ptr,
-                       count_ptr, mass_ptr, T, V, C, shift, high_mask,
-                       TOP_P: tl.constexpr, KEY_BITS: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
-                       BLOCK_C: tl.constexpr, RADIX: tl.constexpr):
-    """Per (row, chunk): count and mass per digit (key >> shift) % RADIX of the keys that
-    match the row's prefix on the bits above the digit (and are >= floor when TOP_P)."""
+def _chunk_histogram(logits_ptr, block_max_ptr, row, chunk, V, C, prefix, floor, shift, row_max, scale,
+                     MASSES: tl.constexpr, KEY_BITS: tl.constexpr, RADIX_BITS: tl.constexpr, CHUNK: tl.constexpr,
+                     BLOCK: tl.constexpr):
+    """Counts (and MASSES: sums of exp2((x - row_max) * scale)) per digit (key >> shift) % RADIX of
+    the chunk's keys that equal prefix on the bits above the digit and are >= floor. Blocks whose
+    maximum key is below both are not read."""
+    RADIX: tl.constexpr = 1 << RADIX_BITS
+    NB: tl.constexpr = CHUNK // BLOCK
+    digits = tl.arange(0, RADIX)
+    counts = tl.full([RADIX], 0, tl.int32)
+    masses = tl.full([RADIX], 0.0, tl.float32)
+    lowest = tl.maximum(prefix, floor)
+    above = shift + RADIX_BITS
+    for i in range(NB):
+        if tl.load(block_max_ptr + (row * C + chunk) * NB + i) >= lowest:
+            offs = chunk * CHUNK + i * BLOCK + tl.arange(0, BLOCK)
+            raw = tl.load(logits_ptr + row * V + offs, mask=offs < V, other=0.0)
+            key = _key(raw, KEY_BITS)
+            live = (offs < V) & ((key >> above) == (prefix >> above)) & (key >= floor)
+            digit = ((key >> shift) & (RADIX - 1)).to(tl.int32)
+            counts += tl.histogram(digit, RADIX, mask=live)
+            if MASSES:
+                if tl.max(live.to(tl.int32), axis=0) > 0:
+                    hot = live[:, None] & (digit[:, None] == digits[None, :])
+                    e = _exp_from(raw.to(tl.float32), row_max, scale)
+                    masses += tl.sum(tl.where(hot, e[:, None], 0.0), axis=0)
+    return counts, masses
+
+
+@triton.jit(do_not_specialize=["level"])
+def _search_level_kernel(logits_ptr, temperature_ptr, top_k_ptr, top_p_ptr, part_max_ptr, block_max_ptr,
+                         count_in_ptr, mass_in_ptr, count_out_ptr, mass_out_ptr,
+                         prefix_ptr, above_count_ptr, above_mass_ptr, total_ptr, T, V, C, R, level, shift,
+                         TOP_P: tl.constexpr, KEY_BITS: tl.constexpr, RADIX_BITS: tl.constexpr,
+                         CHUNK: tl.constexpr, BLOCK: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Per (row, chunk), for a level >= 1 (its shift; TOP_P: a top-p level): pick the previous
+    level's digit (every program of the row does, from that level's partials; chunk 0 stores
+    the state), then write the chunk's counts (and masses, TOP_P) per digit of this level: of
+    the keys with the search's prefix, and at or above top-k's floor in the top-p search.
+
+    The previous level's keys are at or above a bound (the prefix before it, and top-k's floor
+    in the top-p search): a chunk whose maximum key is below it skips the pick (except chunk 0)
+    and the histogram."""
+    LEVELS: tl.constexpr = KEY_BITS // RADIX_BITS
+    RADIX: tl.constexpr = 1 << RADIX_BITS
+    NB: tl.constexpr = CHUNK // BLOCK
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     b = row // T
-    if _search_on(top_k_ptr, top_p_ptr, b, V, TOP_P):
-        row_max = _row_max(part_max_ptr, row, C, BLOCK_C)
-        scale = _log2_scale(temperature_ptr, b)
-        prefix = tl.load(prefix_ptr + row)
+    pick_on, count_on = _takes_part(top_k_ptr, top_p_ptr, b, V, level, LEVELS)
+    counts = tl.full([RADIX], 0, tl.int32)
+    masses = tl.full([RADIX], 0.0, tl.float32)
+    if pick_on | count_on:
+        prefix = tl.full([], 0, tl.int64)
+        if level >= 2:
+            prefix = tl.load(prefix_ptr + (level - 2) * R + row)
         floor = tl.full([], 0, tl.int64)
+        if level > LEVELS:
+            floor = tl.load(prefix_ptr + (LEVELS - 1) * R + row)
+        chunk_max = tl.max(tl.load(block_max_ptr + (row * C + chunk) * NB + tl.arange(0, NB)), axis=0)
+        if (chunk == 0) | (chunk_max >= tl.maximum(prefix, floor)):
+            prefix = tl.full([], 0, tl.int64)
+            if pick_on:
+                prefix, above_count, above_mass, total, _ = _pick_digit(
+                    count_in_ptr, mass_in_ptr, prefix_ptr, above_count_ptr, above_mass_ptr, total_ptr, top_k_ptr,
+                    top_p_ptr, row, b, R, C, level - 1, (shift + RADIX_BITS) % KEY_BITS, KEY_BITS, RADIX_BITS,
+                    BLOCK_C)
+                if chunk == 0:
+                    state = (level - 1) * R + row
+                    tl.store(prefix_ptr + state, prefix)
+                    tl.store(above_count_ptr + state, above_count)
+                    tl.store(above_mass_ptr + state, above_mass)
+                    if level == LEVELS + 1:
+                        tl.store(total_ptr + row, total)
+            if TOP_P & (level == LEVELS):  # the top-p search starts at top-k's floor (0 without top-k)
+                floor = prefix
+                prefix = tl.full([], 0, tl.int64)
+            if count_on:
+                row_max = tl.full([], 0.0, tl.float32)
+                scale = tl.full([], 0.0, tl.float32)
+                if TOP_P:
+                    row_max = _row_max(part_max_ptr, row, C, BLOCK_C)
+                    scale = _log2_scale(temperature_ptr, b)
+                counts, masses = _chunk_histogram(logits_ptr, block_max_ptr, row, chunk, V, C, prefix, floor,
+                                                  shift, row_max, scale, TOP_P, KEY_BITS, RADIX_BITS, CHUNK, BLOCK)
+    if count_on:
+        out = (row * C + chunk) * RADIX + tl.arange(0, RADIX)
+        tl.store(count_out_ptr + out, counts)
         if TOP_P:
-            floor = tl.load(floor_ptr + row)
-        digits = tl.arange(0, RADIX)
-        counts = tl.zeros([RADIX], dtype=tl.int32)
-        masses = tl.zeros([RADIX], dtype=tl.float32)
-        for start in range(0, CHUNK, BLOCK):
-            offs = chunk * CHUNK + start + tl.arange(0, BLOCK)
-            raw = tl.load(logits_ptr + row * V + offs, mask=offs < V, other=0.0)
-            key = _key(raw, KEY_BITS)
-            live = (offs < V) & ((key & high_mask) == prefix) & (key >= floor)
-            if tl.max(live.to(tl.int32), axis=0) > 0:  # past the first level, most blocks have none
-                hot = live[:, None] & (((key >> shift) % RADIX)[:, None] == digits[None, :])
-                counts += tl.sum(hot.to(tl.int32), axis=0)
-                e = _exp_from(raw.to(tl.float32), row_max, scale)
-                masses += tl.sum(tl.where(hot, e[:, None], 0.0), axis=0)
-        out = (row * C + chunk) * RADIX + digits
-        tl.store(count_ptr + out, counts)
-        tl.store(mass_ptr + out, masses)
+            tl.store(mass_out_ptr + out, masses)
 
 
 @triton.jit
-def _digit_pick_kernel(count_ptr, mass_ptr, temperature_ptr, top_k_ptr, top_p_ptr, part_max_ptr, part_sum_ptr,
-                       prefix_ptr, above_count_ptr, above_mass_ptr, floor_ptr, kept_ptr, T, V, C, shift,
-                       TOP_P: tl.constexpr, BLOCK_C: tl.constexpr, RADIX: tl.constexpr):
-    """Per row: the largest digit whose keys at or above it (with those above the prefix) reach
-    the goal: count >= k (top-k), or count >= 1 and mass >= top_p * kept (top-p); digit 0 if
-    none does (rounding). The last level (shift 0) writes the threshold and its kept mass."""
+def _search_result_kernel(count_ptr, mass_ptr, temperature_ptr, top_k_ptr, top_p_ptr, part_max_ptr, part_sum_ptr,
+                          prefix_ptr, above_count_ptr, above_mass_ptr, total_ptr, floor_ptr, kept_ptr, T, V, C, R,
+                          KEY_BITS: tl.constexpr, RADIX_BITS: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Per row: pick the last level's digit; write the key floor and the kept mass: top-p's where
+    it is on (its threshold, the mass at and above it), else top-k's (its threshold, the first
+    top-p level's total), else 0 and the row's whole mass."""
+    LEVELS: tl.constexpr = KEY_BITS // RADIX_BITS
     row = tl.program_id(0).to(tl.int64)
     b = row // T
-    if _search_on(top_k_ptr, top_p_ptr, b, V, TOP_P):
-        chunks = tl.arange(0, BLOCK_C)[:, None]
-        digits = tl.arange(0, RADIX)
-        at = (row * C + chunks) * RADIX + digits[None, :]
-        counts = tl.sum(tl.load(count_ptr + at, mask=chunks < C, other=0), axis=0)
-        masses = tl.sum(tl.load(mass_ptr + at, mask=chunks < C, other=0.0), axis=0)
-        at_or_above = digits[None, :] >= digits[:, None]  # [threshold digit, bin]
-        count_from = tl.sum(tl.where(at_or_above, counts[None, :], 0), axis=1)
-        mass_from = tl.sum(tl.where(at_or_above, masses[None, :], 0.0), axis=1)
-        above_count = tl.load(above_count_ptr + row)
-        above_mass = tl.load(above_mass_ptr + row)
-        if TOP_P:
-            ok = (above_count + count_from >= 1) & \
-                (above_mass + mass_from >= tl.load(top_p_ptr + b) * tl.load(kept_ptr + row))
-        else:
-            ok = above_count + count_from >= tl.load(top_k_ptr + b)
-        digit = tl.max(tl.where(ok, digits, 0), axis=0)
-        kept = above_mass + tl.sum(tl.where(digits == digit, mass_from, 0.0), axis=0)
-        tl.store(above_count_ptr + row, above_count + tl.sum(tl.where(digits > digit, counts, 0), axis=0))
-        tl.store(above_mass_ptr + row, above_mass + tl.sum(tl.where(digits > digit, masses, 0.0), axis=0))
-        prefix = tl.load(prefix_ptr + row) | (digit.to(tl.int64) << shift)
-        tl.store(prefix_ptr + row, prefix)
-        if shift == 0:
-            tl.store(floor_ptr + row, prefix)
-            tl.store(kept_ptr + row, kept)
-    elif not TOP_P:
-        if shift == 0:  # no top-k: floor stays 0, everything is kept
-            _, total = _row_softmax(part_max_ptr, part_sum_ptr, row, C, _log2_scale(temperature_ptr, b), BLOCK_C)
-            tl.store(kept_ptr + row, total)
+    top_k_on, top_p_on = _filters_on(top_k_ptr, top_p_ptr, b, V)
+    if top_p_on:
+        floor, above_count, above_mass, total, kept = _pick_digit(
+            count_ptr, mass_ptr, prefix_ptr, above_count_ptr, above_mass_ptr, total_ptr, top_k_ptr, top_p_ptr,
+            row, b, R, C, 2 * LEVELS - 1, 0, KEY_BITS, RADIX_BITS, BLOCK_C)
+    elif top_k_on:
+        floor = tl.load(prefix_ptr + (LEVELS - 1) * R + row)
+        kept = tl.load(total_ptr + row)
+    else:
+        floor = tl.full([], 0, tl.int64)
+        row_max, kept = _row_softmax(part_max_ptr, part_sum_ptr, row, C, _log2_scale(temperature_ptr, b), BLOCK_C)
+    tl.store(floor_ptr + row, floor)
+    tl.store(kept_ptr + row, kept)
 
 
 # T is never specialised: with T == 1 the walk loop folds away and Triton 3.6 fails to
@@ -426,10 +566,9 @@ def tree_accept_triton(logits: Tensor, tokens: Tensor, next_token: Tensor, next_
 
     Launches: greedy 2 (chunk maxima, walk; the logits are read once); temperature only 4
     (chunk softmax partials, walk, residual chunk sums, bonus: the logits once, plus the
-    last accepted row of each tree twice). Filters add a histogram pass and a pick per level
-    of each search, KEY_BITS / RADIX_BITS levels: 16 more launches for bf16/fp16 logits
-    (8 more reads of the logits, of which the top-p ones skip the blocks with no kept
-    token), 32 for float32.
+    last accepted row of each tree twice). Filters add 2 * KEY_BITS / RADIX_BITS - 1 launches
+    (see `_run_searches`): 7 for bf16/fp16 logits, 15 for float32; each reads only the blocks of
+    the logits that hold a key in its level's range, at most the logits once.
     """
     bs, nodes, vocab = _check_accept_args(logits, tokens, next_token, next_sibling, predicts, accept_index,
                                           accept_num, greedy, coins, final_coins, temperature, top_k, top_p,
@@ -441,24 +580,30 @@ def tree_accept_triton(logits: Tensor, tokens: Tensor, next_token: Tensor, next_
     num_chunks = triton.cdiv(vocab, chunk)
     block_c = triton.next_power_of_2(num_chunks)
     key_bits = KEY_BITS[logits.dtype]
+    block = min(chunk, HIST_BLOCK)
     part_max = torch.empty((rows, num_chunks), dtype=torch.float32, device=dev)
     part_aux = torch.empty((rows, num_chunks), dtype=torch.int32 if greedy else torch.float32, device=dev)
-    scale_source = part_max if greedy else temperature  # greedy reads no temperature
-    _chunk_stats_kernel[(rows, num_chunks)](logits, scale_source, part_max, part_aux, nodes, vocab, num_chunks,
-                                            GREEDY=greedy, CHUNK=chunk)
+    search = _SearchBuffers(rows, num_chunks, chunk // block, key_bits, dev) if filters and not greedy else None
+    unused = part_max  # stands in for the pointers a variant does not read
+    _chunk_stats_kernel[(rows, num_chunks)](
+        logits, unused if greedy else temperature, top_k if search else unused, top_p if search else unused,
+        part_max, part_aux, search.block_max if search else unused, search.counts[0] if search else unused,
+        nodes, vocab, num_chunks,
+        GREEDY=greedy, FILTERS=search is not None, KEY_BITS=key_bits, RADIX_BITS=RADIX_BITS, CHUNK=chunk,
+        BLOCK=block)
     tree = (tokens, next_token, next_sibling)
     if greedy:
         _tree_walk_kernel[(bs,)](logits, *tree, predicts, accept_index, accept_num, accept_num,
-                                 part_max, part_aux, part_max, part_max, part_max, part_max,
+                                 part_max, part_aux, unused, unused, unused, unused,
                                  nodes, vocab, num_chunks, GREEDY=True, FILTERS=False, KEY_BITS=key_bits,
                                  BLOCK_C=block_c)
         return
 
     floor = torch.zeros(rows, dtype=torch.int64, device=dev)
     kept = torch.empty(rows, dtype=torch.float32, device=dev)
-    if filters:
-        _run_searches(logits, temperature, top_k, top_p, part_max, part_aux, floor, kept, nodes, num_chunks,
-                      chunk, key_bits)
+    if search:
+        _run_searches(search, logits, temperature, top_k, top_p, part_max, part_aux, floor, kept, nodes, chunk,
+                      block)
     last = torch.empty(bs, dtype=torch.int64, device=dev)
     _tree_walk_kernel[(bs,)](logits, *tree, predicts, accept_index, accept_num, last,
                              part_max, part_aux, floor, kept, coins, temperature,
@@ -471,32 +616,53 @@ def tree_accept_triton(logits: Tensor, tokens: Tensor, next_token: Tensor, next_
     _residual_pick_kernel[(bs,)](*residual, sums, final_coins, predicts, nodes, vocab, num_chunks, **meta)
 
 
-def _run_searches(logits, temperature, top_k, top_p, part_max, part_sum, floor, kept, nodes, num_chunks,
-                  chunk, key_bits) -> None:
+class _SearchBuffers:
+    """Device buffers of the top-k / top-p searches (see `_run_searches`)."""
+
+    def __init__(self, rows: int, num_chunks: int, blocks_per_chunk: int, key_bits: int, dev: torch.device):
+        self.levels = 2 * (key_bits // RADIX_BITS)
+        self.key_bits = key_bits
+        self.block_max = torch.empty((rows, num_chunks, blocks_per_chunk), dtype=torch.int64, device=dev)
+        # Per-chunk counts / masses per digit; level j writes [j % 2] while j + 1 reads them.
+        self.counts = torch.empty((2, rows, num_chunks, 1 << RADIX_BITS), dtype=torch.int32, device=dev)
+        self.masses = torch.empty((2, rows, num_chunks, 1 << RADIX_BITS), dtype=torch.float32, device=dev)
+        # The state after each level's digit (zero: top-k's floor is 0 where it is off).
+        self.prefix = torch.zeros((self.levels, rows), dtype=torch.int64, device=dev)
+        self.above_count = torch.empty((self.levels, rows), dtype=torch.int32, device=dev)
+        self.above_mass = torch.empty((self.levels, rows), dtype=torch.float32, device=dev)
+        self.total = torch.empty(rows, dtype=torch.float32, device=dev)
+
+    def state(self) -> tuple[Tensor, ...]:
+        return self.prefix, self.above_count, self.above_mass, self.total
+
+
+def _run_searches(search: _SearchBuffers, logits, temperature, top_k, top_p, part_max, part_sum, floor, kept,
+                  nodes, chunk, block) -> None:
     """Top-k, then top-p, radix searches: write each row's key floor and kept mass.
 
-    The top-p search only counts keys >= the top-k floor: that changes nothing (the head it
-    keeps never reaches below the floor) but lets its passes skip the other blocks.
+    A search finds its threshold key RADIX_BITS at a time, most significant first: each level
+    counts the keys with the digits found so far per value of the next digit, and picks the
+    largest digit whose keys and those above reach the goal. The top-p search only counts keys
+    >= the top-k floor: that changes nothing (the head it keeps never reaches below the floor)
+    but lets its levels skip the other blocks; its first level also runs where top-p is off
+    but top-k on, for the mass top-k keeps. Launches (L = 2 * KEY_BITS / RADIX_BITS levels):
+    the stats pass counts level 0; each `_search_level_kernel` launch picks level j - 1's
+    digit and counts level j (j = 1 .. L - 1); `_search_result_kernel` picks the last digit.
     """
-    rows, vocab = part_max.shape[0], logits.shape[2]
-    dev = logits.device
-    radix = 1 << RADIX_BITS
-    counts = torch.empty((rows, num_chunks, radix), dtype=torch.int32, device=dev)
-    masses = torch.empty((rows, num_chunks, radix), dtype=torch.float32, device=dev)
-    block_c = triton.next_power_of_2(num_chunks)
-    for top_p_search in (False, True):
-        prefix = torch.zeros(rows, dtype=torch.int64, device=dev)
-        above_count = torch.zeros(rows, dtype=torch.int32, device=dev)
-        above_mass = torch.zeros(rows, dtype=torch.float32, device=dev)
-        for shift in range(key_bits - RADIX_BITS, -1, -RADIX_BITS):
-            high_mask = (1 << key_bits) - (1 << (shift + RADIX_BITS))  # the bits above the digit
-            _digit_hist_kernel[(rows, num_chunks)](
-                logits, temperature, top_k, top_p, part_max, prefix, floor, counts, masses,
-                nodes, vocab, num_chunks, shift, high_mask, TOP_P=top_p_search, KEY_BITS=key_bits, CHUNK=chunk,
-                BLOCK=min(chunk, HIST_BLOCK), BLOCK_C=block_c, RADIX=radix)
-            _digit_pick_kernel[(rows,)](
-                counts, masses, temperature, top_k, top_p, part_max, part_sum, prefix, above_count, above_mass,
-                floor, kept, nodes, vocab, num_chunks, shift, TOP_P=top_p_search, BLOCK_C=block_c, RADIX=radix)
+    rows, num_chunks = part_max.shape
+    meta = dict(KEY_BITS=search.key_bits, RADIX_BITS=RADIX_BITS, BLOCK_C=triton.next_power_of_2(num_chunks))
+    filters = (temperature, top_k, top_p)
+    levels = search.levels // 2  # per search
+    for level in range(1, search.levels):
+        _search_level_kernel[(rows, num_chunks)](
+            logits, *filters, part_max, search.block_max, search.counts[(level - 1) % 2],
+            search.masses[(level - 1) % 2], search.counts[level % 2], search.masses[level % 2], *search.state(),
+            nodes, logits.shape[2], num_chunks, rows, level, search.key_bits - RADIX_BITS * (level % levels + 1),
+            TOP_P=level >= levels, CHUNK=chunk,
+            BLOCK=block, **meta)
+    last = (search.levels - 1) % 2
+    _search_result_kernel[(rows,)](search.counts[last], search.masses[last], *filters, part_max, part_sum,
+                                   *search.state(), floor, kept, nodes, logits.shape[2], num_chunks, rows, **meta)
 
 
 def tree_accept(logits: Tensor, tokens: Tensor, next_token: Tensor, next_sibling: Tensor,

@@ -3,7 +3,7 @@
     out[b, t, h] = softmax(q[b, h, t] . K[slot_b, h // group, :L]^T / sqrt(D), masked) V[...]
 
 with mask bool [B, T, L] (True = visible). `slot_attention_reference` is exactly that with
-PyTorch's SDPA over the gathered slot; `slot_attention` (Triton) leaves the cache in place,
+PyTorch's SDPA over the gathered slot; `slot_attention_triton` leaves the cache in place,
 so a captured CUDA graph takes the slot as data, and cuts the keys into ranges whose partial
 softmaxes a second kernel merges, as flash-decoding does: at batch 1 one program per (KV head,
 query block) would leave most of the GPU idle.
@@ -18,9 +18,11 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from kernels.tree_sampling import kernel_backend
+
 
 def slot_attention_reference(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, mask: Tensor) -> Tensor:
-    """SDPA over the gathered slots; same arguments and result layout as `slot_attention`."""
+    """SDPA over the gathered slots; same arguments and result layout as `slot_attention_triton`."""
     length = mask.shape[-1]
     k, v = k_cache[slots, :, :length], v_cache[slots, :, :length]
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], enable_gqa=q.shape[1] != k.shape[1])
@@ -114,8 +116,8 @@ def _key_splits(batch_programs: int, key_blocks: int, device: torch.device) -> i
     return max(1, min(key_blocks, -(-2 * sms // batch_programs)))
 
 
-def slot_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, mask: Tensor,
-                   float32_products: bool | None = None, splits: int | None = None) -> Tensor:
+def slot_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, mask: Tensor,
+                          float32_products: bool | None = None, splits: int | None = None) -> Tensor:
     """Masked GQA attention that reads K/V straight from the cache slots (no gather, no mask copy).
 
     q [B, H, T, D] (rotated queries); k_cache / v_cache [slots, KVH, max_len, D] (one layer of
@@ -168,3 +170,9 @@ def slot_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, m
         _combine_splits_kernel[(b * t * h,)](part, m_stat, l_stat, out, t, h, splits, D=d,
                                              BLOCK_S=triton.next_power_of_2(splits))
     return out
+
+
+def slot_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, mask: Tensor) -> Tensor:
+    """Triton on CUDA, the reference elsewhere (DDTREE_KERNELS overrides); see the module doc."""
+    impl = slot_attention_triton if kernel_backend(q.device) == "triton" else slot_attention_reference
+    return impl(q, k_cache, v_cache, slots, mask)

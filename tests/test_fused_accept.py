@@ -100,10 +100,12 @@ def assert_same(stage: dict[str, Tensor], **options) -> list[Tensor]:
 
 @pytest.fixture
 def chunk(monkeypatch):
-    """Set the vocabulary chunk (and optionally the radix bits) of the fused kernels."""
-    def set_sizes(chunk_v: int, radix_bits: int = fused_accept.RADIX_BITS) -> None:
+    """Set the vocabulary chunk (and optionally the radix bits and the searches' block) of the fused kernels."""
+    def set_sizes(chunk_v: int, radix_bits: int = fused_accept.RADIX_BITS,
+                  hist_block: int = fused_accept.HIST_BLOCK) -> None:
         monkeypatch.setattr(fused_accept, "CHUNK_V", chunk_v)
         monkeypatch.setattr(fused_accept, "RADIX_BITS", radix_bits)
+        monkeypatch.setattr(fused_accept, "HIST_BLOCK", hist_block)
     return set_sizes
 
 
@@ -191,6 +193,18 @@ def test_filters_keep_ties_and_long_paths(chunk):
     params = row_params(vocab, bs, 1, [(2, 1.0), (3, 0.7), (0, 0.5), (vocab - 2, 0.999)])
     expected = assert_same(stage, greedy=False, **params)
     assert expected[2].max().item() >= 3
+
+
+@pytest.mark.parametrize("dtype", [BF16, F32])
+def test_filters_skip_blocks_and_chunks(dtype, chunk):
+    """Several blocks per chunk: the searches skip the blocks and chunks whose maximum key is
+    below their range (a few peaked rows make most of them skippable after the first level)."""
+    chunk(64, 4, hist_block=16)
+    vocab, bs, nodes = 200, 4, 3
+    stage = random_stage(11, bs, nodes, vocab, dtype, shape="chain", oracle=1.0, boost=8.0)
+    stage["logits"][0, :, 100:] -= 20.0  # row 0: every key past the first chunks is far below the head
+    params = row_params(vocab, bs, 3, [(3, 1.0), (0, 0.8), (20, 0.95), (2, 0.99)])
+    assert_same(stage, greedy=False, **params)
 
 
 # ---------------------------------------------------------------------------------------

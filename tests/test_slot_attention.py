@@ -1,8 +1,8 @@
-"""`slot_attention` (reads K/V from the cache slot in place, split over keys) == SDPA over the gathered slot."""
+"""`slot_attention_triton` (reads K/V from the cache slot in place, split over keys) == SDPA over the gathered slot."""
 import pytest
 import torch
 
-from kernels.slot_attention import slot_attention, slot_attention_reference
+from kernels.slot_attention import slot_attention_reference, slot_attention_triton
 
 
 def check_slot_attention(device: str, dtype: torch.dtype, splits: int | None, *, b=2, heads=4, kv_heads=2, d=16,
@@ -20,7 +20,7 @@ def check_slot_attention(device: str, dtype: torch.dtype, splits: int | None, *,
     mask[..., past + t:] = False
     mask[:, torch.arange(t), past + torch.arange(t)] = True
     mask = mask.to(device)
-    got = slot_attention(q, k_cache, v_cache, slots, mask, splits=splits)
+    got = slot_attention_triton(q, k_cache, v_cache, slots, mask, splits=splits)
     want = slot_attention_reference(q.float(), k_cache.float(), v_cache.float(), slots, mask)
     assert got.shape == (b, t, heads, d)
     torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)

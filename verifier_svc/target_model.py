@@ -16,8 +16,8 @@ from torch import nn
 from common.checkpoint import load_tensors
 from common.config import TargetConfig, load_target_config
 from common.layers import MLP, AttentionProjections, RMSNorm, RotaryEmbedding
-from kernels.norm_rope import add_rms_norm, qk_norm_rope_store
-from kernels.slot_attention import slot_attention
+from kernels.layer_ops import add_rms_norm, project_store, silu_mul
+from kernels.slot_attention import slot_attention, slot_attention_triton
 
 
 class KVCache:
@@ -56,9 +56,10 @@ class ForwardOutput:
 
 
 class TargetModel(nn.Module):
-    # "triton": `kernels.slot_attention`, which reads the cache slot in place and splits the keys
-    # over the GPU (CUDA, or the Triton interpreter). "sdpa": `KVCache.read` (a gather of the
-    # slot) + SDPA. "auto": triton on CUDA, sdpa elsewhere. Same result up to rounding.
+    # "auto": `kernels.slot_attention` (its Triton kernel on CUDA, which reads the cache slot in
+    # place and splits the keys over the GPU; its SDPA reference elsewhere). "triton": the Triton
+    # kernel anywhere (CPU through the interpreter). "sdpa": `KVCache.read` (a gather of the
+    # slot) + SDPA with an additive mask. Same result up to rounding.
     attention = "auto"
 
     def __init__(self, cfg: TargetConfig, feature_layer_ids: tuple[int, ...] = ()):
@@ -91,7 +92,7 @@ class TargetModel(nn.Module):
         """Concatenate q/k/v and gate/up weights (fewer, wider GEMMs); call after `.to(device)`."""
         for layer in self.layers:
             layer.self_attn.fuse_weights()
-            layer.mlp.fuse_weights()
+            layer.mlp.fuse_weights(silu_mul)
 
     def forward(
         self,
@@ -107,9 +108,9 @@ class TargetModel(nn.Module):
         kv_len = mask.shape[-1]
         h = self.embed_tokens(input_ids)
         cos, sin = self.rotary(positions, h.dtype)
-        # Additive mask, built once per pass: SDPA's fused kernels take it faster than a bool one.
-        bias = torch.zeros(mask.shape, dtype=h.dtype, device=h.device).masked_fill_(~mask, float("-inf"))[:, None]
-        slot_kernel = self.attention == "triton" or (self.attention == "auto" and h.is_cuda)
+        if self.attention == "sdpa":  # additive mask, once per pass: SDPA's fused kernels take it faster
+            bias = torch.zeros(mask.shape, dtype=h.dtype, device=h.device).masked_fill_(~mask, float("-inf"))[:, None]
+        attend_slot = slot_attention_triton if self.attention == "triton" else slot_attention
         outputs = {}  # layer index -> its output (the residual stream after the layer)
         pending = None  # the last MLP's output, added to h by the next fused add + norm
         for i, layer in enumerate(self.layers):
@@ -117,15 +118,13 @@ class TargetModel(nn.Module):
             h, x = add_rms_norm(h, pending, layer.input_layernorm.weight, cfg.rms_norm_eps)
             if i - 1 in self.feature_layer_ids:
                 outputs[i - 1] = h
-            q = qk_norm_rope_store(attn.qkv(x), cos, sin, _weight(attn.q_norm), _weight(attn.k_norm),
-                                   cfg.rms_norm_eps, cfg.num_heads, cfg.num_kv_heads, cache.k[i], cache.v[i],
-                                   slots, cache_pos)
-            if slot_kernel:
-                out = slot_attention(q, cache.k[i], cache.v[i], slots, mask)
-                o = attn.o_proj(out.view(*out.shape[:2], -1))
-            else:
+            q = project_store(attn, x, cos, sin, cache.k[i], cache.v[i], slots, cache_pos)
+            if self.attention == "sdpa":
                 k_all, v_all = cache.read(i, slots, kv_len)
                 o = attn.attend(q, k_all, v_all, bias)
+            else:
+                out = attend_slot(q, cache.k[i], cache.v[i], slots, mask)
+                o = attn.o_proj(out.reshape(*out.shape[:2], -1))
             h, x = add_rms_norm(h, o, layer.post_attention_layernorm.weight, cfg.rms_norm_eps)
             pending = layer.mlp(x)
         h, x = add_rms_norm(h, pending, self.norm.weight, cfg.rms_norm_eps)
@@ -135,7 +134,3 @@ class TargetModel(nn.Module):
         if logit_rows is not None:
             x = x[:, logit_rows]
         return ForwardOutput(logits=self.lm_head(x), features=feats)
-
-
-def _weight(norm: RMSNorm | None) -> torch.Tensor | None:
-    return None if norm is None else norm.weight

@@ -1,5 +1,5 @@
-"""The small per-layer steps of a decoder forward, fused: residual add + RMSNorm, and
-Qwen3's per-head q/k RMSNorm + rotary embedding + the K/V cache store.
+"""The small per-layer steps of a decoder forward, fused: residual add + RMSNorm, Qwen3's
+per-head q/k RMSNorm + rotary embedding + the K/V cache store, and the MLP's SiLU-and-mul.
 
 Unfused, these are dozens of tiny kernels per layer (casts, squares, means, rsqrt, scales,
 the rotate-half concatenation, the cache scatter); in a CUDA-graph verify pass at batch 1
@@ -13,6 +13,7 @@ from `common.layers`' plain PyTorch, which the model's eager CPU path runs):
         q, k <- rms_norm per head (Qwen3; skipped when no norm weights are given), then
         rotary; k and v are stored at k_cache[slot_b, :, cache_pos[b, t]]; returns q as
         [B, H, T, D] for attention.
+    silu_mul(gate_up) = silu(gate) * up for gate_up = [gate, up] along the last dim.
 
 The Triton versions round where the reference rounds (each bf16 product and sum), so they
 differ from it only by the order of the float32 sum of squares.
@@ -24,7 +25,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from common.layers import apply_rope, rms_norm
+from common.layers import apply_rope, rms_norm, silu_mul as silu_mul_reference
 from kernels.tree_sampling import kernel_backend
 
 
@@ -143,6 +144,32 @@ def _qk_norm_rope_store_kernel(qkv_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr, q_out_
         tl.store(v_cache_ptr + offset + HALF + lo, tl.load(v_src + HALF + lo))
 
 
+@triton.jit
+def _silu_mul_kernel(gate_up_ptr, out_ptr, I, BLOCK: tl.constexpr):
+    """One program per (row, block of I columns); rounds like the reference: silu, then the product."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    valid = cols < I
+    out_ty = out_ptr.dtype.element_ty
+    gate = tl.load(gate_up_ptr + row * 2 * I + cols, mask=valid, other=0.0).to(tl.float32)
+    up = tl.load(gate_up_ptr + row * 2 * I + I + cols, mask=valid, other=0.0).to(tl.float32)
+    act = (gate / (1.0 + tl.exp(-gate))).to(out_ty).to(tl.float32)
+    tl.store(out_ptr + row * I + cols, (act * up).to(out_ty), mask=valid)
+
+
+def silu_mul_triton(gate_up: Tensor) -> Tensor:
+    width = gate_up.shape[-1]
+    if width % 2:
+        raise ValueError(f"gate_up needs an even last dimension, got {width}")
+    gate_up = gate_up.contiguous()
+    out = torch.empty(*gate_up.shape[:-1], width // 2, dtype=gate_up.dtype, device=gate_up.device)
+    rows = out.numel() // max(width // 2, 1)
+    if out.numel():
+        block = min(1024, triton.next_power_of_2(width // 2))
+        _silu_mul_kernel[(rows, triton.cdiv(width // 2, block))](gate_up, out, width // 2, BLOCK=block)
+    return out
+
+
 def add_rms_norm_triton(h: Tensor, delta: Tensor | None, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
     n = h.shape[-1]
     h = h.contiguous()
@@ -179,10 +206,30 @@ def qk_norm_rope_store_triton(qkv: Tensor, cos: Tensor, sin: Tensor, q_norm: Ten
 # ---------------------------------------------------------------------------------------
 
 
+def silu_mul(gate_up: Tensor) -> Tensor:
+    """silu(gate) * up of gate_up = [gate, up] along the last dim."""
+    impl = silu_mul_triton if kernel_backend(gate_up.device) == "triton" else silu_mul_reference
+    return impl(gate_up)
+
+
 def add_rms_norm(h: Tensor, delta: Tensor | None, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
     """(h + delta, rms_norm(h + delta)); delta None: (h, rms_norm(h))."""
     impl = add_rms_norm_triton if kernel_backend(h.device) == "triton" else add_rms_norm_reference
     return impl(h, delta, weight, eps)
+
+
+def project_store(attn, x: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor,
+                  cache_pos: Tensor, *, queries: bool = True) -> Tensor:
+    """`qk_norm_rope_store` on the fused projection of x [B, T, hidden] by `attn` (a
+    `common.layers.AttentionProjections`): rotated K and V into the cache, rotated queries
+    [B, H, T, D] returned; queries=False projects and stores K and V only (returns [B, 0, T, D])."""
+    k_norm = None if attn.k_norm is None else attn.k_norm.weight
+    if not queries:
+        return qk_norm_rope_store(attn.kv(x), cos, sin, k_norm, k_norm, attn.eps, 0, attn.num_kv_heads,
+                                  k_cache, v_cache, slots, cache_pos)
+    q_norm = None if attn.q_norm is None else attn.q_norm.weight
+    return qk_norm_rope_store(attn.qkv(x), cos, sin, q_norm, k_norm, attn.eps, attn.num_heads, attn.num_kv_heads,
+                              k_cache, v_cache, slots, cache_pos)
 
 
 def qk_norm_rope_store(qkv: Tensor, cos: Tensor, sin: Tensor, q_norm: Tensor | None, k_norm: Tensor | None,

@@ -1,4 +1,4 @@
-"""Fused residual-add + RMSNorm and q/k norm + RoPE + cache store: Triton == reference.
+"""Fused residual-add + RMSNorm, q/k norm + RoPE + cache store, SiLU-and-mul: Triton == reference.
 
 On the CPU the Triton kernels run in the interpreter (whose float32 -> bf16 casts do not
 round to nearest); tests/gpu runs the same checks compiled, at Qwen3-8B sizes.
@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from common.layers import RotaryEmbedding
-from kernels.norm_rope import (add_rms_norm_reference, add_rms_norm_triton, qk_norm_rope_store_reference,
-                               qk_norm_rope_store_triton)
+from common.layers import silu_mul
+from kernels.layer_ops import (add_rms_norm_reference, add_rms_norm_triton, qk_norm_rope_store_reference,
+                               qk_norm_rope_store_triton, silu_mul_triton)
 
 DTYPES = [torch.float32, torch.bfloat16]
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=4e-2, rtol=2e-2)}
@@ -56,6 +57,20 @@ def check_qk_norm_rope_store(device: str, dtype: torch.dtype, qk_norm: bool, hea
     assert_matches(k_tri, k_ref)
     assert torch.equal(v_tri, v_ref)
     assert k_ref[1].abs().sum() == 0 and k_tri[1].abs().sum() == 0  # slot 1 untouched by both
+
+
+def check_silu_mul(device: str, dtype: torch.dtype, shape: tuple[int, ...]):
+    gen = torch.Generator().manual_seed(sum(shape))
+    gate_up = (torch.randn(shape, generator=gen) * 4).to(device, dtype)
+    got = silu_mul_triton(gate_up)
+    assert got.shape == (*shape[:-1], shape[-1] // 2)
+    assert_matches(got, silu_mul(gate_up))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1, 3, 64), (2, 5, 3000)])
+def test_silu_mul_matches_reference(dtype, shape):
+    check_silu_mul("cpu", dtype, shape)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
