@@ -21,7 +21,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from common.config import load_draft_config
-from common.protocol import SamplingParams
+from common.protocol import Prefilled, SamplingParams, Verified
 from common.rpc import CHANNEL_OPTIONS, VERIFIER_SERVICE, pb, pb_grpc
 from common.tracing import current_traceparent, setup_tracing, tracer
 from common.tree import DraftTree
@@ -423,3 +423,78 @@ def test_shutdown_drains_and_refuses(config, tracing):
             return info.value.status
 
         assert running.call(open_after_stop()) == "UNAVAILABLE"
+
+
+class _ThreadRecordingVerifier:
+    """A stand-in TreeVerifier that records which thread ran each job."""
+
+    runner = type("Runner", (), {"device": torch.device("cpu")})()
+    free_capacity = 1
+
+    def __init__(self):
+        self.threads: dict[str, str] = {}
+
+    def open(self, prompt_ids, sampling, *, stage):
+        self.threads["open"] = threading.current_thread().name
+        return 1, Prefilled(token=5, features=torch.zeros(len(prompt_ids), 4), max_seq_len=64)
+
+    def verify(self, session_id, tree, *, stage):
+        self.threads["verify"] = threading.current_thread().name
+        return Verified(accepted_tokens=[], next_token=5, features=torch.zeros(1, 4))
+
+    def close(self, session_id):
+        pass
+
+
+def _run_worker(body) -> tuple[_ThreadRecordingVerifier, str]:
+    """Run `await body(worker, handle)` against a started ModelWorker over a recording verifier;
+    return the verifier and the event loop's thread name."""
+    from verifier_svc.scheduler import ModelWorker, SessionHandle
+
+    verifier = _ThreadRecordingVerifier()
+
+    async def run() -> str:
+        worker = ModelWorker(verifier)
+        worker.start()
+        try:
+            await body(worker, SessionHandle())
+        finally:
+            await asyncio.to_thread(worker.stop)
+        return threading.current_thread().name
+
+    return verifier, asyncio.run(run())
+
+
+_ONE_NODE = DraftTree(torch.tensor([5]), torch.tensor([-1]), torch.tensor([-1]))
+
+
+def test_idle_worker_runs_verify_inline_and_prefill_on_its_thread():
+    """A verify job on an idle worker skips the thread hand-off; prefills never block the loop."""
+    from verifier_svc.scheduler import OpenJob, VerifyJob
+
+    async def body(worker, handle):
+        await worker.open(OpenJob(handle, [1, 2], SamplingParams(), "", 0))
+        while worker._busy.locked():  # the worker thread may still be leaving the open job
+            await asyncio.sleep(0.001)
+        reply = await worker.verify(VerifyJob(handle, _ONE_NODE, 1, "", 0))
+        assert reply.verified.next_token == 5
+
+    verifier, loop_thread = _run_worker(body)
+    assert verifier.threads == {"open": "model-worker", "verify": loop_thread}
+
+
+def test_busy_worker_queues_verify_jobs():
+    """While a job runs (the worker is busy), a verify job waits in the queue for the worker thread."""
+    from verifier_svc.scheduler import VerifyJob
+
+    async def body(worker, handle):
+        handle.session_id = 1
+        worker._busy.acquire()  # as if another session's job were running
+        queued = asyncio.ensure_future(worker.verify(VerifyJob(handle, _ONE_NODE, 1, "", 0)))
+        await asyncio.sleep(0.05)
+        assert not queued.done()
+        worker._busy.release()
+        await queued
+
+    verifier, loop_thread = _run_worker(body)
+    assert verifier.threads["verify"] == "model-worker" != loop_thread

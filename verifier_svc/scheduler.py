@@ -5,10 +5,12 @@ forward would stall every stream. So a handler turns each message into a job (op
 verify or close), puts it on the worker's queue and awaits an asyncio future; the worker
 thread runs the job and resolves the future through `loop.call_soon_threadsafe`.
 
-When the worker is idle and nothing is queued, a handler runs its job right away on the event
-loop's thread instead (`_submit`): the hand-off to another thread and back costs a few tenths
-of a millisecond per round, several percent of a decoding round. Only one job runs at a time
-either way (`_busy`), and a session never has two jobs pending, so its jobs keep their order.
+When the worker is idle and nothing is queued, a handler runs a verify job right away on the
+event loop's thread instead (`_submit`): the hand-off to another thread and back costs a few
+tenths of a millisecond per round, several percent of a decoding round. Prefills (long for
+long prompts) always go to the worker, so they never hold up the loop. Only one job runs at a
+time either way (`_busy`), and a session never has two jobs pending, so its jobs keep their
+order.
 
 The worker's loop takes *all* pending jobs at once and dispatches them. Today it runs them
 one forward each, in arrival order; batching several sessions' trees into one forward only
@@ -146,7 +148,7 @@ class ModelWorker:
             if self._stopped:
                 future.set_exception(VerifierError("UNAVAILABLE", "the verifier is shutting down"))
                 return future
-            inline = self._queue.empty() and self._busy.acquire(blocking=False)
+            inline = isinstance(job, VerifyJob) and self._queue.empty() and self._busy.acquire(blocking=False)
             if not inline:
                 self._queue.put((job, future))
                 return future
