@@ -23,8 +23,8 @@ also lists what compiled and shows the tracebacks and the compiler's MLIR reprod
 To check against another Triton release (e.g. the GPU machine's), install it into a folder
 and put that folder first on PYTHONPATH, so that both phases import it:
 
-    .venv/bin/python -m pip install --no-deps --target /tmp/t36 triton==3.6.0
-    PYTHONPATH=/tmp/t36 .venv/bin/python scripts/check_triton_compile.py
+    .venv/bin/python -m pip install --no-deps --target build/triton-3.6 triton==3.6.0
+    PYTHONPATH=build/triton-3.6 .venv/bin/python scripts/check_triton_compile.py
 """
 from __future__ import annotations
 
