@@ -20,7 +20,7 @@ also lists what compiled and shows the tracebacks and the compiler's MLIR reprod
 
     .venv/bin/python scripts/check_triton_compile.py [--arch 90] [--verbose]
 
-To check against another Triton release (e.g. the GPU machine's), install it into a folder
+To check against another Triton release (e.g. the one your GPU servers run), install it into a folder
 and put that folder first on PYTHONPATH, so that both phases import it:
 
     .venv/bin/python -m pip install --no-deps --target build/triton-3.6 triton==3.6.0
