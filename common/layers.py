@@ -145,7 +145,6 @@ class AttentionProjections(nn.Module):
         return apply_rope(k.transpose(1, 2), cos, sin), v.transpose(1, 2)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-        """SDPA with grouped KV heads; mask [B, 1, Tq, Tk] is bool (True = visible), additive
-        (0 or -inf, in q's dtype), or None."""
+        """SDPA with grouped KV heads; mask is bool [B, 1, Tq, Tk] (True = visible) or None."""
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.num_heads != self.num_kv_heads)
         return self.o_proj(out.transpose(1, 2).reshape(q.shape[0], q.shape[2], -1))

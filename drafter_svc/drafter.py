@@ -57,7 +57,8 @@ def build_tree(mode: DraftMode, block_logits: torch.Tensor | None, root_token: i
 
 
 class DFlashProposer:
-    """Block logits from the DFlash draft, conditioned on target features."""
+    """Block logits from the DFlash draft, conditioned on target features. Serving only: the
+    constructor fuses the draft's q/k/v and gate/up weights (`DFlashDraftModel.fuse_weights`)."""
 
     def __init__(self, draft: DFlashDraftModel, embed_tokens: torch.Tensor, lm_head: torch.Tensor,
                  max_seq_len: int, cuda_graphs: bool = True, graph_config: DraftGraphConfig | None = None):

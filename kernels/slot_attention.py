@@ -10,6 +10,7 @@ query block) would leave most of the GPU idle.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -22,10 +23,12 @@ from kernels.tree_sampling import kernel_backend
 
 
 def slot_attention_reference(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, mask: Tensor) -> Tensor:
-    """SDPA over the gathered slots; same arguments and result layout as `slot_attention_triton`."""
+    """SDPA over the gathered slots; same arguments and result layout as `slot_attention_triton`.
+    The mask goes in additive (0 / -inf): SDPA's fused GPU kernels take that faster than a bool one."""
     length = mask.shape[-1]
     k, v = k_cache[slots, :, :length], v_cache[slots, :, :length]
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], enable_gqa=q.shape[1] != k.shape[1])
+    bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))[:, None]
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, enable_gqa=q.shape[1] != k.shape[1])
     return out.transpose(1, 2)
 
 
@@ -112,8 +115,12 @@ def _combine_splits_kernel(part_ptr, m_ptr, l_ptr, o_ptr, T, H, SPLITS, D: tl.co
 
 def _key_splits(batch_programs: int, key_blocks: int, device: torch.device) -> int:
     """How many key splits give the GPU about two programs per SM (1 when already that busy)."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-    return max(1, min(key_blocks, -(-2 * sms // batch_programs)))
+    return max(1, min(key_blocks, -(-2 * _multiprocessors(device) // batch_programs)))
+
+
+@functools.cache
+def _multiprocessors(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
 
 
 def slot_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, mask: Tensor,

@@ -17,7 +17,10 @@ from common.checkpoint import load_tensors
 from common.config import TargetConfig, load_target_config
 from common.layers import MLP, AttentionProjections, RMSNorm, RotaryEmbedding
 from kernels.layer_ops import add_rms_norm, project_store, silu_mul
-from kernels.slot_attention import slot_attention, slot_attention_triton
+from kernels.slot_attention import slot_attention, slot_attention_reference, slot_attention_triton
+
+# TargetModel.attention -> the attention over the cache slots (see kernels/slot_attention.py).
+_ATTENTION = {"auto": slot_attention, "triton": slot_attention_triton, "sdpa": slot_attention_reference}
 
 
 class KVCache:
@@ -28,9 +31,6 @@ class KVCache:
         self.k = torch.zeros(shape, device=device, dtype=dtype)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
         self.num_slots, self.max_seq_len = num_slots, max_seq_len
-
-    def read(self, layer: int, slots: torch.Tensor, kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.k[layer, slots, :, :kv_len], self.v[layer, slots, :, :kv_len]
 
     def move(self, slot: int, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy entries src -> dst (1-D index tensors) of one slot, all layers at once."""
@@ -58,8 +58,8 @@ class ForwardOutput:
 class TargetModel(nn.Module):
     # "auto": `kernels.slot_attention` (its Triton kernel on CUDA, which reads the cache slot in
     # place and splits the keys over the GPU; its SDPA reference elsewhere). "triton": the Triton
-    # kernel anywhere (CPU through the interpreter). "sdpa": `KVCache.read` (a gather of the
-    # slot) + SDPA with an additive mask. Same result up to rounding.
+    # kernel anywhere (CPU through the interpreter). "sdpa": the reference anywhere (a gather of
+    # the slot + SDPA). Same result up to rounding.
     attention = "auto"
 
     def __init__(self, cfg: TargetConfig, feature_layer_ids: tuple[int, ...] = ()):
@@ -105,12 +105,9 @@ class TargetModel(nn.Module):
         logit_rows: torch.Tensor | None = None,  # [R] rows to return logits for (all when None)
     ) -> ForwardOutput:
         cfg = self.cfg
-        kv_len = mask.shape[-1]
         h = self.embed_tokens(input_ids)
         cos, sin = self.rotary(positions, h.dtype)
-        if self.attention == "sdpa":  # additive mask, once per pass: SDPA's fused kernels take it faster
-            bias = torch.zeros(mask.shape, dtype=h.dtype, device=h.device).masked_fill_(~mask, float("-inf"))[:, None]
-        attend_slot = slot_attention_triton if self.attention == "triton" else slot_attention
+        attend = _ATTENTION[self.attention]
         outputs = {}  # layer index -> its output (the residual stream after the layer)
         pending = None  # the last MLP's output, added to h by the next fused add + norm
         for i, layer in enumerate(self.layers):
@@ -119,12 +116,8 @@ class TargetModel(nn.Module):
             if i - 1 in self.feature_layer_ids:
                 outputs[i - 1] = h
             q = project_store(attn, x, cos, sin, cache.k[i], cache.v[i], slots, cache_pos)
-            if self.attention == "sdpa":
-                k_all, v_all = cache.read(i, slots, kv_len)
-                o = attn.attend(q, k_all, v_all, bias)
-            else:
-                out = attend_slot(q, cache.k[i], cache.v[i], slots, mask)
-                o = attn.o_proj(out.reshape(*out.shape[:2], -1))
+            out = attend(q, cache.k[i], cache.v[i], slots, mask)
+            o = attn.o_proj(out.reshape(*out.shape[:2], -1))
             h, x = add_rms_norm(h, o, layer.post_attention_layernorm.weight, cfg.rms_norm_eps)
             pending = layer.mlp(x)
         h, x = add_rms_norm(h, pending, self.norm.weight, cfg.rms_norm_eps)

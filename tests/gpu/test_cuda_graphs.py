@@ -208,7 +208,7 @@ def _attention_agreement(pair, device, dtype):
         pre = runner.prefill(1, torch.arange(20))
         out = runner.verify(1, 20, tree.tokens, depths, mask)
         outs[attention] = (pre.logits.float(), out.logits.float(), out.features.float())
-    model.attention = "sdpa"
+    model.attention = "auto"
     return [(a - b).abs().max().item() / max(b.abs().max().item(), 1.0) for a, b in zip(outs["triton"], outs["sdpa"])]
 
 
@@ -367,7 +367,7 @@ def test_greedy_equals_ar_on_gpu_triton_attention(tiny_pair):
                 out = engine.generate(prompt, GenerationConfig(max_new_tokens=32, mode=mode)).tokens
                 assert out == ar[tuple(prompt)], mode
     finally:
-        model.attention = "sdpa"
+        model.attention = "auto"
 
 
 @pytest.mark.gpu
