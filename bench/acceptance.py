@@ -30,7 +30,7 @@ import torch  # noqa: E402
 from common.protocol import SamplingParams  # noqa: E402
 from drafter_svc.drafter import DraftMode  # noqa: E402
 from drafter_svc.generate import LocalEngine  # noqa: E402
-from drafter_svc.session_loop import GenerationConfig  # noqa: E402
+from drafter_svc.scheduler import GenerationConfig  # noqa: E402
 from verifier_svc.tree_verifier import VerifierLimits  # noqa: E402
 
 

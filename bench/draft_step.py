@@ -1,22 +1,31 @@
-"""The drafter's draft step at Qwen3-8B dimensions: eager vs CUDA graphs.
+"""The drafter's batched draft step at Qwen3-8B dimensions: eager vs CUDA graphs.
 
-    PYTHONPATH=. python bench/draft_step.py [--contexts 512,1024,1920] [--rows 1,4,16] [--out-json draft_step.json]
+    PYTHONPATH=. python bench/draft_step.py [--batches 1,4,16,32] [--contexts 512,1024,1920] [--rows 1,4,16]
+                                            [--out-json draft_step.json]
     PYTHONPATH=. python bench/draft_step.py --small      # toy sizes, runs on CPU too
 
-Builds the random-weight DFlash draft of bench/round.py (5 layers, block 16, hidden 4096,
-the target's 151,936-row embedding and head; nothing is written to disk) and times one
-`DFlashProposer.block_logits` call, the drafter's per-round step (extend the context by
-`rows` feature rows, block forward, head), for each context length and number of new rows:
+Builds a random-weight DFlash draft of the published Qwen3-8B shape (5 layers, block 16,
+hidden 4096, 32 / 8 heads x 128, MLP 12288, target layers 1, 9, 17, 25, 33; the shape
+bench/round.py drafts with) and the target's 151,936-row embedding and head, in memory
+(nothing is written to disk). For every batch size B in `--batches`, context length and
+number of new rows, it starts B sessions holding `context` feature rows each and times one
+`DFlashProposer.propose` call for all B at once: the drafter's per-step work (every
+session's context grows by `rows` feature rows, one batched block forward, the head over
+block_size - 1 positions for each session):
 
-* eager: `cuda_graphs=False`, the dynamic path;
-* graph: the captured graph of the smallest fitting KV bucket, the whole call (input copies,
-  replay, copy of the logits). Without CUDA the same static-shape code runs eagerly.
+* eager: `cuda_graphs=False`, the static-shape step run at the batch's own shape (fresh
+  input buffers each call);
+* graph: the captured graph of the smallest fitting (batch, KV) bucket, the whole call (input
+  staging and copies, replay, copy of the logits). Graphs are captured for batch buckets =
+  `--batches` and the automatic KV ladder. Without CUDA the same static-shape code runs
+  eagerly at the bucket shapes (`DraftGraphs(capture=False)`): a smoke test, not a measurement.
 
-Times are medians of synchronised wall time and of CUDA-event time per call; the context is
-reset to its length after each call, so every call sees the same shapes. New feature rows
-come from the host in the model's dtype, as they come off the wire. Also reports the
-weights read per step (the draft plus the head) and, on CUDA, the weight-streaming floor
-at the read bandwidth measured in this run. Prints a table, writes JSON with --out-json.
+Times are medians of synchronised wall time and of CUDA-event time per call, per step and
+per session (step time / B). After each call every session's length is reset to `context`,
+so every call sees the same shapes. New feature rows come from the host in the model's
+dtype, as they come off the wire. Also reports the weights read per step (the draft plus the
+head) and, on CUDA, the weight-streaming floor at the read bandwidth measured in this run.
+Prints a table, writes JSON with --out-json.
 """
 from __future__ import annotations
 
@@ -32,52 +41,66 @@ import time
 import torch
 
 from bench.bench_timing import device_ms, measure_bandwidth, wall_ms, write_json
-from bench.round import random_proposer
+from bench.verify import draft_config, qwen3_8b_config, random_draft
 from drafter_svc.draft_graphs import DraftGraphConfig, DraftGraphs
-from drafter_svc.drafter import DFlashProposer
+from drafter_svc.drafter import DFlashProposer, DraftState
 
 
 def _int_list(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip()]
 
 
-def graph_proposer(eager: DFlashProposer, max_seq_len: int) -> DFlashProposer:
-    """The same weights with the graph path: captured on CUDA, the static-shape code run eagerly elsewhere."""
-    graphed = DFlashProposer(eager.draft, eager.embed_tokens, eager.lm_head, max_seq_len, True,
-                             DraftGraphConfig(slots=1))
+def proposers(small: bool, device, dtype, max_seq_len: int,
+              batches: list[int]) -> tuple[DFlashProposer, DFlashProposer]:
+    """(eager, graphed) proposers over the same weights, max(batches) context slots each; the
+    graphed one captures graphs for batch buckets `batches` on CUDA, else runs their static
+    code eagerly."""
+    draft, embed, head = random_draft(small, device, dtype)
+    slots = max(batches)
+    config = DraftGraphConfig(batch_buckets=tuple(batches))
+    eager = DFlashProposer(draft, embed, head, max_seq_len, slots, cuda_graphs=False)
+    graphed = DFlashProposer(draft, embed, head, max_seq_len, slots, cuda_graphs=True, graph_config=config)
     if graphed.graphs is None:
-        graphed.graphs = DraftGraphs(graphed.draft, graphed.embed_tokens, graphed.lm_head, max_seq_len,
-                                     DraftGraphConfig(slots=1), capture=False)
-    return graphed
+        graphed.graphs = DraftGraphs(draft, embed, head, graphed.pool, graphed.scratch_slot, config, capture=False)
+    return eager, graphed
 
 
-def time_step(proposer: DFlashProposer, context: int, rows: int, reps: int, seed: int) -> dict:
-    """Median wall and device ms of one draft step on a context of `context` rows plus `rows` new ones."""
+def time_step(proposer: DFlashProposer, batch: int, context: int, rows: int, reps: int, seed: int) -> dict:
+    """Median wall and device ms of one draft step of `batch` sessions, each holding `context`
+    rows and getting `rows` new ones."""
     device = proposer.embed_tokens.device
     dim = proposer.draft.fc.weight.shape[1]
     dtype = proposer.draft.fc.weight.dtype
     gen = torch.Generator().manual_seed(seed)
-    prompt = torch.randn(context, dim, generator=gen).to(dtype)
-    new = torch.randn(rows, dim, generator=gen).to(dtype)
-    ctx = proposer.start([], prompt)
+    states: list[DraftState] = []
     try:
+        for _ in range(batch):
+            states.append(proposer.start([], torch.randn(context, dim, generator=gen).to(dtype)))
+        new = [torch.randn(rows, dim, generator=gen).to(dtype) for _ in range(batch)]
+        roots = [1 + i for i in range(batch)]
+        tokens = [[r] * rows for r in roots]
+
         def step():
-            ctx.length = context
-            proposer.block_logits(ctx, 1, [], new)
+            for s in states:
+                s.length = context
+            proposer.propose(states, roots, tokens, new)
 
         return {"wall_ms": wall_ms(step, device, reps), "device_ms": device_ms(step, device, reps)}
     finally:
-        proposer.finish(ctx)
+        for s in states:
+            proposer.finish(s)
 
 
 def main(argv=None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog=__doc__.split("\n\n", 1)[1])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--small", action="store_true", help="toy sizes (runs on CPU)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--contexts", default=None, help="context rows before the step (default 512,1024,1920; "
-                                                    "64,256 with --small)")
-    p.add_argument("--rows", default=None, help="new feature rows per step (default 1,4,16; 1,4,8 with --small)")
+    p.add_argument("--batches", default=None, help="sessions per step (default 1,4,16,32; 1,4 with --small)")
+    p.add_argument("--contexts", default=None, help="context rows of each session before the step (default "
+                                                    "512,1024,1920; 64,256 with --small)")
+    p.add_argument("--rows", default=None, help="new feature rows per session per step (default 1,4,16; 1,4,8 "
+                                                "with --small; at most the block size)")
     p.add_argument("--max-seq-len", type=int, default=2048)
     p.add_argument("--reps", type=int, default=None, help="timed calls per point (default 50; 5 with --small)")
     p.add_argument("--out-json", help="write the results here")
@@ -85,38 +108,48 @@ def main(argv=None) -> dict:
 
     device = torch.device(a.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    batches = sorted(set(_int_list(a.batches or ("1,4" if a.small else "1,4,16,32"))))
     contexts = _int_list(a.contexts or ("64,256" if a.small else "512,1024,1920"))
     rows = _int_list(a.rows or ("1,4,8" if a.small else "1,4,16"))
     reps = a.reps or (5 if a.small else 50)
     max_seq = min(a.max_seq_len, 512) if a.small else a.max_seq_len
+    block = draft_config(a.small, qwen3_8b_config(a.small)).block_size
+    if not batches or min(batches) < 1:
+        p.error("--batches must be positive")
     if max(contexts) + max(rows) > max_seq:
         p.error(f"contexts + rows must fit --max-seq-len {max_seq}")
+    if max(rows) > block:
+        p.error(f"at most {block} new rows per session per step (the block size)")
 
-    eager = random_proposer(a.small, device, dtype, max_seq, cuda_graphs=False, cls=DFlashProposer)
     t0 = time.perf_counter()
-    graphed = graph_proposer(eager, max_seq)
+    eager, graphed = proposers(a.small, device, dtype, max_seq, batches)
     graphs = graphed.graphs
     weights = sum(t.numel() * t.element_size() for t in eager.draft.state_dict().values())
     weights += eager.lm_head.numel() * eager.lm_head.element_size()
     res: dict = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                  "torch": torch.__version__, "dtype": str(dtype).removeprefix("torch."),
                  "block_size": eager.block_size, "max_seq_len": max_seq, "captured": graphs.capture,
-                 "graphs": graphs.num_graphs, "kv_buckets": list(graphs.kv_buckets),
+                 "graphs": graphs.num_graphs, "batch_buckets": list(graphs.batch_buckets),
+                 "kv_buckets": list(graphs.kv_buckets), "context_slots": eager.pool.num_slots - 1,
                  "setup_s": time.perf_counter() - t0, "capture_s": graphs.capture_s, "weight_bytes": weights,
                  "points": []}
     if device.type == "cuda":
         bandwidth = measure_bandwidth(device, 2.0)
         res["read_TBps"] = bandwidth["read_TBps"]
         res["floor_ms"] = weights / bandwidth["read_TBps"] / 1e9
-    for context in contexts:
-        for n in rows:
-            row = {"context": context, "rows": n, "kv_bucket": graphs.select(context, n)}
-            for name, proposer in (("eager", eager), ("graph", graphed)):
-                timed = time_step(proposer, context, n, reps, seed=context + n)
-                row |= {f"{name}_{key}": value for key, value in timed.items()}
-            row["speedup"] = row["eager_wall_ms"] / row["graph_wall_ms"]
-            res["points"].append(row)
-            write_json(a.out_json, res)  # keep what is done even if the run is cut short
+    for batch in batches:
+        for context in contexts:
+            for n in rows:
+                bucket = graphs.select(batch, context)
+                row = {"batch": batch, "context": context, "rows": n,
+                       "bucket": "eager" if bucket is None else f"{bucket[0]}x{bucket[1]}"}
+                for name, proposer in (("eager", eager), ("graph", graphed)):
+                    timed = time_step(proposer, batch, context, n, reps, seed=batch + context + n)
+                    row |= {f"{name}_{key}": value for key, value in timed.items()}
+                    row[f"{name}_session_ms"] = timed["wall_ms"] / batch
+                row["speedup"] = row["eager_wall_ms"] / row["graph_wall_ms"]
+                res["points"].append(row)
+                write_json(a.out_json, res)  # keep what is done even if the run is cut short
     print_table(res)
     write_json(a.out_json, res)
     return res
@@ -126,13 +159,14 @@ def print_table(res: dict) -> None:
     how = "captured CUDA graphs" if res["captured"] else "static-shape path run eagerly (no CUDA)"
     floor = f", weight floor {res['floor_ms']:.3f} ms" if "floor_ms" in res else ""
     print(f"\ndraft step, medians in ms ({res['device']}, {res['dtype']}, block {res['block_size']}, "
-          f"{res['weight_bytes'] / 1e6:.1f} MB of weights{floor}); graph = {how}")
-    cols = [("context", "context"), ("rows", "rows"), ("L", "kv_bucket"), ("eager", "eager_wall_ms"),
-            ("graph", "graph_wall_ms"), ("eager-dev", "eager_device_ms"), ("graph-dev", "graph_device_ms"),
+          f"{res['weight_bytes'] / 1e6:.1f} MB of weights{floor}); graph = {how}; /sess = wall / batch")
+    cols = [("batch", "batch"), ("context", "context"), ("rows", "rows"), ("BxL", "bucket"),
+            ("eager", "eager_wall_ms"), ("graph", "graph_wall_ms"), ("eager-dev", "eager_device_ms"),
+            ("graph-dev", "graph_device_ms"), ("eager/sess", "eager_session_ms"), ("graph/sess", "graph_session_ms"),
             ("speedup", "speedup")]
-    print(" ".join(f"{h:>9}" for h, _ in cols))
+    print(" ".join(f"{h:>10}" for h, _ in cols))
     for r in res["points"]:
-        print(" ".join(f"{r[key]:9.3f}" if isinstance(r[key], float) else f"{str(r[key]):>9}" for _, key in cols))
+        print(" ".join(f"{r[key]:10.3f}" if isinstance(r[key], float) else f"{str(r[key]):>10}" for _, key in cols))
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Sampling + accept stage of a verify round: Triton kernels vs the PyTorch references.
+"""Sampling + accept stage of a verify round: the fused Triton stage vs the PyTorch references.
 
     PYTHONPATH=. python bench/kernels.py [--batches 1,2,4,8,16,32] [--trees 16,32,64,128] [--out-json k.json]
     PYTHONPATH=. python bench/kernels.py --small        # toy sizes, runs on CPU too
@@ -6,17 +6,17 @@
 For each batch B and tree of T = 1 + N nodes over a vocabulary of 151,936, on random bf16
 target logits [B, T, V] and random trees:
 
-* sample:      process_probs (temperature 0.8, top-k 50, top-p 0.9) + tree_speculative_sampling_target_only
+* sample:      temperature 0.8, top-k 50, top-p 0.9, then target-only tree sampling
 * sample-temp: the same with temperature only (no top-k / top-p filter)
-* greedy:      argmax + verify_tree_greedy
+* greedy:      argmax, then greedy tree verification
 
-each with its output buffers allocated and initialised as the verifier does, and the same
-stage fused into one operation (kernels/fused_accept.py: tree_accept, which never
-materialises the probabilities). Times: the eager stage (device time), the stage captured
-in a CUDA graph (device time of a replay), and the reference (plain PyTorch; slow, so only
-where B * T is small and with few repetitions). The yardstick is reading the logits once:
-bytes / read bandwidth measured in this run (a sum over a 2 GiB bf16 tensor). Prints a
-table, writes JSON with --out-json.
+each with its output buffers allocated and initialised as the verifier does, run by
+kernels/fused_accept.py: tree_accept_triton (which never materialises the probabilities)
+and tree_accept_reference (the plain PyTorch references composed). Times: the eager Triton
+stage (device time), the stage captured in a CUDA graph (device time of a replay), and the
+reference (slow, so only where B * T is small and with few repetitions). The yardstick is
+reading the logits once: bytes / read bandwidth measured in this run (a sum over a 2 GiB
+bf16 tensor). Prints a table, writes JSON with --out-json.
 """
 from __future__ import annotations
 
@@ -34,14 +34,7 @@ import torch
 
 from bench.bench_timing import device_ms, measure_bandwidth, write_json
 from common.tree import DraftTree
-from kernels.fused_accept import tree_accept
-from kernels.probs import process_probs, process_probs_reference
-from kernels.tree_sampling import (
-    tree_speculative_sampling_target_only,
-    tree_speculative_sampling_target_only_reference,
-    verify_tree_greedy,
-    verify_tree_greedy_reference,
-)
+from kernels.fused_accept import tree_accept_reference, tree_accept_triton
 from tests.reference import distinct_sibling_tokens
 
 VOCAB = 151_936
@@ -67,14 +60,14 @@ def random_trees(rng: np.random.Generator, batch: int, nodes: int, vocab: int, d
 
 
 class Stage:
-    """One batch of trees with its logits; `run(stage, impl)` runs the whole stage once."""
+    """One batch of trees with its logits; `run(stage, impl)` runs the whole stage once with
+    impl = tree_accept_triton or tree_accept_reference."""
 
     def __init__(self, batch: int, nodes: int, vocab: int, device, seed: int):
         rng = np.random.default_rng(seed)
-        self.batch, self.nodes, self.vocab, self.device = batch, nodes, vocab, device
+        self.batch, self.nodes, self.device = batch, nodes, device
         cand, nt, ns = random_trees(rng, batch, nodes, vocab)
         self.candidates, self.next_token, self.next_sibling = cand.to(device), nt.to(device), ns.to(device)
-        self.retrive_index = torch.arange(batch * nodes, device=device).view(batch, nodes)
         gen = torch.Generator(device=device).manual_seed(seed)
         self.logits = (torch.randn(batch, nodes, vocab, generator=gen, device=device) * 3).to(torch.bfloat16)
         # Make the drafted tokens likely under the target, so walks go deep sometimes.
@@ -83,41 +76,22 @@ class Stage:
         self.logits[rows, torch.arange(nodes, device=device)[None], self.candidates.gather(1, parent_rows)] += 8.0
         self.coins = torch.rand(batch, nodes, generator=gen, device=device)
         self.final = torch.rand(batch, generator=gen, device=device)
-        self.filters = {
-            "sample": (0.8, 50, 0.9),
-            "sample-temp": (0.8, 0, 1.0),
-        }
-        self.filter_tensors = self._filter_tensors(batch * nodes)  # per row of logits (process_probs)
-        self.batch_filters = self._filter_tensors(batch)  # per tree (tree_accept)
+        # (temperature, top_k, top_p) per tree of each sampling stage.
+        self.filters = {stage: (torch.full((batch,), t, device=device),
+                                torch.full((batch,), k, dtype=torch.int64, device=device),
+                                torch.full((batch,), p, device=device))
+                        for stage, (t, k, p) in (("sample", (0.8, 50, 0.9)), ("sample-temp", (0.8, 0, 1.0)))}
 
-    def _filter_tensors(self, n: int) -> dict[str, tuple]:
-        """(temperature, top_k, top_p) of each sampling stage, repeated n times."""
-        dev = self.device
-        return {k: (torch.full((n,), t, device=dev), torch.full((n,), kk, dtype=torch.int64, device=dev),
-                    torch.full((n,), p, device=dev)) for k, (t, kk, p) in self.filters.items()}
-
-    def run(self, stage: str, impl: str):
+    def run(self, stage: str, impl):
         b, t = self.batch, self.nodes
         dev = self.device
         predicts = torch.full((b * t,), -1, dtype=torch.int32, device=dev)
         accept_index = torch.full((b, t), -1, dtype=torch.int32, device=dev)
         accept_num = torch.zeros(b, dtype=torch.int32, device=dev)
-        if impl == "fused":
-            temperature, top_k, top_p = self.batch_filters.get(stage, (None, None, None))
-            tree_accept(self.logits, self.candidates, self.next_token, self.next_sibling, predicts, accept_index,
-                        accept_num, greedy=stage == "greedy", coins=self.coins, final_coins=self.final,
-                        temperature=temperature, top_k=top_k, top_p=top_p, filters=stage == "sample")
-            return predicts, accept_index, accept_num
-        tree = (self.candidates, self.retrive_index, self.next_token, self.next_sibling)
-        if stage == "greedy":
-            fn = verify_tree_greedy if impl == "triton" else verify_tree_greedy_reference
-            fn(predicts, accept_index, accept_num, *tree, self.logits.argmax(-1))
-        else:
-            probs_fn = process_probs if impl == "triton" else process_probs_reference
-            probs = probs_fn(self.logits.view(b * t, self.vocab), *self.filter_tensors[stage]).view(b, t, self.vocab)
-            fn = tree_speculative_sampling_target_only if impl == "triton" else \
-                tree_speculative_sampling_target_only_reference
-            fn(predicts, accept_index, accept_num, *tree, self.coins, self.final, probs, torch.zeros_like(probs))
+        temperature, top_k, top_p = self.filters.get(stage, (None, None, None))
+        impl(self.logits, self.candidates, self.next_token, self.next_sibling, predicts, accept_index, accept_num,
+             greedy=stage == "greedy", coins=self.coins, final_coins=self.final, temperature=temperature,
+             top_k=top_k, top_p=top_p, filters=stage == "sample")
         return predicts, accept_index, accept_num
 
 
@@ -171,24 +145,18 @@ def main(argv=None) -> dict:
                 row = {"batch": batch, "tokens": nodes, "stage": stage, "logits_MB": logits_bytes / 1e6,
                        "read_once_ms": read_ms}
                 if triton_ok:
-                    row["triton_ms"] = device_ms(lambda: st.run(stage, "triton"), device, reps, budget_ms=150)
+                    row["fused_ms"] = device_ms(lambda: st.run(stage, tree_accept_triton), device, reps, budget_ms=150)
                     if cuda:
-                        replay = graphed(lambda: st.run(stage, "triton"), device)
-                        row["triton_graph_ms"] = device_ms(replay, device, reps, budget_ms=150)
-                    best = row.get("triton_graph_ms", row["triton_ms"])
-                    row["over_read"] = best / read_ms
-                    row["fused_ms"] = device_ms(lambda: st.run(stage, "fused"), device, reps, budget_ms=150)
-                    if cuda:
-                        replay = graphed(lambda: st.run(stage, "fused"), device)
+                        replay = graphed(lambda: st.run(stage, tree_accept_triton), device)
                         row["fused_graph_ms"] = device_ms(replay, device, reps, budget_ms=150)
                     row["fused_over_read"] = row.get("fused_graph_ms", row["fused_ms"]) / read_ms
                 if batch * nodes <= ref_max_rows:
-                    row["reference_ms"] = device_ms(lambda: st.run(stage, "reference"), device, min(reps, 3), warmup=1,
-                                                    budget_ms=150)
+                    row["reference_ms"] = device_ms(lambda: st.run(stage, tree_accept_reference), device, min(reps, 3),
+                                                    warmup=1, budget_ms=150)
                     if triton_ok:  # they must agree (greedy exactly; sampling up to float rounding)
-                        want = [x.cpu() for x in st.run(stage, "reference")]
-                        for impl, key in (("triton", "same_as_reference"), ("fused", "fused_same")):
-                            row[key] = all(torch.equal(x.cpu(), y) for x, y in zip(st.run(stage, impl), want))
+                        want = [x.cpu() for x in st.run(stage, tree_accept_reference)]
+                        got = st.run(stage, tree_accept_triton)
+                        row["fused_same"] = all(torch.equal(x.cpu(), y) for x, y in zip(got, want))
                 res["rows"].append(row)
                 write_json(a.out_json, res)  # keep what is done even if the run is cut short
                 print("  " + "  ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
@@ -201,15 +169,14 @@ def main(argv=None) -> dict:
 
 def print_table(res: dict) -> None:
     print(f"\nsampling + accept stage, vocab {res['vocab']} ({res['device']}); ms; read-once = logits bytes / "
-          f"{res['read_TBps']:.2f} TB/s; x-read = best time / read-once; fused = kernels/fused_accept.py")
-    head = ("batch", "tokens", "stage", "MB", "read-once", "triton", "graph", "x-read", "fused", "fused-graph",
-            "fused-x-read", "reference", "same", "fused-same")
+          f"{res['read_TBps']:.2f} TB/s; fused = kernels/fused_accept.py's Triton stage, fused-x-read = its best "
+          "time / read-once")
+    head = ("batch", "tokens", "stage", "MB", "read-once", "fused", "fused-graph", "fused-x-read", "reference",
+            "fused-same")
     print(" ".join(f"{h:>11}" for h in head))
     for r in res["rows"]:
-        vals = (r["batch"], r["tokens"], r["stage"], r["logits_MB"], r["read_once_ms"], r.get("triton_ms"),
-                r.get("triton_graph_ms"), r.get("over_read"), r.get("fused_ms"), r.get("fused_graph_ms"),
-                r.get("fused_over_read"), r.get("reference_ms"), r.get("same_as_reference", "-"),
-                r.get("fused_same", "-"))
+        vals = (r["batch"], r["tokens"], r["stage"], r["logits_MB"], r["read_once_ms"], r.get("fused_ms"),
+                r.get("fused_graph_ms"), r.get("fused_over_read"), r.get("reference_ms"), r.get("fused_same", "-"))
         print(" ".join(f"{'-':>11}" if v is None else f"{v:11.4f}" if isinstance(v, float) else f"{str(v):>11}"
                        for v in vals))
 

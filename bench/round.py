@@ -1,6 +1,8 @@
-"""One decoding round end to end: drafter and verifier on one GPU, over loopback gRPC.
+"""One decoding step end to end: drafter and verifier on one GPU, over loopback gRPC.
 
-    PYTHONPATH=. python bench/round.py [--modes ar,chain,8,16,32,64] [--rounds 32] [--out-json round.json]
+    PYTHONPATH=. python bench/round.py [--modes ar,chain,8,16,32,64] [--sessions 1] [--rounds 32]
+        [--out-json round.json]
+    PYTHONPATH=. python bench/round.py --sessions 1,8,32   # the same step with 1, 8 and 32 sessions batched
     PYTHONPATH=. python bench/round.py --small          # toy sizes, runs on CPU too
     PYTHONPATH=. python bench/round.py --no-draft-graphs  # the draft step eagerly (compare)
 
@@ -8,17 +10,27 @@ The verifier runs in its own process (`verifier_svc.server.serve` with a TreeVer
 in memory: a random-weight TargetModel at Qwen3-8B dimensions, CUDA graphs as the server
 uses them), with an in-memory span exporter. This process is the drafter: a random-weight
 DFlash draft of the published Qwen3-8B shape (5 layers, block 16, hidden 4096, target layers
-1, 9, 17, 25, 33) in a `DecodeSession` over a `GrpcVerifierLink`, i.e. the drafter service's
-own loop, its draft step replaying CUDA graphs as the drafter service does (eager with
+1, 9, 17, 25, 33) under the drafter service's own `DraftScheduler`, over a `GrpcLink` (one
+`Link` stream), its draft step replaying CUDA graphs as the drafter service does (eager with
 --no-draft-graphs; bench/draft_step.py times the draft step alone). Nothing is written to disk.
 
-Per round (medians over the rounds of one generation, after a warm-up generation):
-draft forward (synchronised), tree build, tree encode, the gRPC exchange, and inside it the
-verifier's span times (forward, sample, commit, and the rest of its `verify` span: tree
-validation + reply encode), feature decode; network = exchange - the verifier's span;
-overhead = round - (draft forward + verify forward); bytes each way. With random weights
-almost nothing is accepted, so each round carries the features of one or two tokens (about
-40 KB per token at these dimensions). Prints a table, writes JSON with --out-json.
+For each sessions count N (`--sessions`, comma-separated) and mode, N requests are submitted
+at once; after the step that opens them all, every step drafts all N sessions in one batched
+draft step and sends their N trees in one link message. The scheduler is stepped here
+(`DraftScheduler.step`) for `--rounds` such steps, then the requests are cancelled. Per step
+(medians over the steps of a case, the first two skipped as warm-up when there are more
+than four; a warm-up case per N runs first), read from the spans: the drafter's `draft_step`
+and its `draft` (forward, synchronised), `tree_build` and `verify_rpc` (the link exchange as
+the scheduler sees it) children, and, joined through the `round` -> `verify` -> `verify_step`
+span links, the verifier's `verify_step` and its `forward` / `sample` / `commit` children
+(v-other: the rest of the verifier's step: tree walk and validation, ancestor masks);
+net+codec = exchange - the verifier's step span (both sides' codec, gRPC, the worker hop);
+encode / decode: the drafter's own share of it (link-message encode; reply decode and
+checks); loop = step - draft - build - exchange (spans, deliveries); overhead = step - (draft
+forward + verify forward); bytes each way per link message; step/N: the step per session.
+With random weights almost nothing is accepted, so each session's result carries the
+features of one or two tokens (about 40 KB per token at these dimensions). Prints a table,
+writes JSON with --out-json (missing values, e.g. a span the verifier does not emit, are null).
 """
 from __future__ import annotations
 
@@ -30,37 +42,25 @@ if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(
 
 import argparse
 import asyncio
+import functools
+import math
 import multiprocessing as mp
 import statistics
 import time
 
 import torch
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from bench.bench_timing import write_json
-from common.config import DraftConfig
-from common.layers import RotaryEmbedding
-from common.protocol import SamplingParams, Verified
-from common.rpc import pb, pb_grpc
-from common.wire import encode_tree
+from common.protocol import SamplingParams, StatusError
+from common.rpc import pb_grpc
+from common.tracing import setup_tracing
 from drafter_svc.draft_graphs import DraftGraphConfig
-from drafter_svc.draft_model import DFlashDraftModel
 from drafter_svc.drafter import DFlashProposer, DraftMode
-from drafter_svc.session_loop import DecodeSession, GenerationConfig
-from drafter_svc.verifier_client import GrpcVerifierLink, open_channel
+from drafter_svc.link import GrpcLink, open_channel
+from drafter_svc.scheduler import DraftScheduler, GenerationConfig, GenerationResult, RoundUpdate
 
-from bench.verify import feature_layers, qwen3_8b_config, random_module_, random_target
-
-
-def draft_config(small: bool, target) -> DraftConfig:
-    layer_ids = feature_layers(target)
-    if small:
-        return DraftConfig(vocab_size=target.vocab_size, hidden_size=target.hidden_size, num_layers=2, num_heads=4,
-                           num_kv_heads=2, head_dim=32, intermediate_size=256, rms_norm_eps=1e-6, rope_theta=1e6,
-                           block_size=8, target_layer_ids=layer_ids, mask_token_id=target.vocab_size - 1,
-                           num_target_layers=target.num_layers)
-    return DraftConfig(vocab_size=151_936, hidden_size=4096, num_layers=5, num_heads=32, num_kv_heads=8, head_dim=128,
-                       intermediate_size=12_288, rms_norm_eps=1e-6, rope_theta=1e6, block_size=16,
-                       target_layer_ids=layer_ids, mask_token_id=151_669, num_target_layers=36)
+from bench.verify import draft_config, feature_layers, qwen3_8b_config, random_draft, random_target
 
 
 # ---------------------------------------------------------------------------------------
@@ -68,25 +68,18 @@ def draft_config(small: bool, target) -> DraftConfig:
 # ---------------------------------------------------------------------------------------
 
 
-def _span_stats(spans) -> dict:
-    by_name: dict[str, list] = {}
-    for s in spans:
-        by_name.setdefault(s.name, []).append(s)
-    out = {}
-    for name, group in by_name.items():
-        group.sort(key=lambda s: s.start_time)
-        out[name] = {"ms": [(s.end_time - s.start_time) / 1e6 for s in group],
-                     "attributes": [dict(s.attributes or {}) for s in group]}
-    return out
+def _span_records(spans) -> list[dict]:
+    """What the drafter needs of the verifier's spans to join them to its own (picklable)."""
+    return [{"name": s.name, "id": s.context.span_id, "parent": s.parent.span_id if s.parent is not None else None,
+             "links": [link.context.span_id for link in s.links], "start": s.start_time, "end": s.end_time,
+             "attributes": dict(s.attributes or {})} for s in spans]
 
 
-def verifier_main(conn, small: bool, device: str, cuda_graphs: bool, max_seq_len: int) -> None:
+def verifier_main(conn, small: bool, device: str, cuda_graphs: bool, max_seq_len: int, sessions: int,
+                  graph_batches: tuple[int, ...]) -> None:
     """Child process: serve a random-weight verifier until told to stop; answer span queries."""
     import logging
 
-    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-
-    from common.tracing import setup_tracing
     from verifier_svc.server import VerifierConfig, serve
     from verifier_svc.target_runner import TargetRunner
     from verifier_svc.tree_verifier import TreeVerifier
@@ -101,9 +94,10 @@ def verifier_main(conn, small: bool, device: str, cuda_graphs: bool, max_seq_len
     model = random_target(cfg, feature_layers(cfg), dev, dtype, seed=0)
     config = VerifierConfig(target_dir="(random weights in memory)", feature_layer_ids=model.feature_layer_ids,
                             host="127.0.0.1", port=0, device=device, dtype=str(dtype).removeprefix("torch."),
-                            max_sessions=2, max_seq_len=max_seq_len, cuda_graphs=cuda_graphs)
-    runner = TargetRunner(model, config.max_sessions, max_seq_len, cuda_graphs=cuda_graphs)
-
+                            max_sessions=sessions, max_seq_len=max_seq_len, cuda_graphs=cuda_graphs,
+                            graph_batches=graph_batches)
+    runner = TargetRunner(model, config.max_sessions, max_seq_len, config.max_tree_nodes, cuda_graphs=cuda_graphs,
+                          graph_config=config.graph_config())
     verifier = TreeVerifier(runner, config.limits())
     startup_s = time.perf_counter() - t0
 
@@ -115,8 +109,8 @@ def verifier_main(conn, small: bool, device: str, cuda_graphs: bool, max_seq_len
         loop = asyncio.get_running_loop()
         while True:
             command = await loop.run_in_executor(None, conn.recv)
-            if command == "stats":
-                conn.send(_span_stats(exporter.get_finished_spans()))
+            if command == "spans":
+                conn.send(_span_records(exporter.get_finished_spans()))
                 exporter.clear()
             else:
                 break
@@ -134,49 +128,76 @@ def verifier_main(conn, small: bool, device: str, cuda_graphs: bool, max_seq_len
 class SyncedProposer(DFlashProposer):
     """Waits for the device at the end of the draft forward, so its time is not billed to the tree build."""
 
-    def block_logits(self, *args, **kwargs):
-        logits = super().block_logits(*args, **kwargs)
+    def propose(self, *args, **kwargs):
+        logits = super().propose(*args, **kwargs)
         if logits.is_cuda:
             torch.cuda.synchronize(logits.device)
         return logits
 
 
-class TimedLink(GrpcVerifierLink):
-    """GrpcVerifierLink.verify split into tree encode, the exchange and feature decode."""
+class _TimedQueue:
+    """The link's request queue, stamping when a message is handed to gRPC."""
+
+    def __init__(self, inner, stamps: dict):
+        self.inner, self.stamps = inner, stamps
+
+    def put(self, item):
+        self.stamps["sent"] = time.perf_counter()
+        self.inner.put(item)
+
+    def get(self, *args, **kwargs):
+        return self.inner.get(*args, **kwargs)
+
+
+class _TimedReplies:
+    """The link's reply iterator, stamping when a reply has arrived (and been parsed)."""
+
+    def __init__(self, inner, stamps: dict):
+        self.inner, self.stamps = inner, stamps
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        reply = next(self.inner)
+        self.stamps["received"] = time.perf_counter()
+        return reply
+
+
+class TimedLink(GrpcLink):
+    """GrpcLink.step split into message encode, the wire exchange and reply decode (+ checks)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.records: list[dict] = []
+        self._stamps: dict = {}
 
-    def verify(self, tree, round_index: int, traceparent: str = "") -> Verified:
+    def _connect(self) -> None:
+        super()._connect()
+        self._requests = _TimedQueue(self._requests, self._stamps)
+        self._replies = _TimedReplies(self._replies, self._stamps)
+
+    def step(self, entries):
+        sent, received = self.bytes_sent, self.bytes_received
+        self._stamps.clear()
         t0 = time.perf_counter()
-        msg = pb.DrafterMessage(tree=encode_tree(tree, round_index, traceparent))
-        t1 = time.perf_counter()
-        reply = self._exchange(msg, "verified").verified
-        t2 = time.perf_counter()
-        out = Verified(accepted_tokens=list(reply.accepted_tokens), next_token=reply.next_token,
-                       features=self._features(reply.features))
+        results = super().step(entries)
         t3 = time.perf_counter()
-        self.records.append({"encode_ms": (t1 - t0) * 1e3, "exchange_ms": (t2 - t1) * 1e3,
-                             "decode_ms": (t3 - t2) * 1e3, "bytes_up": msg.ByteSize(),
-                             "bytes_down": pb.VerifierMessage(verified=reply).ByteSize()})
-        return out
+        t1, t2 = self._stamps.get("sent", t0), self._stamps.get("received", t3)
+        self.records.append({"encode_ms": (t1 - t0) * 1e3, "wire_ms": (t2 - t1) * 1e3, "decode_ms": (t3 - t2) * 1e3,
+                             "bytes_up": self.bytes_sent - sent, "bytes_down": self.bytes_received - received})
+        return results
 
 
 def random_proposer(small: bool, device, dtype, max_seq_len: int, cuda_graphs: bool = True,
-                    cls: type[DFlashProposer] = SyncedProposer) -> DFlashProposer:
-    """A random-weight draft of the bench's shape with the target's embedding and head (one context slot)."""
-    target = qwen3_8b_config(small)
-    cfg = draft_config(small, target)
-    with torch.device("meta"):
-        draft = DFlashDraftModel(cfg)
-    random_module_(draft, device, dtype, seed=1)
-    draft.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta).to(device)
-    draft.eval().requires_grad_(False)
-    gen = torch.Generator(device=device).manual_seed(2)
-    embed = torch.empty(target.vocab_size, target.hidden_size, device=device, dtype=dtype).normal_(0, 0.02, generator=gen)
-    head = torch.empty_like(embed).normal_(0, 0.02, generator=gen)
-    return cls(draft, embed, head, max_seq_len, cuda_graphs, DraftGraphConfig(slots=1))
+                    cls: type[DFlashProposer] = SyncedProposer, slots: int = 1,
+                    batch_buckets: tuple[int, ...] | None = None) -> DFlashProposer:
+    """A random-weight draft of the bench's shape with the target's embedding and head, `slots`
+    context slots, draft graphs for `batch_buckets` sessions per step (default: the default
+    buckets up to `slots`)."""
+    draft, embed, head = random_draft(small, device, dtype)
+    buckets = batch_buckets or tuple(b for b in DraftGraphConfig.batch_buckets if b <= slots) or (slots,)
+    return cls(draft, embed, head, max_seq_len, slots, cuda_graphs, DraftGraphConfig(batch_buckets=buckets))
 
 
 def parse_mode(text: str) -> DraftMode:
@@ -185,63 +206,148 @@ def parse_mode(text: str) -> DraftMode:
     return DraftMode("tree", int(text))
 
 
-def run_mode(stub, proposer, mode: DraftMode, prompt: list[int], rounds: int, layer_ids) -> dict:
-    link = TimedLink(stub, layer_ids, timeout_s=600)
-    # Room for a full tree in every round; the loop stops after `rounds` rounds (closing the session).
-    config = GenerationConfig(max_new_tokens=20 * (rounds + 1), sampling=SamplingParams(), mode=mode)
-    session = DecodeSession(link, proposer, prompt, config)
-    updates, stamps = [], []
-    last = time.perf_counter()
-    for update in session:
-        now = time.perf_counter()
-        if update.round > 0:
-            updates.append(update)
-            stamps.append((now - last) * 1e3)
-        last = now
-        if len(updates) >= rounds or session.result.finish_reason:
-            break
-    return {"updates": updates, "round_ms": stamps, "link": link.records, "result": session.result}
+def run_case(scheduler: DraftScheduler, link: TimedLink, exporter: InMemorySpanExporter, mode: DraftMode,
+             prompts: list[list[int]], rounds: int, max_new: int) -> dict:
+    """Submit one request per prompt, step until all are open, time `rounds` steps, cancel them."""
+    ends: dict[int, object] = {}
+    updates: list[RoundUpdate] = []
+
+    def take(index: int, item) -> None:  # called on this thread, inside scheduler.step()
+        if isinstance(item, (GenerationResult, StatusError)):
+            ends[index] = item
+        else:
+            updates.append(item)
+
+    config = GenerationConfig(max_new_tokens=max_new, sampling=SamplingParams(), mode=mode)
+    sids = [scheduler.submit(prompt, config, functools.partial(take, i)) for i, prompt in enumerate(prompts)]
+    opened = 0
+    while opened < len(prompts):  # the open step(s): one Open per session, prefill on the verifier
+        before = opened
+        scheduler.step()
+        opened = sum(1 for u in updates if u.round == 0)
+        if ends:
+            raise RuntimeError(f"a session ended while opening: {next(iter(ends.values()))!r}")
+        if opened == before:
+            time.sleep(0.01)
+    exporter.clear()
+    first_record = len(link.records)
+    step_ms = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        scheduler.step()
+        step_ms.append((time.perf_counter() - start) * 1e3)
+    spans = exporter.get_finished_spans()
+    records = link.records[first_record:]
+    early = len(ends)
+    for sid in sids:
+        scheduler.cancel(sid)
+    scheduler.run_until_idle()
+    errors = [e for e in ends.values() if isinstance(e, StatusError)]
+    if errors:
+        raise RuntimeError(f"{len(errors)} sessions failed: {errors[0].status}: {errors[0].message}")
+    return {"step_ms": step_ms, "records": records, "spans": spans, "ended_early": early}
 
 
 def med(values) -> float:
-    values = list(values)
+    values = [v for v in values if v is not None and not math.isnan(v)]
     return statistics.median(values) if values else float("nan")
 
 
-def summarise(name: str, run: dict, spans: dict, skip: int) -> dict:
-    ups, recs, rounds = run["updates"][skip:], run["link"][skip:], run["round_ms"][skip:]
-    verify = spans.get("verify", {"ms": [], "attributes": []})
-    n = len(run["updates"])
-    server = {k: spans.get(k, {"ms": []})["ms"] for k in ("verify", "forward", "sample", "commit")}
-    # The verifier's spans of this session: the last n of each (prefill has its own forward/sample).
-    server = {k: v[-n:][skip:] for k, v in server.items()}
+def _ms(s) -> float:
+    start, end = (s["start"], s["end"]) if isinstance(s, dict) else (s.start_time, s.end_time)
+    return (end - start) / 1e6
+
+
+def join_steps(run: dict, verifier_spans: list[dict]) -> list[dict]:
+    """One dict per timed step: its drafter spans and, through its rounds, its verifier spans."""
+    spans = run["spans"]
+    steps = sorted((s for s in spans if s.name == "draft_step"), key=lambda s: s.start_time)
+    children: dict[int, dict[str, object]] = {}
+    for s in spans:
+        if s.parent is not None and s.name in ("draft", "tree_build", "verify_rpc"):
+            children.setdefault(s.parent.span_id, {})[s.name] = s
+    rounds: dict[int, list] = {}
+    for s in spans:
+        if s.name == "round":
+            for link in s.links:
+                rounds.setdefault(link.context.span_id, []).append(s)
+    by_id = {s["id"]: s for s in verifier_spans}
+    verify_of_round = {s["parent"]: s for s in verifier_spans if s["name"] == "verify"}
+    vchildren: dict[int, dict[str, dict]] = {}
+    for s in verifier_spans:
+        if s["parent"] is not None and s["name"] in ("forward", "sample", "commit"):
+            vchildren.setdefault(s["parent"], {})[s["name"]] = s
+    out = []
+    for step in steps:
+        mine = rounds.get(step.context.span_id, [])
+        verifies = [verify_of_round[r.context.span_id] for r in mine if r.context.span_id in verify_of_round]
+        vstep_ids = {link for v in verifies for link in v["links"]}
+        vstep = by_id.get(next(iter(vstep_ids))) if len(vstep_ids) == 1 else None
+        out.append({"step": step, "children": children.get(step.context.span_id, {}), "rounds": mine,
+                    "vstep": vstep, "vchildren": vchildren.get(vstep["id"], {}) if vstep else {},
+                    "vsteps": len(vstep_ids)})
+    return out
+
+
+def summarise(name: str, sessions: int, run: dict, verifier_spans: list[dict], skip: int) -> dict:
+    steps = join_steps(run, verifier_spans)
+    if len(steps) != len(run["step_ms"]) or len(run["records"]) != len(run["step_ms"]):
+        raise RuntimeError(f"{len(run['step_ms'])} steps timed, {len(steps)} draft_step spans, "
+                           f"{len(run['records'])} link messages")
+    steps, wall, recs = steps[skip:], run["step_ms"][skip:], run["records"][skip:]
+
+    def child(st, key, which="children"):
+        s = st[which].get(key)
+        return _ms(s) if s is not None else None
+
+    rounds = [r for st in steps for r in st["rounds"]]
     row = {
         "mode": name,
-        "rounds": len(ups),
-        "tree_nodes": med(u.tree_nodes for u in ups),
-        "accepted_per_round": statistics.mean(run["result"].acceptance_lengths[skip:] or [0]),
-        "round_ms": med(rounds),
-        "draft_ms": med(u.draft_s * 1e3 for u in ups),
-        "tree_build_ms": med(u.tree_build_s * 1e3 for u in ups),
-        "rpc_ms": med(u.verify_s * 1e3 for u in ups),
+        "sessions": sessions,
+        "steps": len(steps),
+        "sessions_per_step": med(st["step"].attributes.get("sessions", 0) for st in steps),
+        "ended_early": run["ended_early"],
+        "tree_nodes": med(r.attributes.get("tree.nodes", 0) for r in rounds),
+        "accepted_per_round": float(statistics.mean([r.attributes.get("accepted", 0) + 1 for r in rounds] or [0])),
+        "step_ms": med(wall),
+        "draft_step_ms": med(_ms(st["step"]) for st in steps),
+        "draft_ms": med(child(st, "draft") for st in steps),
+        "tree_build_ms": med(child(st, "tree_build") for st in steps),
+        "exchange_ms": med(child(st, "verify_rpc") for st in steps),
         "encode_ms": med(r["encode_ms"] for r in recs),
-        "exchange_ms": med(r["exchange_ms"] for r in recs),
+        "wire_ms": med(r["wire_ms"] for r in recs),
         "decode_ms": med(r["decode_ms"] for r in recs),
-        "server_verify_ms": med(server["verify"]),
-        "forward_ms": med(server["forward"]),
-        "sample_ms": med(server["sample"]),
-        "commit_ms": med(server["commit"]),
+        "verify_step_ms": med(_ms(st["vstep"]) if st["vstep"] else None for st in steps),
+        "forward_ms": med(child(st, "forward", "vchildren") for st in steps),
+        "sample_ms": med(child(st, "sample", "vchildren") for st in steps),
+        "commit_ms": med(child(st, "commit", "vchildren") for st in steps),
+        "verifier_steps_per_step": med(st["vsteps"] for st in steps),
         "bytes_up": med(r["bytes_up"] for r in recs),
         "bytes_down": med(r["bytes_down"] for r in recs),
     }
-    row["server_other_ms"] = row["server_verify_ms"] - row["forward_ms"] - row["sample_ms"] - row["commit_ms"]
-    row["network_ms"] = row["exchange_ms"] - row["server_verify_ms"]
-    row["loop_other_ms"] = row["round_ms"] - row["draft_ms"] - row["tree_build_ms"] - row["rpc_ms"]
-    row["overhead_ms"] = row["round_ms"] - row["draft_ms"] - row["forward_ms"]
-    row["grpc_codec_ms"] = row["network_ms"] + row["encode_ms"] + row["decode_ms"] + row["server_other_ms"]
-    row["grpc_codec_share"] = row["grpc_codec_ms"] / row["round_ms"]
-    row["verify_span_tree_nodes"] = med(a.get("tree.nodes", 0) for a in verify["attributes"][-n:][skip:])
+
+    def z(key):  # a missing span counts as 0 in the differences (no `draft` span: nobody drafted)
+        v = row[key]
+        return 0.0 if math.isnan(v) else v
+
+    row["verifier_other_ms"] = row["verify_step_ms"] - z("forward_ms") - z("sample_ms") - z("commit_ms")
+    row["net_codec_ms"] = row["exchange_ms"] - row["verify_step_ms"]
+    row["network_ms"] = row["wire_ms"] - row["verify_step_ms"]
+    row["loop_other_ms"] = row["step_ms"] - z("draft_ms") - z("tree_build_ms") - row["exchange_ms"]
+    row["overhead_ms"] = row["step_ms"] - z("draft_ms") - z("forward_ms")
+    row["net_codec_share"] = row["net_codec_ms"] / row["step_ms"]
+    row["step_per_session_ms"] = row["step_ms"] / max(1, row["sessions_per_step"])
     return row
+
+
+def parse_sessions(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
 
 
 def main(argv=None) -> dict:
@@ -250,7 +356,9 @@ def main(argv=None) -> dict:
     p.add_argument("--small", action="store_true", help="toy sizes (runs on CPU)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--modes", default="ar,chain,8,16,32,64", help="ar, chain or a tree budget, comma-separated")
-    p.add_argument("--rounds", type=int, default=None, help="rounds per mode (default 32; 6 with --small)")
+    p.add_argument("--sessions", type=parse_sessions, default=[1],
+                   help="concurrent sessions per step: N, or a comma-separated list of N (default 1)")
+    p.add_argument("--rounds", type=int, default=None, help="timed steps per case (default 32; 6 with --small)")
     p.add_argument("--prompt-len", type=int, default=None, help="prompt tokens (default 512; 32 with --small)")
     p.add_argument("--max-seq-len", type=int, default=2048)
     p.add_argument("--no-cuda-graphs", action="store_true", help="verifier without CUDA graphs")
@@ -264,43 +372,65 @@ def main(argv=None) -> dict:
     prompt_len = a.prompt_len or (32 if a.small else 512)
     max_seq = min(a.max_seq_len, 512) if a.small else a.max_seq_len
     modes = [m.strip() for m in a.modes.split(",") if m.strip()]
+    sessions = sorted(set(a.sessions))
     skip = 2 if rounds > 4 else 0
+    # Room for the prompt, every step's tokens (a round emits at most block_size) and a full tree:
+    # no session may end on length, nor have its trees cut short, during the timed steps.
+    block = draft_config(a.small, qwen3_8b_config(a.small)).block_size
+    max_budget = max([parse_mode(m).budget for m in modes] + [16, block])
+    if prompt_len + (rounds + 8) * block + max_budget + 1 > max_seq:
+        p.error(f"--max-seq-len {max_seq} is too short for a {prompt_len}-token prompt, {rounds + 8} steps of up to "
+                f"{block} tokens and a {max_budget}-node tree; raise it or lower --rounds / --prompt-len")
 
+    exporter = InMemorySpanExporter()
+    setup_tracing("drafter", exporter=exporter)
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=verifier_main, args=(child, a.small, a.device, not a.no_cuda_graphs, max_seq),
-                       daemon=True)
+    proc = ctx.Process(target=verifier_main, args=(child, a.small, a.device, not a.no_cuda_graphs, max_seq,
+                                                   max(sessions), tuple(sessions)), daemon=True)
     t0 = time.perf_counter()
     proc.start()
     res: dict = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                  "torch": torch.__version__, "dtype": str(dtype).removeprefix("torch."), "prompt_len": prompt_len,
-                 "rounds": rounds, "cuda_graphs": not a.no_cuda_graphs, "modes": []}
+                 "rounds": rounds, "sessions": sessions, "cuda_graphs": not a.no_cuda_graphs, "modes": []}
     try:
-        proposer = random_proposer(a.small, device, dtype, max_seq, not a.no_draft_graphs)
+        proposer = random_proposer(a.small, device, dtype, max_seq, not a.no_draft_graphs, slots=max(sessions),
+                                   batch_buckets=tuple(sessions))
         res["draft_graphs"] = proposer.graphs.num_graphs if proposer.graphs is not None else 0
         if not parent.poll(900):
             raise RuntimeError("the verifier did not start")
         info = parent.recv()
         res["verifier_start"] = info | {"wall_s": time.perf_counter() - t0}
         print(f"# round bench on {res['device']}: verifier on port {info['port']} "
-              f"({info['graphs']} graphs in {info['capture_s']:.1f} s)", flush=True)
+              f"({info['graphs']} graphs in {info['capture_s']:.1f} s), {res['draft_graphs']} draft graphs, "
+              f"sessions {sessions}", flush=True)
         channel = open_channel(f"127.0.0.1:{info['port']}")
-        stub = pb_grpc.VerifierStub(channel)
         layer_ids = proposer.draft.cfg.target_layer_ids
         vocab = proposer.embed_tokens.shape[0]
-        prompt = torch.randint(vocab, (prompt_len,), generator=torch.Generator().manual_seed(0)).tolist()
-        run_mode(stub, proposer, DraftMode("tree", 16), prompt, 4, layer_ids)  # warm-up (compiles, allocates)
-        parent.send("stats")
-        parent.recv()
-        for name in modes:
-            run = run_mode(stub, proposer, parse_mode(name), prompt, rounds, layer_ids)
-            parent.send("stats")
-            spans = parent.recv()
-            row = summarise(name, run, spans, skip)
-            res["modes"].append(row)
-            write_json(a.out_json, res)  # keep what is done even if the run is cut short
-            print(f"  {name:>5}: round {row['round_ms']:.2f} ms, draft {row['draft_ms']:.2f}, verify forward "
-                  f"{row['forward_ms']:.2f}, overhead {row['overhead_ms']:.2f}", flush=True)
+        link = TimedLink(pb_grpc.VerifierStub(channel), vocab_size=vocab,
+                         feature_dim=proposer.draft.fc.weight.shape[1], max_seq_len=max_seq)
+        scheduler = DraftScheduler(link, proposer, max_sessions=max(sessions), feature_layer_ids=layer_ids,
+                                   queue_timeout_s=600.0)
+        gen = torch.Generator().manual_seed(0)
+        prompts = [torch.randint(vocab, (prompt_len,), generator=gen).tolist() for _ in range(max(sessions))]
+        max_new = max_seq - prompt_len - 1
+
+        def spans_of_verifier() -> list[dict]:
+            parent.send("spans")
+            return parent.recv()
+
+        for n in sessions:
+            run_case(scheduler, link, exporter, DraftMode("tree", 16), prompts[:n], 3, max_new)  # warm-up
+            spans_of_verifier()
+            for name in modes:
+                run = run_case(scheduler, link, exporter, parse_mode(name), prompts[:n], rounds, max_new)
+                row = summarise(name, n, run, spans_of_verifier(), skip)
+                res["modes"].append(row)
+                write_json(a.out_json, _json_safe(res))  # keep what is done even if the run is cut short
+                print(f"  N={n:<3} {name:>5}: step {row['step_ms']:.2f} ms ({row['step_per_session_ms']:.2f} per "
+                      f"session), draft {row['draft_ms']:.2f}, verify forward {row['forward_ms']:.2f}, "
+                      f"net+codec {row['net_codec_ms']:.2f}", flush=True)
+        scheduler.stop()
         channel.close()
     finally:
         try:
@@ -311,36 +441,53 @@ def main(argv=None) -> dict:
         proc.join(30)
         if proc.is_alive():
             proc.terminate()
-    chain = next((r for r in res["modes"] if r["mode"] == "chain"), None)
     for r in res["modes"]:
-        r["over_chain_ms"] = r["round_ms"] - chain["round_ms"] if chain else None
+        chain = next((c for c in res["modes"] if c["mode"] == "chain" and c["sessions"] == r["sessions"]), None)
+        r["over_chain_ms"] = r["step_ms"] - chain["step_ms"] if chain else None
     print_table(res)
-    write_json(a.out_json, res)
+    write_json(a.out_json, _json_safe(res))
     return res
 
 
+def _json_safe(obj):
+    """NaN (a value with no samples, e.g. a span the verifier does not emit) as null."""
+    if isinstance(obj, float) and math.isnan(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: _json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_json_safe(v) for v in obj]
+    return obj
+
+
 def print_table(res: dict) -> None:
-    print(f"\nround split, medians in ms ({res['device']}, {res['dtype']}, prompt {res['prompt_len']}, "
+    print(f"\nper-step split, medians in ms ({res['device']}, {res['dtype']}, prompt {res['prompt_len']}, "
           f"verifier CUDA graphs {'on' if res['cuda_graphs'] else 'off'}, draft CUDA graphs "
-          f"{'on' if res.get('draft_graphs') else 'off'}); overhead = round - (draft + verify forward)")
-    cols = [("mode", "mode"), ("nodes", "tree_nodes"), ("acc", "accepted_per_round"), ("round", "round_ms"),
-            ("draft", "draft_ms"), ("build", "tree_build_ms"), ("encode", "encode_ms"), ("network", "network_ms"),
-            ("forward", "forward_ms"), ("sample", "sample_ms"), ("commit", "commit_ms"),
-            ("srv-oth", "server_other_ms"), ("decode", "decode_ms"), ("loop", "loop_other_ms"),
-            ("overhd", "overhead_ms"), ("grpc%", "grpc_codec_share"), ("B-up", "bytes_up"),
-            ("B-down", "bytes_down"), ("vs-chain", "over_chain_ms")]
+          f"{'on' if res.get('draft_graphs') else 'off'}); N sessions per step; exchange = verify_rpc span; "
+          f"net+cod = exchange - verify_step; overhead = step - (draft + verify forward)")
+    cols = [("N", "sessions"), ("mode", "mode"), ("nodes", "tree_nodes"), ("acc", "accepted_per_round"),
+            ("step", "step_ms"), ("draft", "draft_ms"), ("build", "tree_build_ms"), ("exchange", "exchange_ms"),
+            ("encode", "encode_ms"), ("v-step", "verify_step_ms"), ("forward", "forward_ms"),
+            ("sample", "sample_ms"), ("commit", "commit_ms"), ("v-other", "verifier_other_ms"),
+            ("net+cod", "net_codec_ms"), ("decode", "decode_ms"), ("loop", "loop_other_ms"),
+            ("overhd", "overhead_ms"), ("net%", "net_codec_share"), ("B-up", "bytes_up"),
+            ("B-down", "bytes_down"), ("step/N", "step_per_session_ms"), ("vs-chain", "over_chain_ms")]
     print(" ".join(f"{h:>8}" for h, _ in cols))
     for r in res["modes"]:
         cells = []
         for _, key in cols:
             v = r.get(key)
-            if key == "grpc_codec_share" and isinstance(v, float):
+            if isinstance(v, float) and math.isnan(v):
+                cells.append(f"{'-':>8}")
+            elif key == "net_codec_share" and isinstance(v, float):
                 cells.append(f"{100 * v:7.1f}%")
             elif isinstance(v, float):
                 cells.append(f"{v:8.3f}" if abs(v) < 1000 else f"{v:8.0f}")
             else:
                 cells.append(f"{str(v):>8}")
         print(" ".join(cells))
+    if any(r.get("ended_early") for r in res["modes"]):
+        print("(some sessions ended during the timed steps: see sessions_per_step / ended_early in the JSON)")
 
 
 if __name__ == "__main__":

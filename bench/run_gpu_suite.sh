@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # The GPU tests and the GPU benchmarks in one go, each step's log and JSON into OUTDIR.
 #
-#   bash bench/run_gpu_suite.sh OUTDIR [tests] [verify] [kernels] [draft] [round] [transport]
+#   bash bench/run_gpu_suite.sh OUTDIR [tests] [verify] [kernels] [draft] [round] [transport] [serve]
 #
-# With no steps named, runs them all (about 15 minutes on an H200). Needs the project's
+# With no steps named, runs them all (about 22 minutes on an H200). Needs the project's
 # dependencies importable by python3; PYTHONPATH gets the repository root added.
 set -u
 out=${1:?usage: bash bench/run_gpu_suite.sh OUTDIR [steps...]}
 shift
-steps=${*:-tests verify kernels draft round transport}
+steps=${*:-tests verify kernels draft round transport serve}
 mkdir -p "$out"
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 status=0
@@ -20,6 +20,8 @@ for step in $steps; do
         draft) cmd=(python3 bench/draft_step.py --out-json "$out/draft.json") ;;
         round) cmd=(python3 bench/round.py --out-json "$out/round.json") ;;
         transport) cmd=(python3 bench/transport.py --out-json "$out/transport.json") ;;
+        serve) cmd=(python3 bench/serve.py --models qwen3-8b,default --concurrency 1,4,8,16,32,64 --max-new-tokens 128
+                    --taus 3,6 --log-dir "$out/serve_logs" --out-json "$out/serve.json") ;;
         *) echo "unknown step: $step" >&2; exit 2 ;;
     esac
     echo "== $step: ${cmd[*]}"

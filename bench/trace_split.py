@@ -5,9 +5,14 @@
 
 Starts the verifier and the drafter in this process on loopback (each on its own event
 loop, exactly the servers `python -m verifier_svc` / `python -m drafter_svc` run), sends
-one Generate request per budget, and averages over the rounds: draft, tree build, the
-verify RPC as the drafter sees it, and inside it the verifier's verify (forward, sample,
-commit); the rest of the RPC is transport plus encode/decode.
+one Generate request per budget, and averages over its rounds: the request's `round` spans
+lead (by their links) to the drafter's `draft_step` spans and their `draft`, `tree_build`
+and `verify_rpc` children; each round's `verify` span on the verifier (which covers the
+verifier step its tree was batched in) leads (by its link) to that `verify_step` span and
+its `forward`, `sample`, `commit` children. With one request at a time each step carries
+one session's tree, so per step = per round; the rest of the RPC (verify_rpc - verify) is
+transport plus encode/decode on both sides. Bytes are the link messages of the steps that
+carried only trees (the drafter's GrpcLink counters).
 """
 from __future__ import annotations
 
@@ -25,6 +30,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from common.config import load_draft_config  # noqa: E402
+from common.protocol import TreeEntry  # noqa: E402
 from common.rpc import CHANNEL_OPTIONS, pb, pb_grpc  # noqa: E402
 from common.tracing import setup_tracing  # noqa: E402
 from drafter_svc.server import DrafterConfig, DrafterEngine  # noqa: E402
@@ -36,25 +42,50 @@ from verifier_svc.server import serve as serve_verifier  # noqa: E402
 STAGES = ["round", "draft", "tree_build", "verify_rpc", "verify", "forward", "sample", "commit"]
 
 
-def split(spans, trace_id) -> dict:
-    mine = [s for s in spans if s.context.trace_id == trace_id]
-    rounds = [s for s in mine if s.name == "round"]
+def split(spans, trace_id, step_bytes: list[tuple[int, int]]) -> dict:
+    """Mean ms per round of each stage for the request whose `generate` span is in `trace_id`."""
+    rounds = [s for s in spans if s.name == "round" and s.context.trace_id == trace_id]
+    # drafter: round --link--> draft_step <--parent-- draft, tree_build, verify_rpc
+    step_ids = {link.context.span_id for s in rounds for link in s.links}
+    # verifier: verify (child of a round, covering the step) --link--> verify_step <--parent-- forward, ...
     round_ids = {s.context.span_id for s in rounds}
-    verify_ids = {s.context.span_id for s in mine if s.name == "verify" and s.parent.span_id in round_ids}
-    parents = {"verify": round_ids, "forward": verify_ids, "sample": verify_ids, "commit": verify_ids}
+    verifies = [s for s in spans if s.name == "verify" and s.parent is not None and s.parent.span_id in round_ids]
+    vstep_ids = {link.context.span_id for s in verifies for link in s.links}
+    parents = {"draft": step_ids, "tree_build": step_ids, "verify_rpc": step_ids,
+               "forward": vstep_ids, "sample": vstep_ids, "commit": vstep_ids}
     ms = {}
     for name in STAGES:
-        picked = [s for s in mine if s.name == name and (name not in parents or s.parent.span_id in parents[name])]
-        ms[name] = statistics.mean((s.end_time - s.start_time) / 1e6 for s in picked) if picked else 0.0
+        if name == "round":
+            group = rounds
+        elif name == "verify":
+            group = verifies
+        else:
+            group = [s for s in spans if s.name == name and s.parent is not None and s.parent.span_id in parents[name]]
+        ms[name] = statistics.mean((s.end_time - s.start_time) / 1e6 for s in group) if group else 0.0
     ms["transport+codec"] = ms["verify_rpc"] - ms["verify"]
-    rpc = [s for s in mine if s.name == "verify_rpc"]
     return {
         "rounds": len(rounds),
         "ms_per_round": ms,
-        "bytes_up_per_round": statistics.mean(s.attributes.get("bytes.sent", 0) for s in rpc) if rpc else 0,
-        "bytes_down_per_round": statistics.mean(s.attributes.get("bytes.received", 0) for s in rpc) if rpc else 0,
+        "bytes_up_per_round": statistics.mean(up for up, _ in step_bytes) if step_bytes else 0,
+        "bytes_down_per_round": statistics.mean(down for _, down in step_bytes) if step_bytes else 0,
         "mean_acceptance": statistics.mean(s.attributes.get("accepted", 0) + 1 for s in rounds) if rounds else 0,
     }
+
+
+def record_tree_steps(link) -> list[tuple[int, int]]:
+    """Wrap the drafter's GrpcLink: (bytes up, bytes down) of every step that carried only trees."""
+    records: list[tuple[int, int]] = []
+    step = link.step
+
+    def recorded(entries):
+        sent, received = link.bytes_sent, link.bytes_received
+        results = step(entries)
+        if entries and all(isinstance(e, TreeEntry) for e in entries):
+            records.append((link.bytes_sent - sent, link.bytes_received - received))
+        return results
+
+    link.step = recorded
+    return records
 
 
 def main() -> None:
@@ -76,6 +107,7 @@ def main() -> None:
         dtype = torch.bfloat16 if a.device.startswith("cuda") else torch.float32
         engine = DrafterEngine.start(DrafterConfig(draft_dir=a.draft, target_dir=a.target, device=a.device,
                                                    verifier=f"127.0.0.1:{verifier.port}"), dtype)
+        step_bytes = record_tree_steps(engine.scheduler.link)
         with ServerThread(lambda: serve_drafter(engine, "127.0.0.1", 0)) as drafter, \
                 grpc.insecure_channel(f"127.0.0.1:{drafter.port}", options=CHANNEL_OPTIONS) as channel:
             stub = pb_grpc.GenerationStub(channel)
@@ -83,10 +115,11 @@ def main() -> None:
                 req = pb.GenerateRequest(text=a.prompt, max_new_tokens=a.max_new_tokens, tree_budget=budget)
                 stub.GenerateOnce(req, timeout=600)  # warm-up
                 exporter.clear()
+                step_bytes.clear()
                 stub.GenerateOnce(req, timeout=600)
                 spans = exporter.get_finished_spans()
                 root = next(s for s in spans if s.name == "generate")
-                results[budget] = split(spans, root.context.trace_id)
+                results[budget] = split(spans, root.context.trace_id, list(step_bytes))
     cols = ["round", "draft", "tree_build", "verify_rpc", "verify", "forward", "sample", "commit", "transport+codec"]
     print(f"{'budget':>6} {'rounds':>6} {'accept':>6} " + " ".join(f"{c:>15}" for c in cols) + "   bytes up/down")
     for budget, r in results.items():

@@ -1,18 +1,30 @@
-"""gRPC transport + codec cost of one verify round, with the model taken out.
+"""gRPC transport + codec cost of one link message, with the model taken out, per batch of sessions.
 
-    PYTHONPATH=. python bench/transport.py [--nodes 65] [--feature-rows 1,7] [--rounds 300] [--out-json FILE]
+    PYTHONPATH=. python bench/transport.py [--batches 1,8,32] [--nodes 65] [--feature-rows 1,7]
+        [--rounds 300] [--gaps-ms 0,3] [--trace] [--out-json FILE]
 
-The verifier runs in a child process: the real servicer, model worker and `TreeVerifier`
-(tree decode and validation, ancestor mask, reply encode) over the bundled default target,
-whose tree forward is replaced by a canned result carrying `--feature-rows` rows of
-Qwen3-8B-sized features (5 x 4096 bf16 = 40 KB per row). This process drives a
-`GrpcVerifierLink` exactly as the drafter does and times each `verify()` call (tracing off
-unless --trace).
+The verifier runs in a child process: the real servicer, link handler, model worker and
+`TreeVerifier` (link-message decode, tree walk and validation of every tree, ancestor
+masks, commit bookkeeping, reply encode) over the bundled default target, whose batched
+verify (`TargetRunner.verify_batch`) is replaced by a canned result that accepts
+`--feature-rows` - 1 tokens per session and so returns that many rows of Qwen3-8B-sized
+features each (5 x 4096 bf16 = 40 KB per row); its prefill runs for real but returns
+features of that width. This process drives a `GrpcLink` exactly as the drafter's
+scheduler does: it opens B sessions in one message, then sends `--rounds` link messages,
+each carrying one `--nodes`-node tree for each of the B sessions, and times each
+`GrpcLink.step` call (tracing off unless --trace; with it, spans as the scheduler makes
+them: `draft_step` with `verify_rpc`, a `round` per session whose traceparent rides on its
+tree).
+
 Baseline: a bare bidirectional gRPC echo between two processes with the same bytes each
-way and the same client pattern (a request queue feeding a synchronous stream). With
-`--gaps-ms`, the client busy-waits that long before each round, as a drafter drafting does,
-while the server sits idle.
-Prints a table of medians (ms) and writes JSON with --out-json.
+way as the link message and its reply, and the same client pattern (a request queue
+feeding a synchronous stream). With `--gaps-ms`, the client busy-waits that long before
+each message, as a drafter drafting does, while the server sits idle.
+
+The per-message Python / gRPC cost should be paid once per step whatever B is; what grows
+with B is the bytes and the per-tree work. The table gives both: ms per message, and ms per
+session (the message's cost / B). Prints a table of medians (ms) and writes JSON with
+--out-json.
 """
 from __future__ import annotations
 
@@ -35,17 +47,18 @@ import torch
 from opentelemetry import trace as otel_trace
 
 from bench.bench_timing import write_json
-from common.protocol import SamplingParams
-from common.rpc import CHANNEL_OPTIONS, pb, pb_grpc
-from common.tracing import current_traceparent
+from common.config import load_target_config
+from common.protocol import CloseEntry, OpenEntry, Prefilled, SamplingParams, TreeEntry, Verified
+from common.rpc import CHANNEL_OPTIONS, pb_grpc
+from common.tracing import traceparent_of
 from common.tree import DraftTree
-from common.wire import encode_tree
-from drafter_svc.verifier_client import GrpcVerifierLink, open_channel
+from drafter_svc.link import GrpcLink, open_channel
 from tests.reference import distinct_sibling_tokens
 
 TARGET = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "models", "default", "target")
 FEATURE_DIM = 5 * 4096  # Qwen3-8B with a 5-layer DFlash draft
 ECHO = "/bench.Echo/Session"
+PROMPT = [1, 2, 3]
 
 
 def _tracing(service: str) -> None:
@@ -57,20 +70,42 @@ def _tracing(service: str) -> None:
     setup_tracing(service, exporter=InMemorySpanExporter())
 
 
-def _verifier_process(port_out, rows: int, trace: bool) -> None:
-    """Serve the real Verifier service with a canned tree forward until killed."""
-    from verifier_svc.accept import AcceptResult
+def max_seq_len(rounds: int, rows: int, nodes: int) -> int:
+    """Room for the prompt, `rounds` rounds of `rows` committed tokens each, and one more tree."""
+    return len(PROMPT) + (rounds + 1) * rows + nodes + 8
+
+
+def _verifier_process(port_out, rows: int, trace: bool, sessions: int, seq_len: int, nodes: int) -> None:
+    """Serve the real Verifier service with a canned batched verify until killed."""
+    import verifier_svc.scheduler
+    from common.wire import encode_link_response
     from verifier_svc.server import VerifierConfig, load_verifier, serve
+    from verifier_svc.target_runner import VerifiedBatch
 
     if trace:
         _tracing("verifier")
-    config = VerifierConfig(target_dir=TARGET, port=0, max_sessions=1, max_tree_nodes=1025, cuda_graphs=False)
+    # Feature layer 0: sessions ask for features (the canned ones below, of 8B width).
+    config = VerifierConfig(target_dir=TARGET, feature_layer_ids=(0,), port=0, max_sessions=sessions,
+                            max_seq_len=seq_len, max_tree_nodes=max(nodes, 1), cuda_graphs=False)
     verifier = load_verifier(config)
-    features = torch.zeros(rows, FEATURE_DIM, dtype=torch.bfloat16)
     runner = verifier.runner
-    runner.verify_accept = lambda slot, past, tree, *a, **k: AcceptResult(path=torch.tensor([0]),
-                                                                           bonus=int(tree.tokens[0]), features=features)
-    runner.commit = lambda *a, **k: None
+    features = torch.zeros(sessions * rows, FEATURE_DIM, dtype=torch.bfloat16)
+    path = list(range(rows))  # root + rows - 1 "accepted" nodes: rows feature rows per session
+    real_prefill = runner.prefill
+
+    def prefill(slots, prompts):
+        logits, _ = real_prefill(slots, prompts)
+        return logits, [torch.zeros(p.shape[0], FEATURE_DIM, dtype=torch.bfloat16) for p in prompts]
+
+    def verify_batch(batch_rows, masks):
+        return VerifiedBatch(paths=[path] * len(batch_rows), bonus=[int(r.tree.tokens[0]) for r in batch_rows],
+                             features=features[: len(batch_rows) * rows])
+
+    runner.prefill = prefill
+    runner.verify_batch = verify_batch
+    # Replies without rows (a close-only message) carry an empty tensor of the features' width.
+    verifier_svc.scheduler.encode_link_response = (
+        lambda step, results, feature_dim, dtype: encode_link_response(step, results, FEATURE_DIM, torch.bfloat16))
 
     async def main():
         _, port = await serve(config, verifier)
@@ -80,12 +115,17 @@ def _verifier_process(port_out, rows: int, trace: bool) -> None:
     asyncio.run(main())
 
 
-def _echo_process(port_out, reply_bytes: int) -> None:
-    """A bare grpc.aio bidirectional stream answering each message with `reply_bytes` bytes."""
-    reply = bytes(reply_bytes)
+def _echo_process(port_out) -> None:
+    """A bare grpc.aio bidirectional stream answering each message with as many bytes as its
+    first 8 bytes say (little-endian), so one server serves every case."""
+    replies: dict[int, bytes] = {}
 
     async def session(request_iterator, context):
-        async for _ in request_iterator:
+        async for request in request_iterator:
+            size = int.from_bytes(request[:8], "little")
+            reply = replies.get(size)
+            if reply is None:
+                reply = replies[size] = bytes(size)
             yield reply
 
     async def main():
@@ -114,45 +154,80 @@ def random_tree(nodes: int, vocab: int) -> DraftTree:
     return DraftTree.from_parents(distinct_sibling_tokens(rng, parents, vocab), parents)
 
 
+def with_root(tree: DraftTree, root: int) -> DraftTree:
+    return DraftTree(torch.cat([torch.tensor([root]), tree.tokens[1:]]), tree.next_token, tree.next_sibling)
+
+
+def tree_entries(trees: dict[int, DraftTree], round_index: int, traceparents: dict[int, str] | None = None):
+    return [TreeEntry(sid, round_index, tree, (traceparents or {}).get(sid, "")) for sid, tree in trees.items()]
+
+
 def _busy_wait(seconds: float) -> None:
-    """Stand-in for the drafter's own work between rounds (it keeps its core busy, as a CUDA sync does)."""
+    """Stand-in for the drafter's own work between steps (it keeps its core busy, as a CUDA sync does)."""
     end = time.perf_counter() + seconds
     while time.perf_counter() < end:
         pass
 
 
-def time_link(port: int, tree: DraftTree, rounds: int, trace: bool, gap_s: float) -> dict:
+def _check(results, kind) -> None:
+    for r in results:
+        if not isinstance(r.outcome, kind):
+            raise RuntimeError(f"session {r.session_id}: expected {kind.__name__}, got {r.outcome!r}")
+
+
+def time_link(port: int, tree: DraftTree, batch: int, rounds: int, trace: bool, gap_s: float, vocab: int,
+              seq_len: int) -> dict:
+    """Open `batch` sessions in one message, then time `rounds` messages of one tree per session."""
     channel = open_channel(f"127.0.0.1:{port}")
-    link = GrpcVerifierLink(pb_grpc.VerifierStub(channel), feature_layer_ids=())
-    root = link.open([1, 2, 3], SamplingParams()).token
-    tree = DraftTree(torch.cat([torch.tensor([root]), tree.tokens[1:]]), tree.next_token, tree.next_sibling)
-    times = []
-    reply_bytes = 0
+    link = GrpcLink(pb_grpc.VerifierStub(channel), vocab_size=vocab, feature_dim=FEATURE_DIM, max_seq_len=seq_len)
     tracer = otel_trace.get_tracer(__name__)
+    sids = list(range(1, batch + 1))
+    requests = {sid: tracer.start_span("generate") for sid in sids} if trace else {}
+    opened = link.step([OpenEntry(sid, PROMPT, SamplingParams(), traceparent_of(requests[sid]) if trace else "",
+                                  feature_layer_ids=(0,)) for sid in sids])
+    _check(opened, Prefilled)
+    trees = {r.session_id: with_root(tree, r.outcome.token) for r in opened}
+    times, up, down, rows = [], [], [], 0
     for r in range(1, rounds + 1):
         _busy_wait(gap_s)
+        sent, received = link.bytes_sent, link.bytes_received
         start = time.perf_counter()
         if trace:
-            with tracer.start_as_current_span("verify_rpc"):
-                verified = link.verify(tree, r, current_traceparent())
+            with tracer.start_as_current_span("draft_step", attributes={"sessions": batch}) as step_span:
+                links = [otel_trace.Link(step_span.get_span_context())]
+                spans = {sid: tracer.start_span("round", context=otel_trace.set_span_in_context(requests[sid]),
+                                                links=links) for sid in sids}
+                entries = tree_entries(trees, r, {sid: traceparent_of(span) for sid, span in spans.items()})
+                with tracer.start_as_current_span("verify_rpc"):
+                    results = link.step(entries)
+                for span in spans.values():
+                    span.end()
         else:
-            verified = link.verify(tree, r)
+            results = link.step(tree_entries(trees, r))
         times.append((time.perf_counter() - start) * 1e3)
-        reply_bytes = verified.features.numel() * 2
+        up.append(link.bytes_sent - sent)
+        down.append(link.bytes_received - received)
+        if r == 1:
+            _check(results, Verified)
+            rows = sum(res.outcome.features.shape[0] for res in results)
+    link.step([CloseEntry(sid) for sid in sids])
+    for span in requests.values():
+        span.end()
     link.close()
     channel.close()
     warm = times[len(times) // 10:]
     return {"median_ms": statistics.median(warm), "p90_ms": float(np.percentile(warm, 90)),
-            "feature_bytes": reply_bytes}
+            "request_bytes": int(statistics.median(up)), "reply_bytes": int(statistics.median(down)),
+            "feature_rows": rows, "feature_bytes": rows * FEATURE_DIM * 2}
 
 
-def time_echo(port: int, request_bytes: int, rounds: int, gap_s: float) -> dict:
+def time_echo(port: int, request_bytes: int, reply_bytes: int, rounds: int, gap_s: float) -> dict:
     channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=CHANNEL_OPTIONS)
     call_fn = channel.stream_stream(ECHO)
     requests: queue.Queue = queue.Queue()
     end = object()
     replies = iter(call_fn(iter(requests.get, end)))
-    payload = bytes(request_bytes)
+    payload = reply_bytes.to_bytes(8, "little") + bytes(max(0, request_bytes - 8))
     times = []
     for _ in range(rounds):
         _busy_wait(gap_s)
@@ -166,54 +241,77 @@ def time_echo(port: int, request_bytes: int, rounds: int, gap_s: float) -> dict:
     return {"median_ms": statistics.median(warm), "p90_ms": float(np.percentile(warm, 90))}
 
 
+def ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog=__doc__.split("\n\n", 1)[1])
-    p.add_argument("--nodes", type=int, default=65, help="tree nodes, root included (default 65)")
-    p.add_argument("--feature-rows", default="1,7", help="feature rows per reply, comma-separated (default 1,7)")
-    p.add_argument("--rounds", type=int, default=300, help="timed rounds per case (default 300)")
-    p.add_argument("--gaps-ms", default="0,3", help="drafter work between rounds, comma-separated ms (default "
+    p.add_argument("--batches", default="1,8,32", help="sessions per link message, comma-separated (default 1,8,32)")
+    p.add_argument("--nodes", type=int, default=65, help="tree nodes per session, root included (default 65)")
+    p.add_argument("--feature-rows", default="1,7", help="feature rows per session's result, comma-separated "
+                   "(default 1,7)")
+    p.add_argument("--rounds", type=int, default=300, help="timed link messages per case (default 300)")
+    p.add_argument("--gaps-ms", default="0,3", help="drafter work between messages, comma-separated ms (default "
                    "0,3); the server idles meanwhile, as the verifier does while a real drafter drafts")
     p.add_argument("--trace", action="store_true", help="record spans in both processes, as bench/round.py does")
     p.add_argument("--out-json", help="write the results here")
     a = p.parse_args(argv)
+    batches, feature_rows, gaps = ints(a.batches), ints(a.feature_rows), [float(x) for x in a.gaps_ms.split(",")]
     if a.nodes < 1 or a.rounds < 10:
         p.error("--nodes must be >= 1 and --rounds >= 10")
+    if not batches or min(batches) < 1 or not feature_rows or min(feature_rows) < 1:
+        p.error("--batches and --feature-rows must be >= 1")
+    if max(feature_rows) > a.nodes:
+        p.error("--feature-rows cannot exceed --nodes (a session accepts at most nodes - 1 tokens)")
 
     torch.set_num_threads(1)
     if a.trace:
         _tracing("drafter")
-    tree = random_tree(a.nodes, 4096)
-    request_bytes = pb.DrafterMessage(tree=encode_tree(tree, 1)).ByteSize()
-    res = {"trace": a.trace, "nodes": a.nodes, "request_bytes": request_bytes, "cpus": os.cpu_count(), "rows": []}
-    print(f"# transport bench: tree of {a.nodes} nodes ({request_bytes} B up), {a.rounds} rounds per case", flush=True)
-    gaps = [float(x) for x in a.gaps_ms.split(",")]
-    for rows in [int(x) for x in a.feature_rows.split(",")]:
-        proc, port = _start(_verifier_process, rows, a.trace)
-        try:
-            links = [time_link(port, tree, a.rounds, a.trace, gap / 1e3) for gap in gaps]
-        finally:
-            proc.kill()
-        reply_bytes = links[0]["feature_bytes"] + 16
-        proc, port = _start(_echo_process, reply_bytes)
-        try:
-            echoes = [time_echo(port, request_bytes, a.rounds, gap / 1e3) for gap in gaps]
-        finally:
-            proc.kill()
-        for gap, link, echo in zip(gaps, links, echoes):
-            res["rows"].append({"feature_rows": rows, "gap_ms": gap, "reply_bytes": reply_bytes, "link": link,
-                                "echo": echo, "overhead_ms": link["median_ms"] - echo["median_ms"]})
-        write_json(a.out_json, res)
-
-    print(f"\n{'rows':>5} {'gap':>5} {'bytes down':>10} {'link':>8} {'link p90':>9} {'echo':>8} {'echo p90':>9} "
-          f"{'ours':>8}")
-    for row in res["rows"]:
-        print(f"{row['feature_rows']:5d} {row['gap_ms']:5.1f} {row['reply_bytes']:10d} {row['link']['median_ms']:8.3f} "
-              f"{row['link']['p90_ms']:9.3f} {row['echo']['median_ms']:8.3f} {row['echo']['p90_ms']:9.3f} "
-              f"{row['overhead_ms']:8.3f}")
-    print("(ms per round; ours = link - echo: servicer, worker hop, validation, codec)")
+    vocab = load_target_config(TARGET).vocab_size
+    tree = random_tree(a.nodes, vocab)
+    res = {"trace": a.trace, "nodes": a.nodes, "cpus": os.cpu_count(), "rounds": a.rounds, "rows": []}
+    print(f"# transport bench: {a.nodes}-node trees, batches {batches}, {a.rounds} messages per case", flush=True)
+    echo_proc, echo_port = _start(_echo_process)
+    try:
+        for rows in feature_rows:
+            seq_len = max_seq_len(a.rounds, rows, a.nodes)
+            proc, port = _start(_verifier_process, rows, a.trace, max(batches), seq_len, a.nodes)
+            try:
+                links = {(b, gap): time_link(port, tree, b, a.rounds, a.trace, gap / 1e3, vocab, seq_len)
+                         for b in batches for gap in gaps}
+            finally:
+                proc.kill()
+            for (b, gap), link in links.items():
+                echo = time_echo(echo_port, link["request_bytes"], link["reply_bytes"], a.rounds, gap / 1e3)
+                overhead = link["median_ms"] - echo["median_ms"]
+                res["rows"].append({"batch": b, "feature_rows": rows, "gap_ms": gap,
+                                    "request_bytes": link["request_bytes"], "reply_bytes": link["reply_bytes"],
+                                    "link": link, "echo": echo, "overhead_ms": overhead,
+                                    "link_per_session_ms": link["median_ms"] / b,
+                                    "echo_per_session_ms": echo["median_ms"] / b,
+                                    "overhead_per_session_ms": overhead / b})
+            write_json(a.out_json, res)
+    finally:
+        echo_proc.kill()
+    print_table(res)
+    write_json(a.out_json, res)
     return res
+
+
+def print_table(res: dict) -> None:
+    print(f"\n{'B':>3} {'rows':>4} {'gap':>5} {'bytes up':>9} {'bytes down':>10} {'link':>8} {'link p90':>9} "
+          f"{'echo':>8} {'echo p90':>9} {'ours':>8} {'link/B':>8} {'echo/B':>8} {'ours/B':>8}")
+    for row in res["rows"]:
+        link, echo = row["link"], row["echo"]
+        print(f"{row['batch']:3d} {row['feature_rows']:4d} {row['gap_ms']:5.1f} {row['request_bytes']:9d} "
+              f"{row['reply_bytes']:10d} {link['median_ms']:8.3f} {link['p90_ms']:9.3f} {echo['median_ms']:8.3f} "
+              f"{echo['p90_ms']:9.3f} {row['overhead_ms']:8.3f} {row['link_per_session_ms']:8.3f} "
+              f"{row['echo_per_session_ms']:8.3f} {row['overhead_per_session_ms']:8.3f}")
+    print("(ms per link message of B sessions' trees, and per session (/B); rows = feature rows per session; "
+          "ours = link - echo: servicer, worker hop, tree validation, codec)")
 
 
 if __name__ == "__main__":

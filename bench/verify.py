@@ -1,26 +1,30 @@
-"""Target verify pass at Qwen3-8B dimensions: eager vs CUDA graphs vs the weight-streaming floor.
+"""Batched target verify step at Qwen3-8B dimensions: eager vs CUDA graphs vs the weight-streaming floor.
 
-    PYTHONPATH=. python bench/verify.py [--trees 16,32,64,128] [--past 1024] [--out-json verify.json]
+    PYTHONPATH=. python bench/verify.py [--batches 1,4,16,32] [--trees 16,32,64,128] [--past 1024]
+                                        [--out-json verify.json]
     PYTHONPATH=. python bench/verify.py --small          # toy sizes, runs on CPU too
 
 Builds `TargetModel` in memory with random bf16 weights (36 layers, hidden 4096, 32 / 8
-heads x 128, MLP 12288, vocab 151,936, untied head; nothing is written to disk), fills one
-KV slot with `--past` tokens, then times one tree-verify pass of 1 + N tokens per tree size:
+heads x 128, MLP 12288, vocab 151,936, untied head; nothing is written to disk), fills B KV
+slots with `--past` tokens each, then times one verify step of B trees of 1 + N tokens (one
+forward of B x (1 + N) tokens, the batched accept and the batched KV compaction) for every
+batch size B in `--batches` and tree size N in `--trees` (and N = 0, the plain decode step):
 
-* eager: `TargetRunner(cuda_graphs=False).verify`, the whole call (mask building included);
-* graph: `TargetRunner.verify` replaying the captured graph (static KV length from the
-  automatic ladder), the whole call with the input copies; `replay`: the replay alone;
-* graph, full KV: the same with one static KV length = the whole cache;
-* graph, sdpa attention: `TargetModel.attention = "sdpa"` (a K/V gather of the slot + SDPA
-  with an additive mask), against the default (on CUDA the split-KV slot attention kernel,
-  which reads the cache slot in place);
-* graph + accept: forward + greedy / sampling accept + feature gather in one replay
-  (`TargetRunner.verify_accept`), against the eager equivalent;
-* decode: the plain one-token step (a T = 1 bucket);
-* floor: (weights read per pass + the past's K/V) / read bandwidth measured in this run.
+* eager: `TargetRunner(cuda_graphs=False).verify_batch` (greedy rows), the whole call (input
+  staging and the two small device-to-host copies included); `eager fwd`: `forward_batch`
+  alone (no accept, no compaction); `eager-s`: verify_batch with sampled rows;
+* graph: `TargetRunner.verify_batch` replaying the captured (mode, B, T, L) graph (static KV
+  length from the automatic ladder), the whole call; `graph-s`: sampled rows (the "sample"
+  graph, temperature 0.8, top-k 50, top-p 0.9); `replay`: the bare greedy graph replay
+  (device time); `fwd rep`: the bare "forward" graph replay (forward only);
+* floor: (weights read per step + the B pasts' K/V) / read bandwidth measured in this run;
+  `ms/sess`: graph time per session of the batch.
 
-Also times one layer's attention in its variants and backends, and profiles one eager pass
-(kernel time by category, kernel count). Prints a table, writes JSON with --out-json.
+On the CPU (--small) the graph runner runs the same static-shape code eagerly at the bucket
+shapes (`VerifyGraphs(capture=False)`): a smoke test of the code, not a measurement.
+
+Also times one layer's attention in its variants and backends, and profiles one eager step
+(kernel time by category, kernel count) on CUDA. Prints a table, writes JSON with --out-json.
 """
 from __future__ import annotations
 
@@ -39,13 +43,15 @@ import torch
 import torch.nn.functional as F
 
 from bench.bench_timing import device_ms, measure_bandwidth, sync, wall_ms, write_json
-from common.config import TargetConfig
-from common.protocol import SamplingParams
-from common.layers import RotaryEmbedding
-from common.tree import ancestor_mask, walk_tree
-from drafter_svc.ddtree import build_ddtree
 from common.buckets import auto_kv_buckets
-from verifier_svc.cuda_graphs import GraphConfig, VerifyGraphs, cache_length
+from common.config import DraftConfig, TargetConfig
+from common.layers import RotaryEmbedding
+from common.protocol import SamplingParams
+from common.tree import ancestor_masks, walk_trees
+from drafter_svc.ddtree import build_ddtree
+from drafter_svc.draft_model import DFlashDraftModel
+from verifier_svc.accept import draw_coins
+from verifier_svc.cuda_graphs import GraphConfig, VerifyGraphs, VerifyRow, cache_length
 from verifier_svc.target_model import TargetModel
 from verifier_svc.target_runner import TargetRunner
 
@@ -66,6 +72,34 @@ def qwen3_8b_config(small: bool = False) -> TargetConfig:
 
 def feature_layers(cfg: TargetConfig) -> tuple[int, ...]:
     return tuple(i for i in QWEN3_8B_FEATURE_LAYERS if i < cfg.num_layers) or (0,)
+
+
+def draft_config(small: bool, target: TargetConfig) -> DraftConfig:
+    """A DFlash draft for `target`: the published Qwen3-8B draft's shape (5 layers, block 16), or
+    toy sizes with `small`."""
+    layer_ids = feature_layers(target)
+    if small:
+        return DraftConfig(vocab_size=target.vocab_size, hidden_size=target.hidden_size, num_layers=2, num_heads=4,
+                           num_kv_heads=2, head_dim=32, intermediate_size=256, rms_norm_eps=1e-6, rope_theta=1e6,
+                           block_size=8, target_layer_ids=layer_ids, mask_token_id=target.vocab_size - 1,
+                           num_target_layers=target.num_layers)
+    return DraftConfig(vocab_size=151_936, hidden_size=4096, num_layers=5, num_heads=32, num_kv_heads=8, head_dim=128,
+                       intermediate_size=12_288, rms_norm_eps=1e-6, rope_theta=1e6, block_size=16,
+                       target_layer_ids=layer_ids, mask_token_id=151_669, num_target_layers=36)
+
+
+def random_draft(small: bool, device, dtype) -> tuple[DFlashDraftModel, torch.Tensor, torch.Tensor]:
+    """(draft, embed_tokens, lm_head) with random weights, built on `device`."""
+    cfg = draft_config(small, qwen3_8b_config(small))
+    with torch.device("meta"):
+        draft = DFlashDraftModel(cfg)
+    random_module_(draft, device, dtype, seed=1)
+    draft.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta).to(device)
+    draft.eval().requires_grad_(False)
+    gen = torch.Generator(device=device).manual_seed(2)
+    embed = torch.empty(cfg.vocab_size, cfg.hidden_size, device=device, dtype=dtype).normal_(0, 0.02, generator=gen)
+    head = torch.empty_like(embed).normal_(0, 0.02, generator=gen)
+    return draft, embed, head
 
 
 def random_module_(module: torch.nn.Module, device, dtype, seed: int, std: float = 0.02) -> None:
@@ -101,38 +135,58 @@ def kv_bytes(cfg: TargetConfig, past: int, dtype) -> int:
     return 2 * cfg.num_layers * cfg.num_kv_heads * past * cfg.head_dim * torch.empty(0, dtype=dtype).element_size()
 
 
-def make_runner(model: TargetModel, max_seq: int, *, graphs: bool, tree_buckets=(), kv_buckets=None,
-                modes=("forward",)) -> TargetRunner:
-    """A one-slot runner; with graphs on CPU the static-shape path runs eagerly (exercises the code)."""
+def make_runner(model: TargetModel, slots: int, max_seq: int, headroom: int, *, config: GraphConfig | None = None
+                ) -> TargetRunner:
+    """A runner of `slots` sessions: eager (config None) or with the verify graphs of `config`; on
+    the CPU those run eagerly at the bucket shapes (exercises the static-shape code)."""
     device = model.embed_tokens.weight.device
-    if not graphs:
-        return TargetRunner(model, 1, max_seq, cuda_graphs=False)
-    config = GraphConfig(tree_buckets=tuple(tree_buckets), kv_buckets=kv_buckets, modes=tuple(modes))
+    if config is None:
+        return TargetRunner(model, slots, max_seq, headroom, cuda_graphs=False)
     if device.type == "cuda":
-        return TargetRunner(model, 1, max_seq, graph_config=config)
-    runner = TargetRunner(model, 1, cache_length(max_seq, config), cuda_graphs=False)
-    runner.max_seq_len = max_seq
-    runner.graphs = VerifyGraphs(model, runner.cache, max_seq, config, capture=False)
+        return TargetRunner(model, slots, max_seq, headroom, graph_config=config)
+    runner = TargetRunner(model, slots, max_seq, headroom, cuda_graphs=False)
+    runner.graphs = VerifyGraphs(model, runner.cache, max_seq, runner.scratch_slot, config, capture=False)
     return runner
 
 
+def fill_slots(runner: TargetRunner, prompt: torch.Tensor, slots: int) -> None:
+    """Prefill slot 0 with the prompt and copy its K/V into slots 1 .. slots - 1."""
+    runner.prefill([0], [prompt])
+    past = prompt.shape[0]
+    for kv in (runner.cache.k, runner.cache.v):
+        kv[:, 1:slots, :, :past] = kv[:, :1, :, :past]
+
+
 def make_tree(cfg: TargetConfig, budget: int, seed: int, block: int = 16):
-    """A DDTree of `budget` drafted nodes from random block logits (a realistic shape), its layout."""
+    """A DDTree of `budget` drafted nodes from random block logits (a realistic shape)."""
     gen = torch.Generator().manual_seed(seed)
     logits = torch.randn(block - 1, cfg.vocab_size, generator=gen) * 3
-    tree = build_ddtree(logits, int(torch.randint(cfg.vocab_size, (1,), generator=gen)), budget)
-    lay = walk_tree(tree, vocab_size=cfg.vocab_size, max_nodes=10_000, max_depth=10_000)
-    return tree, lay.depths, ancestor_mask(lay.parents, lay.depths)
+    return build_ddtree(logits, int(torch.randint(cfg.vocab_size, (1,), generator=gen)), budget)
 
 
-def replay_ms(runner: TargetRunner, mode: str, n: int, past: int, reps: int) -> float | None:
+def make_batch(cfg: TargetConfig, batch: int, budget: int, past: int, sampling: SamplingParams):
+    """B rows (slots 0 .. B - 1, each at `past`) of different trees of `budget` drafted nodes,
+    and their masks, derived as `TreeVerifier` derives them."""
+    trees = [make_tree(cfg, budget, seed=1000 * budget + b) for b in range(batch)]
+    layouts = walk_trees(trees, vocab_size=cfg.vocab_size, max_nodes=10_000, max_depth=10_000)
+    masks = ancestor_masks(layouts, max(t.num_nodes for t in trees))
+    gen = torch.Generator().manual_seed(budget)
+    rows = [VerifyRow(b, past, tree, lay.depths, sampling,
+                      None if sampling.greedy else draw_coins(gen, tree.num_nodes))
+            for b, (tree, lay) in enumerate(zip(trees, layouts))]
+    return rows, masks
+
+
+def replay_ms(runner: TargetRunner, mode: str, rows, masks, reps: int) -> float | None:
     """Device time of the bare graph replay (after one real call staged the inputs)."""
     g = runner.graphs
     if g is None or not g.capture:
         return None
-    shape = g.select(mode, n, past)
+    nodes = max(r.tree.num_nodes for r in rows)
+    shape = g.select(mode, len(rows), nodes, max(r.past for r in rows) + nodes)
     if shape is None:
         return None
+    g.run(mode, rows, masks)  # stage these rows' inputs
     graph, _ = g._graphs[(mode, *shape)]
     return device_ms(graph.replay, runner.device, reps)
 
@@ -220,13 +274,18 @@ def profile_pass(fn, device) -> dict:
             "top": [{"ms": us / 1e3, "count": c, "name": n} for us, c, n in top[:12]]}
 
 
+def _ints(text: str | None, default: list[int]) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()] if text else default
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog=__doc__.split("\n\n", 1)[1])
     p.add_argument("--small", action="store_true", help="toy sizes (runs on CPU)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--batches", default=None, help="sessions per step, comma-separated (default 1,4,16,32; small 1,4)")
     p.add_argument("--trees", default=None, help="drafted nodes per tree, comma-separated (default 16,32,64,128)")
-    p.add_argument("--past", type=int, default=None, help="tokens already in the KV cache (default 1024)")
+    p.add_argument("--past", type=int, default=None, help="tokens already in each session's KV slot (default 1024)")
     p.add_argument("--max-seq-len", type=int, default=2048)
     p.add_argument("--reps", type=int, default=None, help="timed repetitions (default 20 on GPU, 3 on CPU)")
     p.add_argument("--no-attention", action="store_true", help="skip the attention micro-benchmark")
@@ -238,14 +297,20 @@ def main(argv=None) -> dict:
     cuda = device.type == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
     cfg = qwen3_8b_config(a.small)
-    trees = [int(x) for x in a.trees.split(",")] if a.trees else ([8, 16] if a.small else [16, 32, 64, 128])
+    batches = sorted(set(_ints(a.batches, [1, 4] if a.small else [1, 4, 16, 32])))
+    trees = _ints(a.trees, [8, 16] if a.small else [16, 32, 64, 128])
+    if min(batches) < 1 or min(trees) < 0:
+        p.error("--batches must be >= 1 and --trees >= 0")
     past = a.past if a.past is not None else (48 if a.small else 1024)
     max_seq = min(a.max_seq_len, 256) if a.small else a.max_seq_len
+    if past + 1 + max(trees) > max_seq:
+        p.error(f"--past {past} + the largest tree do not fit --max-seq-len {max_seq}")
     reps = a.reps or (20 if cuda else 3)
     res: dict = {"device": torch.cuda.get_device_name(device) if cuda else "cpu", "torch": torch.__version__,
-                 "dtype": str(dtype).removeprefix("torch."), "past": past, "trees": trees, "max_seq_len": max_seq,
-                 "config": cfg.__dict__ | {"eos_token_ids": list(cfg.eos_token_ids)}}
-    print(f"# verify bench on {res['device']} ({res['dtype']}), past {past}, max_seq_len {max_seq}", flush=True)
+                 "dtype": str(dtype).removeprefix("torch."), "past": past, "batches": batches, "trees": trees,
+                 "max_seq_len": max_seq, "config": cfg.__dict__ | {"eos_token_ids": list(cfg.eos_token_ids)}}
+    print(f"# verify bench on {res['device']} ({res['dtype']}), past {past}, batches {batches}, "
+          f"max_seq_len {max_seq}", flush=True)
 
     res["bandwidth"] = measure_bandwidth(device, 2.0 if cuda else 0.05)
     read_bw = res["bandwidth"]["read_TBps"] * 1e12
@@ -256,102 +321,80 @@ def main(argv=None) -> dict:
     sync(device)
     wb = weight_bytes(model)
     res["weights"] = wb | {"build_s": time.perf_counter() - t0}
-    res["kv_bytes_past"] = kv_bytes(cfg, past, dtype)
-    floor_ms = (wb["streamed"] + res["kv_bytes_past"]) / read_bw * 1e3
-    res["floor_ms"] = floor_ms
+    res["kv_bytes_past"] = kv_bytes(cfg, past, dtype)  # one session's
     res["floor_weights_only_ms"] = wb["streamed"] / read_bw * 1e3
-    print(f"weights {wb['total'] / 1e9:.2f} GB ({wb['streamed'] / 1e9:.2f} GB streamed per pass), "
-          f"floor {floor_ms:.3f} ms (weights only {res['floor_weights_only_ms']:.3f} ms)", flush=True)
+    print(f"weights {wb['total'] / 1e9:.2f} GB ({wb['streamed'] / 1e9:.2f} GB streamed per step), "
+          f"weights-only floor {res['floor_weights_only_ms']:.3f} ms", flush=True)
 
     buckets = tuple(sorted({0, *trees}))
-    probe = GraphConfig(tree_buckets=buckets)
-    ladder = auto_kv_buckets(cache_length(max_seq, probe))
+    headroom = 1 + max(buckets)
+    full = cache_length(max_seq, headroom)
+    ladder = auto_kv_buckets(full)
     needed = tuple(sorted({min(k for k in ladder if k >= past + 1 + b) for b in buckets}))
-    res["kv_buckets"] = {"ladder": list(ladder), "used": list(needed), "full": cache_length(max_seq, probe)}
+    res["kv_buckets"] = {"ladder": list(ladder), "used": list(needed), "full": full}
+    slots = max(batches)
+    config = GraphConfig(tree_buckets=buckets, batch_buckets=tuple(batches), kv_buckets=needed,
+                         modes=("forward", "greedy", "sample"), max_tokens=slots * headroom)
 
     t0 = time.perf_counter()
-    eager = make_runner(model, max_seq, graphs=False)
-    graph = make_runner(model, max_seq, graphs=True, tree_buckets=buckets, kv_buckets=needed,
-                        modes=("forward", "greedy", "sample"))
-    graph_full = make_runner(model, max_seq, graphs=True, tree_buckets=buckets, kv_buckets=(cache_length(max_seq, probe),),
-                             modes=("forward",))
-    model.attention = "sdpa"
-    graph_sdpa = make_runner(model, max_seq, graphs=True, tree_buckets=buckets, kv_buckets=needed, modes=("forward",))
-    model.attention = "auto"
+    eager = make_runner(model, slots, max_seq, headroom)
+    graph = make_runner(model, slots, max_seq, headroom, config=config)
     sync(device)
-    res["graphs"] = {"capture_s": time.perf_counter() - t0,
-                     "count": sum(r.graphs.num_graphs for r in (graph, graph_full, graph_sdpa))}
+    res["graphs"] = {"capture_s": time.perf_counter() - t0, "count": graph.graphs.num_graphs,
+                     "captured": graph.graphs.capture}
     print(f"captured {res['graphs']['count']} graphs in {res['graphs']['capture_s']:.1f} s", flush=True)
 
     prompt = torch.randint(cfg.vocab_size, (past,), generator=torch.Generator().manual_seed(0))
-    for r in (eager, graph, graph_full, graph_sdpa):
-        r.prefill(0, prompt)
+    for r in (eager, graph):
+        fill_slots(r, prompt, slots)
     sync(device)
 
-    def with_sdpa_attention(fn):
-        def run():
-            model.attention = "sdpa"
-            try:
-                return fn()
-            finally:
-                model.attention = "auto"
-        return run
-
-    rows = []
+    rows_out = []
     sampling = SamplingParams(temperature=0.8, top_k=50, top_p=0.9)
-    for budget in [0] + trees:
-        tree, depths, mask = make_tree(cfg, budget, seed=budget)
-        n = tree.num_nodes
-        coins = torch.rand(n + 1, generator=torch.Generator().manual_seed(n)).clamp_(1e-7, 1 - 2**-24)
-        row = {"drafted": budget, "tokens": n}
-
-        def verify(r):
-            return lambda: r.verify(0, past, tree.tokens, depths, mask)
-
-        def accept(r, s):
-            return lambda: r.verify_accept(0, past, tree, depths, mask, s, coins)
-
-        e_reps = max(3, reps // 2)
-        row["eager_ms"] = wall_ms(verify(eager), device, e_reps)
-        row["eager_sdpa_ms"] = wall_ms(with_sdpa_attention(verify(eager)), device, e_reps)
-        row["graph_ms"] = wall_ms(verify(graph), device, reps)
-        row["graph_replay_ms"] = replay_ms(graph, "forward", n, past, reps)
-        row["graph_fullkv_ms"] = wall_ms(verify(graph_full), device, reps)
-        row["graph_sdpa_ms"] = wall_ms(with_sdpa_attention(verify(graph_sdpa)), device, reps)
-        row["graph_sdpa_replay_ms"] = replay_ms(graph_sdpa, "forward", n, past, reps)
-        row["accept_greedy_graph_ms"] = wall_ms(accept(graph, SamplingParams()), device, reps)
-        row["accept_sample_graph_ms"] = wall_ms(accept(graph, sampling), device, reps)
-        row["accept_greedy_eager_ms"] = wall_ms(accept(eager, SamplingParams()), device, e_reps)
-        row["accept_sample_eager_ms"] = wall_ms(accept(eager, sampling), device, e_reps)
-        row["floor_ms"] = floor_ms
-        best = min(row["graph_ms"], row["graph_sdpa_ms"])
-        row["graph_over_floor"] = row["graph_ms"] / floor_ms
-        row["best_graph_over_floor"] = best / floor_ms
-        row["eager_over_graph"] = row["eager_ms"] / row["graph_ms"]
-        # Greedy agreement of graph vs eager on this tree (bf16: different kernels may flip near-ties).
-        g_path = graph.verify_accept(0, past, tree, depths, mask, SamplingParams())
-        e_path = eager.verify_accept(0, past, tree, depths, mask, SamplingParams())
-        row["greedy_same_as_eager"] = g_path.path.tolist() == e_path.path.tolist() and g_path.bonus == e_path.bonus
-        rows.append(row)
-        res["verify"] = rows
-        write_json(a.out_json, res)  # keep what is done even if the run is cut short
-        print(f"  tokens {n:4d}: eager {row['eager_ms']:7.2f}  graph {row['graph_ms']:7.2f} "
-              f"(replay {row['graph_replay_ms'] or float('nan'):6.2f})  sdpa-attn {row['graph_sdpa_ms']:6.2f}  "
-              f"full-kv {row['graph_fullkv_ms']:6.2f}  +accept g/s {row['accept_greedy_graph_ms']:6.2f}/"
-              f"{row['accept_sample_graph_ms']:6.2f} ms", flush=True)
-    res["verify"] = rows
+    for batch in batches:
+        floor_ms = (wb["streamed"] + batch * res["kv_bytes_past"]) / read_bw * 1e3
+        for budget in [0] + trees:
+            greedy_rows, masks = make_batch(cfg, batch, budget, past, SamplingParams())
+            sampled_rows, _ = make_batch(cfg, batch, budget, past, sampling)
+            n = max(r.tree.num_nodes for r in greedy_rows)
+            row = {"batch": batch, "drafted": budget, "tokens": n, "step_tokens": batch * n}
+            e_reps = max(3, reps // 2)
+            row["eager_ms"] = wall_ms(lambda: eager.verify_batch(greedy_rows, masks), device, e_reps)
+            row["eager_forward_ms"] = wall_ms(lambda: eager.forward_batch(greedy_rows, masks), device, e_reps)
+            row["eager_sample_ms"] = wall_ms(lambda: eager.verify_batch(sampled_rows, masks), device, e_reps)
+            row["graph_ms"] = wall_ms(lambda: graph.verify_batch(greedy_rows, masks), device, reps)
+            row["graph_sample_ms"] = wall_ms(lambda: graph.verify_batch(sampled_rows, masks), device, reps)
+            row["graph_replay_ms"] = replay_ms(graph, "greedy", greedy_rows, masks, reps)
+            row["graph_forward_replay_ms"] = replay_ms(graph, "forward", greedy_rows, masks, reps)
+            shape = graph.graphs.select("greedy", batch, n, past + n)
+            row["graph_shape"] = list(shape) if shape else None  # (B, T, L) of the graph; None: eager fallback
+            row["floor_ms"] = floor_ms
+            row["graph_over_floor"] = row["graph_ms"] / floor_ms
+            row["eager_over_graph"] = row["eager_ms"] / row["graph_ms"]
+            row["graph_ms_per_session"] = row["graph_ms"] / batch
+            # Greedy agreement of graph vs eager on these trees (bf16: other shapes may flip near-ties).
+            g, e = graph.verify_batch(greedy_rows, masks), eager.verify_batch(greedy_rows, masks)
+            row["greedy_same_as_eager"] = g.paths == e.paths and g.bonus == e.bonus
+            rows_out.append(row)
+            res["verify"] = rows_out
+            write_json(a.out_json, res)  # keep what is done even if the run is cut short
+            print(f"  B {batch:3d} tokens {n:4d}: eager {row['eager_ms']:8.2f} (fwd {row['eager_forward_ms']:8.2f})  "
+                  f"graph {row['graph_ms']:8.2f} (replay {row['graph_replay_ms'] or float('nan'):7.2f})  "
+                  f"sample eager/graph {row['eager_sample_ms']:8.2f}/{row['graph_sample_ms']:8.2f}  "
+                  f"floor {floor_ms:6.2f} ms", flush=True)
+    res["verify"] = rows_out
 
     if cuda and not a.no_attention:
         att = []
         for n in [1 + t for t in trees if t in (16, 64)] or [1 + trees[-1]]:
-            for kv_len in sorted({min(k for k in ladder if k >= past + n), cache_length(max_seq, probe)}):
+            for kv_len in sorted({min(k for k in ladder if k >= past + n), full}):
                 att += attention_variants(cfg, n, kv_len, past, device, dtype, reps=30)
         res["attention"] = att
     if cuda and not a.no_profile:
-        tree, depths, mask = make_tree(cfg, 64 if 64 in trees else trees[-1], seed=1)
-        res["profile_eager"] = profile_pass(lambda: eager.verify(0, past, tree.tokens, depths, mask), device)
-        res["profile_eager_sdpa_attention"] = profile_pass(
-            with_sdpa_attention(lambda: eager.verify(0, past, tree.tokens, depths, mask)), device)
+        budget = 64 if 64 in trees else trees[-1]
+        for batch in sorted({batches[0], batches[-1]}):
+            rows, masks = make_batch(cfg, batch, budget, past, SamplingParams())
+            res[f"profile_eager_b{batch}"] = profile_pass(lambda: eager.verify_batch(rows, masks), device)
 
     print_table(res)
     write_json(a.out_json, res)
@@ -367,30 +410,29 @@ def _cell(value) -> str:
 
 
 def print_table(res: dict) -> None:
-    print(f"\nverify pass, past {res['past']} ({res['device']}, {res['dtype']}); "
-          f"floor {res['floor_ms']:.3f} ms = {(res['weights']['streamed'] + res['kv_bytes_past']) / 1e9:.2f} GB / "
-          f"{res['bandwidth']['read_TBps']:.2f} TB/s; times in ms (wall per call, synced)")
-    head = ("tokens", "eager", "graph", "replay", "full-kv", "sdpa", "sdpa-rep", "g/floor", "best/fl",
-            "eag/gr", "acc-g", "acc-s", "eacc-g", "eacc-s", "same")
+    print(f"\nbatched verify step, past {res['past']} per session ({res['device']}, {res['dtype']}); "
+          f"floor = ({res['weights']['streamed'] / 1e9:.2f} GB of weights + B x "
+          f"{res['kv_bytes_past'] / 1e9:.3f} GB of K/V) / {res['bandwidth']['read_TBps']:.2f} TB/s; "
+          f"times in ms (wall per call, synced; replay: device time)")
+    head = ("B", "tokens", "eager", "eag-fwd", "eager-s", "graph", "graph-s", "replay", "fwd-rep", "floor",
+            "g/floor", "eag/gr", "ms/sess", "same")
     print(" ".join(f"{h:>8}" for h in head))
     for r in res["verify"]:
-        vals = (r["tokens"], r["eager_ms"], r["graph_ms"], r["graph_replay_ms"], r["graph_fullkv_ms"],
-                r["graph_sdpa_ms"], r["graph_sdpa_replay_ms"], r["graph_over_floor"], r["best_graph_over_floor"],
-                r["eager_over_graph"], r["accept_greedy_graph_ms"], r["accept_sample_graph_ms"],
-                r["accept_greedy_eager_ms"], r["accept_sample_eager_ms"], r["greedy_same_as_eager"])
+        vals = (r["batch"], r["tokens"], r["eager_ms"], r["eager_forward_ms"], r["eager_sample_ms"], r["graph_ms"],
+                r["graph_sample_ms"], r["graph_replay_ms"], r["graph_forward_replay_ms"], r["floor_ms"],
+                r["graph_over_floor"], r["eager_over_graph"], r["graph_ms_per_session"], r["greedy_same_as_eager"])
         print(" ".join(_cell(v) for v in vals))
     if res.get("attention"):
-        print("\nattention, one layer (device ms):")
+        print("\nattention, one layer, batch 1 (device ms):")
         for r in res["attention"]:
             print(f"  T={r['tokens']:4d} L={r['kv_len']:5d} {r['variant']:16s} {r['backend']:10s} "
                   + (f"{r['ms']:.4f}" if "ms" in r else r["error"]))
-    for key in ("profile_eager", "profile_eager_sdpa_attention"):
-        if res.get(key):
-            prof = res[key]
-            cats = ", ".join(f"{k} {v:.2f}" for k, v in prof["by_category_ms"].items())
-            print(f"\n{key}: {prof['kernels']} kernels, {prof['kernel_ms']:.2f} ms of kernel time ({cats})")
-            for t in prof["top"][:8]:
-                print(f"  {t['ms']:7.3f} ms x{t['count']:5d} {t['name']}")
+    for key in sorted(k for k in res if k.startswith("profile_")):
+        prof = res[key]
+        cats = ", ".join(f"{k} {v:.2f}" for k, v in prof["by_category_ms"].items())
+        print(f"\n{key}: {prof['kernels']} kernels, {prof['kernel_ms']:.2f} ms of kernel time ({cats})")
+        for t in prof["top"][:8]:
+            print(f"  {t['ms']:7.3f} ms x{t['count']:5d} {t['name']}")
 
 
 if __name__ == "__main__":

@@ -1,13 +1,17 @@
-"""Typed messages between the drafter's session loop and the verifier.
+"""Typed messages between the drafter's scheduler and the verifier.
 
-These are what one round carries each way (DESIGN.md, "One generation"); the gRPC layer
-converts them to and from protobuf, the in-process path passes them as they are.
+One drafter step sends a batch of entries (open / tree / close, one per session at most)
+and gets back one result per open and tree entry (DESIGN.md, "Batching"). The gRPC layer
+(`common.wire`) converts them to and from protobuf; the in-process link passes them as
+they are.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
+
+from common.tree import DraftTree
 
 
 class StatusError(Exception):
@@ -56,3 +60,39 @@ class Verified:
     accepted_tokens: list[int]  # drafted tokens accepted, in order (may be empty)
     next_token: int             # the bonus token; root of the next tree
     features: torch.Tensor      # [1 + len(accepted_tokens), feature_dim] for [root, accepted...]
+    round: int = 0              # the tree's round
+
+
+@dataclass
+class OpenEntry:
+    """Open a session: prefill the prompt (the reply is `Prefilled`)."""
+    session_id: int
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    traceparent: str = ""
+    feature_layer_ids: tuple[int, ...] = ()  # what the drafter needs; must equal the verifier's
+
+
+@dataclass
+class TreeEntry:
+    """Verify one draft tree of an open session (the reply is `Verified`)."""
+    session_id: int
+    round: int
+    tree: DraftTree
+    traceparent: str = ""
+
+
+@dataclass
+class CloseEntry:
+    """Free the session (no reply)."""
+    session_id: int
+
+
+Entry = OpenEntry | TreeEntry | CloseEntry
+
+
+@dataclass
+class StepResult:
+    """The outcome of one open or tree entry; a StatusError means the session failed and is closed."""
+    session_id: int
+    outcome: Prefilled | Verified | StatusError

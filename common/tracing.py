@@ -1,7 +1,9 @@
 """OpenTelemetry set-up, once per process, and W3C trace-context helpers.
 
 Export goes over OTLP/gRPC when `OTEL_EXPORTER_OTLP_ENDPOINT` (or the traces-specific
-variable) is set, to the console with `console=True`, and nowhere otherwise.
+variable) is set, to the console with `console=True`, and nowhere otherwise. The services
+install a provider only when spans go somewhere (`exporting`): without one every span is a
+no-op, so a batched step of many sessions pays nothing for tracing.
 `OTEL_SERVICE_NAME` overrides the service name. Tests pass their own exporter.
 """
 from __future__ import annotations
@@ -17,6 +19,12 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 
 _provider: TracerProvider | None = None
 _propagator = TraceContextTextMapPropagator()
+
+
+def exporting(console: bool = False) -> bool:
+    """Whether spans would go anywhere: OTLP configured in the environment, or the console."""
+    return console or bool(os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+                           or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"))
 
 
 def setup_tracing(service_name: str, *, console: bool = False, exporter: SpanExporter | None = None) -> TracerProvider:
@@ -53,6 +61,15 @@ def current_traceparent() -> str:
     """The W3C traceparent of the current span ('' when there is none)."""
     carrier: dict[str, str] = {}
     _propagator.inject(carrier)
+    return carrier.get("traceparent", "")
+
+
+def traceparent_of(span: trace.Span) -> str:
+    """The W3C traceparent of `span` ('' when it records nothing)."""
+    if not span.is_recording():
+        return ""
+    carrier: dict[str, str] = {}
+    _propagator.inject(carrier, context=trace.set_span_in_context(span))
     return carrier.get("traceparent", "")
 
 

@@ -9,7 +9,11 @@ On the wire it is three equal-length int arrays in the EAGLE/SGLang retrieve-buf
     next_sibling[i]  node i's next sibling (same parent), or -1
 
 Every link points to a larger node index, so parents precede children. That keeps KV
-compaction and masks simple and lets `walk_tree` rule out cycles with one comparison.
+compaction and masks simple and lets the walk rule out cycles with one comparison per link.
+
+The verifier checks all the trees of a step at once: `walk_trees` validates them and derives
+their parents and depths in numpy over all their nodes together (`walk_tree` is the one-tree
+form), and `ancestor_masks` builds their padded attention masks in one go.
 """
 from __future__ import annotations
 
@@ -72,109 +76,235 @@ class DraftTree:
 
 @dataclass(frozen=True, eq=False)
 class TreeLayout:
-    """What the verifier derives from a valid tree: int64 tensors of shape [1 + n]."""
+    """What the verifier derives from a valid tree: host int64 tensors of shape [1 + n]."""
 
     parents: Tensor  # parents[0] = -1
     depths: Tensor  # depths[0] = 0; a node's position id is past length + depth
     max_depth: int
 
 
-def _int_list(values: Tensor, name: str) -> list[int]:
+_INT64_MAX = np.iinfo(np.int64).max
+
+
+def _int64_vector(values: Tensor, name: str) -> Tensor:
+    """`values` as a CPU int64 tensor, once it is checked to be a 1-D integer tensor."""
+    if type(values) is Tensor and values.dtype is torch.int64 and values.is_cpu and values.dim() == 1:
+        return values  # the usual case, in four cheap checks
     if not isinstance(values, Tensor) or values.dim() != 1:
         raise TreeError(f"{name} must be a 1-D tensor")
-    if values.dtype.is_floating_point or values.dtype.is_complex or values.dtype == torch.bool:
-        raise TreeError(f"{name} must have an integer dtype, got {values.dtype}")
-    return values.tolist()
+    dtype = values.dtype
+    if dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
+        raise TreeError(f"{name} must have an integer dtype, got {dtype}")
+    if dtype == torch.uint64:  # past int64, values would wrap around (2**64 - 1 to -1, "no link")
+        array = values.cpu().numpy()
+        too_large = np.flatnonzero(array > _INT64_MAX)
+        if too_large.size:
+            raise TreeError(f"node {too_large[0]}: {name} {array[too_large[0]]} is out of range (past int64)")
+        return torch.from_numpy(array.astype(np.int64))
+    return values.to("cpu", torch.int64)
 
 
-def walk_tree(tree: DraftTree, *, vocab_size: int, max_nodes: int, max_depth: int) -> TreeLayout:
-    """Validate a tree that came over the network and derive its parents and depths.
-
-    Raises TreeError naming the problem and the offending node. O(n) in plain Python,
-    and every index is range-checked before it is used.
-    """
-    tokens = _int_list(tree.tokens, "tokens")
-    next_token = _int_list(tree.next_token, "next_token")
-    next_sibling = _int_list(tree.next_sibling, "next_sibling")
-
-    num_nodes = len(tokens)
-    if len(next_token) != num_nodes or len(next_sibling) != num_nodes:
-        raise TreeError(
-            f"length mismatch: tokens {num_nodes}, next_token {len(next_token)}, "
-            f"next_sibling {len(next_sibling)}"
+def _checked_buffers(tree: DraftTree, max_nodes: int) -> tuple[Tensor, Tensor, Tensor] | TreeError:
+    """The tree's buffers as CPU int64 tensors, or what the per-tree checks (types and sizes,
+    ahead of the batched walk) find wrong."""
+    try:
+        tokens = _int64_vector(tree.tokens, "tokens")
+        next_token = _int64_vector(tree.next_token, "next_token")
+        next_sibling = _int64_vector(tree.next_sibling, "next_sibling")
+    except TreeError as error:
+        return error
+    num_nodes = tokens.shape[0]
+    if next_token.shape[0] != num_nodes or next_sibling.shape[0] != num_nodes:
+        return TreeError(
+            f"length mismatch: tokens {num_nodes}, next_token {next_token.shape[0]}, "
+            f"next_sibling {next_sibling.shape[0]}"
         )
     if num_nodes == 0:
-        raise TreeError("empty tree: the root node is missing")
+        return TreeError("empty tree: the root node is missing")
     if num_nodes > max_nodes:
-        raise TreeError(f"{num_nodes} nodes exceed the limit of {max_nodes}")
-    for field, links in (("next_token", next_token), ("next_sibling", next_sibling)):
-        for node, target in enumerate(links):
-            if not -1 <= target < num_nodes:
-                raise TreeError(f"node {node}: {field} {target} is out of range [-1, {num_nodes - 1}]")
-            if target != -1 and target <= node:
-                raise TreeError(
-                    f"node {node}: {field} {target} does not point forward "
-                    "(links must go to a larger index: parents precede children, no cycles)"
-                )
-    if next_sibling[0] != -1:
-        raise TreeError(f"root node 0 has a sibling (node {next_sibling[0]})")
+        return TreeError(f"{num_nodes} nodes exceed the limit of {max_nodes}")
+    return tokens, next_token, next_sibling
 
-    unseen = -2
-    parents = [unseen] * num_nodes
-    depths = [0] * num_nodes
-    parents[0] = -1
 
-    def attach(source: int, field: str, target: int, parent: int, depth: int) -> None:
-        if target == -1:
-            return
-        if parents[target] != unseen:
-            raise TreeError(f"node {target} is reached twice (again as {field} of node {source})")
-        if depth > max_depth:
-            raise TreeError(f"node {target}: depth {depth} exceeds max_depth {max_depth}")
-        parents[target] = parent
-        depths[target] = depth
+def walk_trees(
+    trees: Sequence[DraftTree], *, vocab_size: int, max_nodes: int, max_depth: int
+) -> list[TreeLayout | TreeError]:
+    """Validate a batch of trees that came over the network and derive their parents and depths.
 
-    # Links only point forward, so by the time we reach a node everything that could
-    # point to it has been seen: a node still unseen here is unreachable.
-    sibling_tokens: set[tuple[int, int]] = set()
-    for node in range(num_nodes):
-        parent = parents[node]
-        if parent == unseen:
-            raise TreeError(f"node {node} is not reachable from the root")
-        token = tokens[node]
-        if not 0 <= token < vocab_size:
-            raise TreeError(f"node {node}: token {token} is outside the vocabulary [0, {vocab_size})")
-        if node > 0:
-            if (parent, token) in sibling_tokens:
-                raise TreeError(f"node {node}: token {token} repeats a sibling's token under parent {parent}")
-            sibling_tokens.add((parent, token))
-        attach(node, "next_token", next_token[node], node, depths[node] + 1)
-        attach(node, "next_sibling", next_sibling[node], parent, depths[node])
+    Each tree gets its TreeLayout, or a TreeError naming its problem and the offending node,
+    in its own position: a bad tree never changes another's result. Only the per-tree type
+    and size checks loop in Python; the rest runs once over all trees' nodes (numpy), and
+    every index is range-checked before it is used.
+    """
+    checked = [_checked_buffers(tree, max_nodes) for tree in trees]
+    passed = [buffers for buffers in checked if isinstance(buffers, tuple)]
+    walked = iter(_walk_batch(passed, vocab_size=vocab_size, max_depth=max_depth) if passed else ())
+    return [next(walked) if isinstance(buffers, tuple) else buffers for buffers in checked]
 
-    device = tree.tokens.device
-    return TreeLayout(
-        parents=torch.tensor(parents, dtype=torch.int64, device=device),
-        depths=torch.tensor(depths, dtype=torch.int64, device=device),
-        max_depth=max(depths),
+
+def _walk_batch(
+    buffers: Sequence[tuple[Tensor, Tensor, Tensor]], *, vocab_size: int, max_depth: int
+) -> list[TreeLayout | TreeError]:
+    """`walk_trees` of trees that passed the per-tree checks, vectorised over all their nodes.
+
+    Nodes are numbered globally: node i of tree b is starts[b] + i. The rules go links first,
+    so a tree's parents and depths are only relied on (and reported on) once its links are
+    known to form a tree.
+    """
+    sizes = np.array([tokens.shape[0] for tokens, _, _ in buffers])
+    starts = np.cumsum(sizes) - sizes
+    flat = torch.cat([values for field in zip(*buffers) for values in field]).numpy().reshape(3, -1)
+    tokens, links = flat[0], flat[1:]  # links: next_token, next_sibling
+    total = tokens.shape[0]
+    index = np.arange(total)
+    tree_of = np.repeat(np.arange(len(buffers)), sizes)
+    root_of = starts[tree_of]  # each node's root, as a global index
+    local = index - root_of
+    errors: dict[int, TreeError] = {}
+
+    def first_bad(bad: np.ndarray) -> list[tuple[int, int, int]]:
+        """(tree, global node, local node) of the first bad node in each tree without an error
+        yet; the caller records one for each."""
+        if not np.count_nonzero(bad):
+            return []
+        if errors:
+            failed = np.zeros(len(buffers), dtype=bool)
+            failed[list(errors)] = True
+            bad = bad & ~failed[tree_of]
+        nodes = np.flatnonzero(bad)
+        trees = tree_of[nodes]
+        first = np.flatnonzero(np.diff(trees, prepend=-1))
+        return [
+            (tree, node, node - int(starts[tree])) for tree, node in zip(trees[first].tolist(), nodes[first].tolist())
+        ]
+
+    # Links are -1 or in range and forward; the root has no sibling.
+    linked = (links > local) & (links < sizes[tree_of])
+    bad_links = (links != -1) & ~linked
+    for row, field in enumerate(("next_token", "next_sibling")):
+        for tree, node, i in first_bad(bad_links[row]):
+            errors[tree] = TreeError(_link_error(i, field, int(links[row, node]), int(sizes[tree])))
+    for tree, node, _ in first_bad((local == 0) & (links[1] != -1)):
+        errors[tree] = TreeError(f"root node 0 has a sibling (node {links[1, node]})")
+
+    # Every node but the root has exactly one incoming link. up[c] is the source of c's link
+    # (c itself for roots and unreached nodes; any one source where there are several), always
+    # smaller than c: following it cannot cycle.
+    targets = np.where(linked, root_of + links, total)  # `total`: a spare slot for "no link"
+    incoming = np.bincount(targets.ravel(), minlength=total + 1)[:total]
+    incoming[starts] = 1  # the root's from outside the tree
+    for tree, node, i in first_bad(incoming != 1):
+        errors[tree] = TreeError(
+            f"node {i} is reached twice ({incoming[node]} links point to it)"
+            if incoming[node]
+            else f"node {i} is not reachable from the root"
+        )
+    up = np.arange(total + 1)
+    up[targets[0]] = index
+    up[targets[1]] = index
+    via_child = np.zeros(total + 1, dtype=bool)
+    via_child[targets[0]] = True
+    up, via_child = up[:total], via_child[:total]
+
+    in_vocab = (tokens >= 0) & (tokens < vocab_size)
+    for tree, node, i in first_bad(~in_vocab):
+        errors[tree] = TreeError(f"node {i}: token {tokens[node]} is outside the vocabulary [0, {vocab_size})")
+
+    # Pointer jumping, 2**rounds steps at least as long as any path (n - 1 links): a node's
+    # parent is the up of the first sibling in its chain, and its depth counts the parents above.
+    rounds = max(int(sizes.max()) - 2, 0).bit_length()
+    first_sibling = np.where(via_child, index, up)
+    for _ in range(rounds):
+        first_sibling = first_sibling[first_sibling]
+    has_parent = via_child[first_sibling]
+    parent = np.where(has_parent, up[first_sibling], index)
+    depth, above = has_parent.astype(np.int64), parent
+    for _ in range(rounds):
+        depth += depth[above]
+        above = above[above]
+    for tree, node, i in first_bad(depth > max_depth):
+        errors[tree] = TreeError(f"node {i}: depth {depth[node]} exceeds max_depth {max_depth}")
+
+    # Siblings carry distinct tokens: no (parent, token) key twice. Roots and bad tokens get
+    # distinct negative keys; the others fit int64 while total * vocab_size does.
+    parents = np.where(has_parent, parent - root_of, -1)
+    key = np.where(has_parent & in_vocab, parent * vocab_size + tokens, -1 - index)
+    order = np.argsort(key, kind="stable")
+    sorted_keys = key[order]
+    repeats = np.zeros(total, dtype=bool)
+    repeats[order[1:][sorted_keys[1:] == sorted_keys[:-1]]] = True  # stable: marks the later node
+    for tree, node, i in first_bad(repeats):
+        errors[tree] = TreeError(
+            f"node {i}: token {tokens[node]} repeats a sibling's token under parent {parents[node]}"
+        )
+
+    sections = sizes.tolist()
+    parent_rows = torch.from_numpy(parents).split(sections)
+    depth_rows = torch.from_numpy(depth).split(sections)
+    max_depths = np.maximum.reduceat(depth, starts).tolist()
+    results: list[TreeLayout | TreeError] = list(map(TreeLayout, parent_rows, depth_rows, max_depths))
+    for tree, error in errors.items():
+        results[tree] = error
+    return results
+
+
+def _link_error(node: int, field: str, target: int, num_nodes: int) -> str:
+    if not -1 <= target < num_nodes:
+        return f"node {node}: {field} {target} is out of range [-1, {num_nodes - 1}]"
+    return (
+        f"node {node}: {field} {target} does not point forward "
+        "(links must go to a larger index: parents precede children, no cycles)"
     )
 
 
-def ancestor_mask(parents: Tensor, depths: Tensor) -> Tensor:
-    """Bool [1+n, 1+n]: mask[i, j] is True when node j is node i or one of its ancestors.
+def walk_tree(tree: DraftTree, *, vocab_size: int, max_nodes: int, max_depth: int) -> TreeLayout:
+    """`walk_trees` of one tree; raises its TreeError."""
+    result = walk_trees([tree], vocab_size=vocab_size, max_nodes=max_nodes, max_depth=max_depth)[0]
+    if isinstance(result, TreeError):
+        raise result
+    return result
 
-    Level by level on the host (numpy): the rows of depth d are their parents' rows plus
-    themselves, so max_depth row-gathers build the whole mask (tens of microseconds for
-    the trees a verifier sees; small tensor ops would cost ten times more).
+
+def ancestor_masks(layouts: Sequence[TreeLayout], width: int) -> Tensor:
+    """Bool [B, width, width]: mask[b, i, j] is True when node j of tree b is node i or one of
+    its ancestors. Rows and columns past a tree's nodes are padding that sees only itself, so
+    in a padded forward no node sees padding and padding sees no node.
+
+    Level by level on the host (numpy), every tree at once: in step d each node at depth >= d
+    marks its d-th ancestor, so the work is the sum of the depths, plus a few array operations
+    per level of the deepest tree.
     """
-    parent = parents.cpu().numpy()
-    depth = depths.cpu().numpy()
-    mask = np.eye(parent.shape[0], dtype=bool)
-    order = np.argsort(depth, kind="stable")
-    starts = np.searchsorted(depth[order], np.arange(1, int(depth.max()) + 2))
-    for lo, hi in zip(starts[:-1], starts[1:]):
-        rows = order[lo:hi]
-        mask[rows] |= mask[parent[rows]]
-    return torch.from_numpy(mask).to(parents.device)
+    sizes = np.array([layout.parents.shape[0] for layout in layouts], dtype=np.int64)
+    if (sizes > width).any():
+        raise ValueError(f"a tree of {sizes.max()} nodes does not fit masks of width {width}")
+    masks = np.zeros((len(layouts), width, width), dtype=bool)
+    masks.reshape(len(layouts), width * width)[:, :: width + 1] = True  # the diagonals
+    if layouts:
+        # Nodes are numbered globally (node i of a tree is start + i) and `up` maps them to their
+        # parents. A node's `row` is its row in the masks seen as [B * width, width], and its
+        # cell plus a global node index is the flat index of that node's column in this row.
+        parent = torch.cat([layout.parents for layout in layouts]).cpu().numpy()
+        depth = torch.cat([layout.depths for layout in layouts]).cpu().numpy()
+        start = np.repeat(np.cumsum(sizes) - sizes, sizes)
+        row = np.repeat(np.arange(len(layouts)) * width, sizes) + np.arange(parent.shape[0]) - start
+        up = parent + start
+        deepest_first = np.argsort(-depth, kind="stable")  # stable: the faster kind for few distinct keys
+        cell = (row * width - start)[deepest_first]
+        at_least = np.cumsum(np.bincount(depth)[::-1])[::-1]  # how many nodes have depth >= d
+        cells = masks.reshape(-1)
+        ancestor = deepest_first
+        for count in at_least[1:].tolist():
+            ancestor = up[ancestor[:count]]
+            cells[cell[:count] + ancestor] = True
+    device = layouts[0].parents.device if layouts else torch.device("cpu")
+    return torch.from_numpy(masks).to(device)
+
+
+def ancestor_mask(parents: Tensor, depths: Tensor) -> Tensor:
+    """Bool [1+n, 1+n]: mask[i, j] is True when node j is node i or one of its ancestors
+    (`ancestor_masks` of one tree)."""
+    layout = TreeLayout(parents=parents, depths=depths, max_depth=int(depths.max()))
+    return ancestor_masks([layout], parents.shape[0])[0]
 
 
 def ancestor_mask_reference(parents: Tensor, depths: Tensor) -> Tensor:

@@ -1,14 +1,21 @@
 """Conversions between engine messages and protobuf, with validation of what arrives.
 
 Tensors travel as raw little-endian bytes + dtype + shape (never pickled); tree buffers as
-packed integers of the narrowest width that holds them. Every decoder checks sizes against
-limits before allocating, and raises `WireError` (a ValueError) with a clear message.
+packed integers of the narrowest width that holds them, one array per field for all the
+trees of a link message; features as one tensor per link message. Every decoder checks
+sizes against limits before allocating, and raises `WireError` (a ValueError) with a clear
+message, or, for one bad entry of a link message, a per-session error result.
 """
 from __future__ import annotations
 
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+
 import torch
 
-from common.protocol import SamplingParams
+from common.protocol import (CloseEntry, Entry, OpenEntry, Prefilled, SamplingParams, StatusError, StepResult,
+                             TreeEntry, Verified)
 from common.rpc import pb
 from common.tree import DraftTree
 
@@ -22,12 +29,22 @@ _DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
 _INT_DTYPES = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-def encode_tensor(t: torch.Tensor) -> pb.Tensor:
+def write_tensor(field: pb.Tensor, t: torch.Tensor) -> None:
+    """Fill a message's Tensor field in place (assigning the fields directly: building a
+    pb.Tensor and copying it in costs a copy of megabytes more)."""
     if t.dtype not in _DTYPE_NAMES:
         raise WireError(f"dtype {t.dtype} cannot be sent")
     t = t.detach().contiguous().cpu()
     raw = t.view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
-    return pb.Tensor(data=raw.numpy().tobytes(), dtype=_DTYPE_NAMES[t.dtype], shape=list(t.shape))
+    field.data = raw.numpy().tobytes()
+    field.dtype = _DTYPE_NAMES[t.dtype]
+    field.shape[:] = list(t.shape)
+
+
+def encode_tensor(t: torch.Tensor) -> pb.Tensor:
+    msg = pb.Tensor()
+    write_tensor(msg, t)
+    return msg
 
 
 def decode_tensor(msg: pb.Tensor, *, max_elements: int) -> torch.Tensor:
@@ -43,48 +60,235 @@ def decode_tensor(msg: pb.Tensor, *, max_elements: int) -> torch.Tensor:
     if count > max_elements:
         raise WireError(f"tensor of {count} elements exceeds the limit of {max_elements}")
     itemsize = torch.empty(0, dtype=dtype).element_size()
-    if len(msg.data) != count * itemsize:
-        raise WireError(f"tensor data is {len(msg.data)} bytes, shape {shape} of {msg.dtype} needs {count * itemsize}")
+    data = msg.data  # each read of a bytes field makes a new bytes object: read it once
+    if len(data) != count * itemsize:
+        raise WireError(f"tensor data is {len(data)} bytes, shape {shape} of {msg.dtype} needs {count * itemsize}")
     if count == 0:
         return torch.empty(shape, dtype=dtype)
-    return torch.frombuffer(bytearray(msg.data), dtype=dtype).reshape(shape)
+    # A view of those bytes, not a copy (features run to megabytes per step): it is read-only,
+    # which torch warns about, and every reader only copies out of it.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(data, dtype=dtype).reshape(shape)
 
 
-def pack_ints(values: torch.Tensor | list[int]) -> pb.PackedInts:
-    """Signed little-endian integers in the narrowest of 1, 2, 4 or 8 bytes."""
+def write_ints(field: pb.PackedInts, values: torch.Tensor | list[int]) -> None:
+    """Signed little-endian integers in the narrowest of 1, 2, 4 or 8 bytes, into a message's field."""
     t = torch.as_tensor(values, dtype=torch.int64).cpu()
     lo, hi = (int(t.min()), int(t.max())) if t.numel() else (0, 0)
     width = next(w for w in (1, 2, 4, 8) if -(2 ** (8 * w - 1)) <= lo and hi < 2 ** (8 * w - 1))
-    return pb.PackedInts(data=t.to(_INT_DTYPES[width]).numpy().tobytes(), width=width)
+    field.data = t.to(_INT_DTYPES[width]).numpy().tobytes()
+    field.width = width
+
+
+def pack_ints(values: torch.Tensor | list[int]) -> pb.PackedInts:
+    msg = pb.PackedInts()
+    write_ints(msg, values)
+    return msg
 
 
 def unpack_ints(msg: pb.PackedInts, *, max_count: int, what: str) -> torch.Tensor:
     if msg.width not in _INT_DTYPES:
         raise WireError(f"{what}: integer width {msg.width} is not 1, 2, 4 or 8")
-    if len(msg.data) % msg.width:
-        raise WireError(f"{what}: {len(msg.data)} bytes is not a multiple of width {msg.width}")
-    count = len(msg.data) // msg.width
+    data = msg.data
+    if len(data) % msg.width:
+        raise WireError(f"{what}: {len(data)} bytes is not a multiple of width {msg.width}")
+    count = len(data) // msg.width
     if count > max_count:
         raise WireError(f"{what}: {count} values exceed the limit of {max_count}")
     if count == 0:
         return torch.empty(0, dtype=torch.int64)
-    return torch.frombuffer(bytearray(msg.data), dtype=_INT_DTYPES[msg.width]).to(torch.int64)
+    return torch.frombuffer(bytearray(data), dtype=_INT_DTYPES[msg.width]).to(torch.int64)
 
 
-def encode_tree(tree: DraftTree, round_index: int, traceparent: str = "") -> pb.Tree:
-    return pb.Tree(round=round_index, tokens=pack_ints(tree.tokens), next_token=pack_ints(tree.next_token),
-                   next_sibling=pack_ints(tree.next_sibling), traceparent=traceparent)
+@dataclass(frozen=True)
+class LinkLimits:
+    """What a verifier accepts in one LinkRequest."""
+    max_entries: int      # entries per message
+    max_tree_nodes: int   # nodes per tree, root included
 
 
-def decode_tree(msg: pb.Tree, *, max_nodes: int) -> DraftTree:
-    """Sizes are checked here; structure, depth and token range by `walk_tree`."""
-    parts = [unpack_ints(getattr(msg, f), max_count=max_nodes, what=f)
-             for f in ("tokens", "next_token", "next_sibling")]
-    if not parts[0].numel():
-        raise WireError("tree has no nodes (the root is required)")
-    if len({p.numel() for p in parts}) != 1:
-        raise WireError(f"tree buffers differ in length: {[p.numel() for p in parts]}")
-    return DraftTree(*parts)
+MAX_SESSION_ID = 2**63 - 1
+
+
+def encode_link_request(step: int, entries: Sequence[Entry]) -> pb.LinkRequest:
+    """One drafter step as a LinkRequest: the trees' buffers go concatenated, in entry order."""
+    msg = pb.LinkRequest(step=step)
+    trees = []
+    for e in entries:
+        if isinstance(e, OpenEntry):
+            msg.entries.add(session_id=e.session_id, open=pb.Open(
+                prompt_token_ids=e.prompt_ids, sampling=encode_sampling(e.sampling), traceparent=e.traceparent,
+                feature_layer_ids=e.feature_layer_ids))
+        elif isinstance(e, TreeEntry):
+            msg.entries.add(session_id=e.session_id, tree=pb.Tree(round=e.round, num_nodes=e.tree.num_nodes,
+                                                                  traceparent=e.traceparent))
+            trees.append(e.tree)
+        else:
+            msg.entries.add(session_id=e.session_id, close=pb.Close())
+    if trees:
+        for field in ("tokens", "next_token", "next_sibling"):
+            write_ints(getattr(msg, f"tree_{field}"), torch.cat([getattr(t, field) for t in trees]))
+    return msg
+
+
+def decode_link_request(msg: pb.LinkRequest, limits: LinkLimits) -> list[Entry | StepResult]:
+    """The entries of a LinkRequest, in order. A bad entry becomes a `StepResult` carrying its
+    INVALID_ARGUMENT error (that session fails, the others go on); a message that breaks the
+    link's limits raises WireError. Tree structure is checked later (`common.tree.walk_trees`)."""
+    if len(msg.entries) > limits.max_entries:
+        raise WireError(f"a link message carries {len(msg.entries)} entries, the limit is {limits.max_entries}")
+    sizes = [e.tree.num_nodes for e in msg.entries if e.WhichOneof("kind") == "tree"]
+    total = sum(sizes)
+    buffers, framing = None, ""
+    try:
+        buffers = [unpack_ints(getattr(msg, f"tree_{f}"), max_count=limits.max_entries * limits.max_tree_nodes,
+                               what=f"tree_{f}") for f in ("tokens", "next_token", "next_sibling")]
+        if any(b.numel() != total for b in buffers):
+            framing = (f"tree buffers hold {[b.numel() for b in buffers]} values, the trees' num_nodes add up "
+                       f"to {total}")
+    except WireError as exc:
+        framing = str(exc)
+    out: list[Entry | StepResult] = []
+    seen: set[int] = set()
+    offset = 0
+    for e in msg.entries:
+        sid, kind = e.session_id, e.WhichOneof("kind")
+        if kind == "tree":
+            lo, offset = offset, offset + e.tree.num_nodes
+        if not 0 < sid <= MAX_SESSION_ID:
+            raise WireError(f"session id {sid} is outside [1, 2^63)")
+        if sid in seen:
+            out.append(_invalid(sid, "the message carries two entries for this session"))
+            continue
+        seen.add(sid)
+        if kind == "open":
+            try:
+                sampling = decode_sampling(e.open.sampling)
+            except ValueError as exc:
+                out.append(_invalid(sid, f"bad sampling parameters: {exc}"))
+                continue
+            out.append(OpenEntry(sid, list(e.open.prompt_token_ids), sampling, e.open.traceparent,
+                                 tuple(e.open.feature_layer_ids)))
+        elif kind == "tree":
+            n = e.tree.num_nodes
+            if framing:
+                out.append(_invalid(sid, f"malformed tree: {framing}"))
+            elif not 1 <= n <= limits.max_tree_nodes:
+                out.append(_invalid(sid, f"malformed tree: {n} nodes, expected 1 to {limits.max_tree_nodes}"))
+            else:
+                tokens, next_token, next_sibling = (b[lo:lo + n] for b in buffers)
+                out.append(TreeEntry(sid, e.tree.round, DraftTree(tokens, next_token, next_sibling),
+                                     e.tree.traceparent))
+        elif kind == "close":
+            out.append(CloseEntry(sid))
+        else:
+            out.append(_invalid(sid, "an entry must be open, tree or close"))
+    return out
+
+
+def _invalid(session_id: int, message: str) -> StepResult:
+    return StepResult(session_id, StatusError("INVALID_ARGUMENT", message))
+
+
+def encode_link_response(step: int, results: Sequence[StepResult], feature_dim: int,
+                         dtype: torch.dtype) -> pb.LinkResponse:
+    """Results in order, with the features of all of them in one tensor (rows in result order)."""
+    msg = pb.LinkResponse(step=step)
+    rows = []
+    for r in results:
+        o = r.outcome
+        if isinstance(o, Prefilled):
+            msg.results.add(session_id=r.session_id, prefilled=pb.Prefilled(
+                token=o.token, max_seq_len=o.max_seq_len, feature_rows=o.features.shape[0]))
+            rows.append(o.features)
+        elif isinstance(o, Verified):
+            msg.results.add(session_id=r.session_id, verified=pb.Verified(
+                round=o.round, accepted_tokens=o.accepted_tokens, next_token=o.next_token,
+                feature_rows=o.features.shape[0]))
+            rows.append(o.features)
+        else:
+            msg.results.add(session_id=r.session_id, error=pb.Error(code=status_code(o.status), message=o.message))
+    write_tensor(msg.features, _stack_rows(rows, feature_dim, dtype))
+    return msg
+
+
+def _stack_rows(rows: list[torch.Tensor], width: int, dtype: torch.dtype) -> torch.Tensor:
+    """torch.cat(rows), but without the copy when the rows are back-to-back slices of one
+    tensor (the verifier's step hands them out that way)."""
+    rows = [r for r in rows if r.shape[0]]
+    if not rows:
+        return torch.empty(0, width, dtype=dtype)
+    first = rows[0]
+    nbytes = first.element_size()
+    adjacent = all(r.is_contiguous() and r.dtype == first.dtype and r.untyped_storage().data_ptr()
+                   == first.untyped_storage().data_ptr() for r in rows) and all(
+        b.data_ptr() == a.data_ptr() + a.numel() * nbytes for a, b in zip(rows, rows[1:]))
+    if adjacent:
+        return first.as_strided((sum(r.shape[0] for r in rows), first.shape[1]), first.stride())
+    return torch.cat(rows)
+
+
+def decode_link_response(msg: pb.LinkResponse, *, vocab_size: int, feature_dim: int,
+                         max_feature_rows: int) -> list[StepResult]:
+    """The results of a LinkResponse, each with its rows of the features (views).
+
+    Raises WireError when the message is inconsistent: token ids outside the vocabulary,
+    feature rows that do not add up, or a feature width other than `feature_dim`.
+    """
+    features = decode_tensor(msg.features, max_elements=max_feature_rows * max(1, feature_dim))
+    if features.dim() != 2 or features.shape[1] != feature_dim:
+        raise WireError(f"features of shape {list(features.shape)}, expected [rows, {feature_dim}]")
+    out: list[StepResult] = []
+    row = 0
+
+    def take(n: int) -> torch.Tensor:
+        nonlocal row
+        if row + n > features.shape[0]:
+            raise WireError(f"results need more than the {features.shape[0]} feature rows sent")
+        row += n
+        return features[row - n: row]
+
+    def token(t: int) -> int:
+        if not 0 <= t < vocab_size:
+            raise WireError(f"token id {t} outside the vocabulary [0, {vocab_size})")
+        return t
+
+    for r in msg.results:
+        kind = r.WhichOneof("kind")
+        if kind == "prefilled":
+            p = r.prefilled
+            outcome = Prefilled(token(p.token), take(p.feature_rows), p.max_seq_len)
+        elif kind == "verified":
+            v = r.verified
+            accepted = [token(t) for t in v.accepted_tokens]
+            if v.feature_rows not in (0, 1 + len(accepted)):
+                raise WireError(f"a Verified of {len(accepted)} accepted tokens with {v.feature_rows} feature rows")
+            outcome = Verified(accepted, token(v.next_token), take(v.feature_rows), v.round)
+        elif kind == "error":
+            outcome = StatusError(status_name(r.error.code), r.error.message)
+        else:
+            raise WireError("a result must be prefilled, verified or error")
+        out.append(StepResult(r.session_id, outcome))
+    if row != features.shape[0]:
+        raise WireError(f"{features.shape[0]} feature rows sent, the results use {row}")
+    return out
+
+
+def status_code(name: str) -> int:
+    """The numeric gRPC status code of a status name (UNKNOWN for an unknown name)."""
+    return _STATUS_CODES.get(name, 2)
+
+
+def status_name(code: int) -> str:
+    return next((n for n, c in _STATUS_CODES.items() if c == code), "UNKNOWN")
+
+
+# grpc.StatusCode values, without importing grpc here.
+_STATUS_CODES = {"OK": 0, "CANCELLED": 1, "UNKNOWN": 2, "INVALID_ARGUMENT": 3, "DEADLINE_EXCEEDED": 4,
+                 "NOT_FOUND": 5, "ALREADY_EXISTS": 6, "PERMISSION_DENIED": 7, "RESOURCE_EXHAUSTED": 8,
+                 "FAILED_PRECONDITION": 9, "ABORTED": 10, "OUT_OF_RANGE": 11, "UNIMPLEMENTED": 12,
+                 "INTERNAL": 13, "UNAVAILABLE": 14, "DATA_LOSS": 15, "UNAUTHENTICATED": 16}
 
 
 def encode_sampling(s: SamplingParams) -> pb.SamplingParams:

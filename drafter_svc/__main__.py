@@ -17,7 +17,7 @@ import torch
 from common.cli import FlagParser, fail
 from common.config import CheckpointError
 from common.protocol import StatusError
-from common.tracing import setup_tracing, shutdown_tracing
+from common.tracing import exporting, setup_tracing, shutdown_tracing
 from drafter_svc.server import DrafterConfig, DrafterEngine, serve
 
 log = logging.getLogger("drafter_svc")
@@ -44,7 +44,8 @@ def parse_args(argv=None) -> DrafterConfig:
     p.flag("--max-new-tokens", env="MAX_NEW_TOKENS", default=d.max_new_tokens, type=int,
            help=f"default max_new_tokens when a request sets none (default {d.max_new_tokens})")
     p.flag("--max-concurrent", env="MAX_CONCURRENT", default=d.max_concurrent, type=int,
-           help=f"Generate calls running at once (default {d.max_concurrent})")
+           help=f"sessions batched at once (draft context slots; capped by the verifier's --max-sessions); more "
+                f"requests wait in the queue (default {d.max_concurrent})")
     p.flag("--verifier-wait", env="VERIFIER_WAIT_S", default=d.verifier_wait_s, type=float,
            help=f"seconds start-up waits for the verifier (default {d.verifier_wait_s:.0f})")
     p.flag("--queue-timeout", env="QUEUE_TIMEOUT_S", default=d.queue_timeout_s, type=float,
@@ -54,6 +55,9 @@ def parse_args(argv=None) -> DrafterConfig:
              help="also print spans to stdout")
     p.switch("--no-cuda-graphs", env="DRAFTER_NO_CUDA_GRAPHS", default=not d.cuda_graphs,
              help="run the draft step eagerly on CUDA instead of replaying captured CUDA graphs")
+    p.flag("--bench-oracle", env="DRAFTER_BENCH_ORACLE", default=d.bench_oracle,
+           help="benchmarks only: a controlled-acceptance JSON file (see drafter_svc/oracle.py); the draft still "
+                "runs, then its proposals are made to contain the target's greedy continuation at a set rate")
     a = p.parse_args(argv)
     if not a.draft or not a.target:
         fail("--draft and --target are required (or DRAFT_DIR and TARGET_DIR)")
@@ -63,7 +67,8 @@ def parse_args(argv=None) -> DrafterConfig:
                          device=a.device, dtype=a.dtype, tree_budget=a.tree_budget, chain=a.chain,
                          max_new_tokens=a.max_new_tokens, max_concurrent=a.max_concurrent,
                          verifier_wait_s=a.verifier_wait, queue_timeout_s=a.queue_timeout,
-                         trace_console=a.trace_console, cuda_graphs=not a.no_cuda_graphs)
+                         trace_console=a.trace_console, cuda_graphs=not a.no_cuda_graphs,
+                         bench_oracle=a.bench_oracle)
 
 
 async def run(cfg: DrafterConfig) -> None:
@@ -83,7 +88,8 @@ async def run(cfg: DrafterConfig) -> None:
 def main(argv=None) -> None:
     cfg = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    setup_tracing("drafter", console=cfg.trace_console)
+    if exporting(cfg.trace_console):
+        setup_tracing("drafter", console=cfg.trace_console)
     try:
         asyncio.run(run(cfg))
     except (CheckpointError, StatusError, ValueError) as exc:

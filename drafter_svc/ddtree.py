@@ -1,40 +1,40 @@
-"""DDTree: turn one DFlash block of draft logits into a draft tree under a node budget.
+"""DDTree: turn DFlash blocks of draft logits into draft trees under a node budget.
 
 The DFlash draft gives one distribution q_d per depth d = 1..D (D = block_size - 1).
-A path that takes the token of rank r_i at each depth i scores sum_i log q_i(rank r_i).
-Best-first search over that score picks the `budget` best prefixes; because a prefix
-scores at least as much as its extensions, and rank r at least as much as rank r + 1,
-the result is always a valid tree (prefix-closed, parents before children).
+A path that takes the token of rank r_i at each depth i scores sum_i log q_i(rank r_i),
+summed left to right in float64. A tree holds the `budget` best prefixes under the key
+(-score, depth, rank tuple): the higher cumulative log-prob first; on equal scores the
+shallower prefix first; on equal depth the lexicographically smaller tuple of per-depth
+ranks first. The key is unique, and node index = position in key order, so the tree is
+deterministic. It is what a best-first heap search pops (tests/reference.py keeps one).
 
-Tie-break: candidates are ordered by the key (-score, depth, rank tuple), i.e. the
-higher cumulative log-prob first; on equal scores the shallower candidate first; on
-equal depth the lexicographically smaller tuple of per-depth ranks first. The key is
-unique per candidate, so the tree is fully deterministic.
+`build_ddtrees` builds the trees of many sessions at once, vectorised over sessions with
+numpy, one step per depth. Why that is exact: a prefix's first child and its next-rank
+sibling have larger keys than it (log q <= 0, topk sorts, float64 addition is monotone),
+so the heap pops prefixes in key order; the tree is the `budget` smallest keys, and a
+node's parent is in it with a smaller key. Its depth-d nodes are therefore among the
+`budget` best children of the depth-(d - 1) nodes still selected, and among the `budget`
+best once merged with the shallower selection. Each step keeps exactly those children
+and merges them into the running selection (on equal scores the shallower node first).
+
+Finding the `budget` best children without scoring them all: with the parents in key
+order, scores fall along ranks and along parents, so the child of the j-th parent at rank
+r scores at most as much as each of the (j + 1)(r + 1) children of its rectangle. Only
+the staircase (j + 1)(r + 1) <= budget is scored. A child past it can still be selected
+only if it ties the `budget`-th best score (float rounding or -inf log-probs tie children
+of different parents, and then the rank tuple decides); each parent's first child past
+the staircase bounds the rest, and a session where one reaches that score rescores all
+its children at that depth.
 """
 from __future__ import annotations
 
-import heapq
-import math
-from dataclasses import dataclass
+from collections.abc import Sequence
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from common.tree import DraftTree
-
-
-@dataclass(frozen=True, eq=False)
-class ScoredTree:
-    """A built tree plus the per-node facts the builder knows (index 0 = root)."""
-
-    tree: DraftTree
-    parents: list[int]  # parents[0] = -1
-    scores: list[float]  # cumulative log-prob of the path to the node; scores[0] = 0.0
-    ranks: list[tuple[int, ...]]  # per-depth ranks of that path; ranks[0] = ()
-
-    @property
-    def depths(self) -> list[int]:
-        return [len(path) for path in self.ranks]
 
 
 def _check_block_logits(block_logits: Tensor) -> None:
@@ -42,55 +42,202 @@ def _check_block_logits(block_logits: Tensor) -> None:
         raise ValueError(f"block_logits must be [depth, vocab], got shape {tuple(block_logits.shape)}")
 
 
-def build_ddtree_with_scores(block_logits: Tensor, root_token: int, budget: int) -> ScoredTree:
-    """Build the DDTree (see `build_ddtree`) and keep each node's parent, score and ranks."""
-    _check_block_logits(block_logits)
-    if budget < 0:
-        raise ValueError(f"budget must be >= 0, got {budget}")
-    num_depths, vocab_size = block_logits.shape
-    k = min(budget, vocab_size)
+def _children(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(parent slot, rank) of candidate children: ranks 0..counts[j] - 1 of each parent slot j."""
+    slot = np.repeat(np.arange(counts.shape[0]), counts)
+    rank = np.arange(slot.shape[0]) - np.repeat(np.cumsum(counts) - counts, counts)
+    return slot, rank
 
-    tokens, parents, scores, ranks = [int(root_token)], [-1], [0.0], [()]
-    if k > 0 and num_depths > 0:
-        top = torch.topk(torch.log_softmax(block_logits.float(), dim=-1), k, dim=-1)
-        # One device->host copy for both; float64 holds token ids exactly.
-        top_logq, top_tokens = torch.stack((top.values.double(), top.indices.double())).tolist()
-        if any(math.isnan(row[0]) for row in top_logq):  # topk ranks NaN first
-            raise ValueError("block_logits contain NaN (or a row that is all -inf)")
 
-        # Heap entries: (-score, depth, rank tuple, parent node); the first three are the
-        # documented ordering key, and they are unique, so `parent` is never compared.
-        heap = [(-top_logq[0][0], 1, (0,), 0)]
-        while heap and len(tokens) <= budget:
-            neg_score, depth, path_ranks, parent = heapq.heappop(heap)
-            node, rank, score = len(tokens), path_ranks[-1], -neg_score
-            tokens.append(int(top_tokens[depth - 1][rank]))
-            parents.append(parent)
-            scores.append(score)
-            ranks.append(path_ranks)
-            if rank + 1 < k:
-                sibling_score = scores[parent] + top_logq[depth - 1][rank + 1]
-                heapq.heappush(heap, (-sibling_score, depth, path_ranks[:-1] + (rank + 1,), parent))
-            if depth < num_depths:
-                child_score = score + top_logq[depth][0]
-                heapq.heappush(heap, (-child_score, depth + 1, path_ranks + (0,), node))
+def _best_children(
+    front_score: np.ndarray, front_order: np.ndarray, logq: np.ndarray, pairs: tuple[np.ndarray, np.ndarray],
+    width: int,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The `width` best candidate children per session, in key order: (score, parent slot, rank) [S, width].
 
-    # Node index = pop order, so each parent's children are already in descending score.
-    return ScoredTree(DraftTree.from_parents(tokens, parents), parents, scores, ranks)
+    front_score/front_order: [S, F] parent scores (NaN = no parent) and their rank-tuple
+    order; logq: [S, K] this depth's log-probs; pairs: the candidates' (parent slot, rank).
+    At one depth the key is (-score, (parent's rank-tuple order, rank)). Missing children
+    (fewer candidates than `width`) have score NaN.
+    """
+    slot, rank = pairs
+    rows = np.arange(front_score.shape[0])[:, None]
+    score = front_score[:, slot] + logq[:, rank]  # NaN = no such child; sorts last
+    # The width + 1 best by score (one more to see a tie at the cut), then sorted.
+    if score.shape[1] > width + 1:
+        best = np.argpartition(-score, width, axis=1)[:, : width + 1]
+        order = best[rows, np.argsort(-score[rows, best], axis=1)]
+    else:
+        order = np.argsort(-score, axis=1)
+    # Equal scores among the kept children, or at the cut, also need the rank-tuple order;
+    # sorting by the full key is slower, so only those sessions get it.
+    kept = score[rows, order]
+    tied = np.flatnonzero((kept[:, 1:] == kept[:, :-1]).any(axis=1))
+    if tied.size:
+        code = front_order[tied][:, slot] * logq.shape[1] + rank
+        order[tied] = np.lexsort((code, -score[tied]), axis=1)[:, : width + 1]
+    order = order[:, :width]
+    if order.shape[1] < width:  # fewer candidates than width: point the rest at a missing child
+        score = np.concatenate((score, np.full((score.shape[0], 1), np.nan)), axis=1)
+        slot, rank = np.append(slot, 0), np.append(rank, 0)
+        order = np.concatenate((order, np.full((score.shape[0], width - order.shape[1]), slot.shape[0] - 1)), axis=1)
+    return score[rows, order], slot[order], rank[order]
+
+
+def _retrieve_buffers(parents: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """next_token and next_sibling of nodes given by flat parents (-1 = a root, else an earlier node).
+
+    Each parent's children are linked in node-index order, as `DraftTree.from_parents` does.
+    """
+    next_token = np.full(parents.shape, -1, dtype=np.int64)
+    next_sibling = np.full(parents.shape, -1, dtype=np.int64)
+    node = np.flatnonzero(parents >= 0)
+    # Group the children by parent; a stable sort keeps node-index order inside a group.
+    node = node[np.argsort(parents[node], kind="stable")]
+    parent = parents[node]
+    same = parent[1:] == parent[:-1]
+    next_sibling[node[:-1][same]] = node[1:][same]
+    first = np.ones(node.shape, dtype=bool)
+    first[1:] = ~same
+    next_token[parent[first]] = node[first]
+    return next_token, next_sibling
+
+
+def build_ddtrees(block_logits: Tensor, root_tokens: Sequence[int], budgets: Sequence[int]) -> list[DraftTree]:
+    """Best-first DDTrees for S sessions at once; tree s has at most `budgets[s]` drafted nodes.
+
+    block_logits: [S, D, V] draft logits for depths 1..D, any float dtype, any device.
+    Per depth the candidates are the top min(budget, V) tokens of log_softmax. One top-k of
+    the largest budget and one device->host copy serve all sessions: a tree of b nodes never
+    uses a rank >= b, since a node's elder siblings come before it. Siblings come out in
+    descending cumulative log-prob; budget 0 gives the root only. The trees are on the CPU.
+    """
+    if block_logits.dim() != 3:
+        raise ValueError(f"block_logits must be [sessions, depth, vocab], got shape {tuple(block_logits.shape)}")
+    num_sessions, num_depths, vocab_size = block_logits.shape
+    if len(root_tokens) != num_sessions or len(budgets) != num_sessions:
+        raise ValueError(
+            f"need one root token and one budget per session: {num_sessions} sessions, "
+            f"{len(root_tokens)} root tokens, {len(budgets)} budgets"
+        )
+    if any(budget < 0 for budget in budgets):
+        raise ValueError(f"budgets must be >= 0, got {list(budgets)}")
+    budget = np.array(budgets, dtype=np.int64).reshape(num_sessions)
+    width = int(budget.max(initial=0))
+    ranks = min(width, vocab_size)
+    roots = np.array(root_tokens, dtype=np.int64).reshape(num_sessions)
+    if ranks == 0 or num_depths == 0:
+        return _trees(roots[:, None], np.full((num_sessions, 1), -1), np.ones(num_sessions, dtype=np.int64))
+
+    top = torch.topk(torch.log_softmax(block_logits.float(), dim=-1), ranks, dim=-1)
+    # One device->host copy for both; float64 holds token ids exactly.
+    logq, top_tokens = torch.stack((top.values.double(), top.indices.double())).detach().cpu().numpy()
+    top_tokens = top_tokens.astype(np.int64)
+    if np.isnan(logq[budget > 0, :, 0]).any():  # topk ranks NaN first
+        raise ValueError("block_logits contain NaN (or a row that is all -inf)")
+
+    rows = np.arange(num_sessions)[:, None]
+    over_budget = np.arange(width) >= budget[:, None]
+    stair_counts = np.minimum(width // np.arange(1, width + 1), ranks)
+    staircase, stair_ends = _children(stair_counts), np.cumsum(stair_counts)
+    last_kept = np.maximum(budget - 1, 0)[:, None]
+
+    # Node ids: 0 = the root, 1 + d * width + q = child q kept at depth d + 1.
+    id_tokens = np.zeros((num_sessions, 1 + num_depths * width), dtype=np.int64)
+    id_parents = np.zeros_like(id_tokens)
+    # The frontier: the previous depth's nodes still selected, in key order (at first the root).
+    front_score = np.zeros((num_sessions, 1))
+    front_order = np.zeros((num_sessions, 1), dtype=np.int64)
+    front_base = 0
+    # The running selection over all depths so far, in key order.
+    best_score = np.full((num_sessions, width), np.nan)
+    best_id = np.zeros((num_sessions, width), dtype=np.int64)
+    merged_id = np.empty((num_sessions, 2 * width), dtype=np.int64)
+    for depth in range(num_depths):
+        num_parents = front_score.shape[1]
+        pairs = tuple(column[: stair_ends[num_parents - 1]] for column in staircase)
+        score, slot, rank = _best_children(front_score, front_order, logq[:, depth], pairs, width)
+        cutoff = score[rows, last_kept]
+        cutoff[np.isnan(cutoff)] = -np.inf  # fewer children than the budget: any outside one counts
+        outside_slot = np.flatnonzero(stair_counts[:num_parents] < ranks)  # each one's first child past it
+        outside = front_score[:, outside_slot] + logq[:, depth, stair_counts[outside_slot]]
+        redo = np.flatnonzero((outside >= cutoff).any(axis=1))
+        if redo.size:
+            score[redo], slot[redo], rank[redo] = _best_children(
+                front_score[redo], front_order[redo], logq[redo, depth], _children(np.full(num_parents, ranks)), width
+            )
+        score[over_budget] = np.nan
+        base = 1 + depth * width
+        id_tokens[:, base:base + width] = top_tokens[rows, depth, rank]
+        id_parents[:, base:base + width] = front_base + slot
+        by_tuple = np.argsort(front_order[rows, slot] * ranks + rank, axis=1)
+        order = np.empty_like(by_tuple)
+        order[rows, by_tuple] = np.arange(width)
+
+        # Merge: on equal scores the shallower (already selected) node comes first, and a
+        # stable sort on score keeps each side's own key order.
+        merged_score = np.concatenate((best_score, score), axis=1)
+        pick = np.argsort(-merged_score, axis=1, kind="stable")[:, :width]
+        best_score = merged_score[rows, pick]
+        best_score[over_budget] = np.nan
+        merged_id[:, :width], merged_id[:, width:] = best_id, base + np.arange(width)
+        best_id = merged_id[rows, pick]
+        # This depth's nodes still selected are a prefix of its children (both sides are in key order).
+        selected = ((pick >= width) & ~over_budget).sum(axis=1)
+        num_parents = int(selected.max())
+        if num_parents == 0:  # nothing deeper can be selected
+            break
+        front_score = np.where(np.arange(num_parents) < selected[:, None], score[:, :num_parents], np.nan)
+        front_order, front_base = order[:, :num_parents], base
+
+    # Node index = 1 + position in key order; a parent's key is smaller, so its index too.
+    num_nodes = 1 + (~np.isnan(best_score)).sum(axis=1)
+    node_of_id = np.zeros_like(id_tokens)
+    node_of_id[rows, best_id] = np.arange(1, width + 1)
+    node_of_id[:, 0] = 0  # ids of unused slots may be 0: the root stays node 0
+    tokens = np.concatenate((roots[:, None], id_tokens[rows, best_id]), axis=1)
+    parents = np.concatenate((np.full((num_sessions, 1), -1), node_of_id[rows, id_parents[rows, best_id]]), axis=1)
+    return _trees(tokens, parents, num_nodes)
+
+
+def _trees(tokens: np.ndarray, parents: np.ndarray, num_nodes: np.ndarray) -> list[DraftTree]:
+    """DraftTrees from per-session [S, N] tokens and parents (node indices), the first num_nodes[s] used."""
+    used = np.arange(tokens.shape[1]) < num_nodes[:, None]
+    # One flat array of all trees: parents become flat indices, a root keeps -1.
+    offsets = np.cumsum(num_nodes) - num_nodes
+    flat_parents = np.where(parents >= 0, parents + offsets[:, None], -1)[used]
+    next_token, next_sibling = _retrieve_buffers(flat_parents)
+    next_token = np.where(next_token >= 0, next_token - np.repeat(offsets, num_nodes), -1)
+    next_sibling = np.where(next_sibling >= 0, next_sibling - np.repeat(offsets, num_nodes), -1)
+    sizes = num_nodes.tolist()
+    fields = (torch.from_numpy(field).split(sizes) for field in (tokens[used], next_token, next_sibling))
+    return [DraftTree(*tree) for tree in zip(*fields)]
 
 
 def build_ddtree(block_logits: Tensor, root_token: int, budget: int) -> DraftTree:
     """Best-first DDTree of at most `budget` drafted nodes under root `root_token`.
 
     block_logits: [D, V] draft logits for depths 1..D, any float dtype, any device.
-    Per depth the top K = min(budget, V) tokens of log_softmax are the candidates.
-    Siblings come out in descending cumulative log-prob; budget 0 gives the root only.
+    One session of `build_ddtrees`.
     """
-    return build_ddtree_with_scores(block_logits, root_token, budget).tree
+    _check_block_logits(block_logits)
+    return build_ddtrees(block_logits[None], [root_token], [budget])[0]
+
+
+def build_chains(block_logits: Tensor, root_tokens: Sequence[int], lengths: Sequence[int]) -> list[DraftTree]:
+    """Vanilla DFlash drafts of S sessions: the argmax token at each depth 1..lengths[s] (at most
+    D), as single paths. block_logits [S, D, V]; one argmax and one device-to-host copy."""
+    if block_logits.dim() != 3:
+        raise ValueError(f"block_logits must be [sessions, depth, vocab], got shape {tuple(block_logits.shape)}")
+    argmax = block_logits.argmax(dim=-1).tolist()
+    trees = []
+    for root, drafted, n in zip(root_tokens, argmax, lengths):
+        path = [int(root)] + drafted[: max(0, n)]
+        trees.append(DraftTree.from_parents(path, list(range(-1, len(path) - 1))))
+    return trees
 
 
 def build_chain(block_logits: Tensor, root_token: int) -> DraftTree:
-    """Vanilla DFlash draft: the argmax token at each depth 1..D, as a single path."""
+    """Vanilla DFlash draft of one session: `build_chains` of block_logits [D, V]."""
     _check_block_logits(block_logits)
-    tokens = [int(root_token)] + block_logits.argmax(dim=-1).tolist()
-    return DraftTree.from_parents(tokens, list(range(-1, len(tokens) - 1)))
+    return build_chains(block_logits[None], [root_token], [block_logits.shape[0]])[0]

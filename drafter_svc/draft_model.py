@@ -2,8 +2,9 @@
 
 Every draft layer attends from the block tokens to [projected context features, block
 tokens] without a causal mask. Context K/V are computed once per feature row and kept in
-a per-session cache (`DraftContext`); the block's own K/V are recomputed every round and
-dropped. The draft has no embedding or LM head: it borrows the target's, passed in.
+the session's slot of a `DraftKVPool`; the block's own K/V are written after the context
+every round and overwritten by the next. The draft has no embedding or LM head: it borrows
+the target's, passed in. Both steps take a batch of sessions (slots) at once.
 """
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ from torch import nn
 from common.checkpoint import load_tensors
 from common.config import DraftConfig, load_draft_config
 from common.layers import MLP, AttentionProjections, RMSNorm, RotaryEmbedding
-from kernels.layer_ops import add_rms_norm, silu_mul
+from kernels.layer_ops import add_rms_norm, project_store, silu_mul
+from kernels.slot_attention import slot_attention
 
 
 class DraftLayer(nn.Module):
@@ -30,32 +32,49 @@ class DraftLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
-class DraftContext:
-    """One session's context K/V for every draft layer: [layers, 2, kv_heads, capacity, D].
+class DraftKVPool:
+    """Every session's context K/V in one preallocated tensor [slots, layers, 2, kv_heads, capacity, D].
 
-    The tensor is the session's own, or slot `slot` of a pool (`drafter_svc.draft_graphs`);
-    `close()` gives a slot back. A closed context has no K/V left to use.
+    A session holds one slot from `acquire` to `release`. One tensor (not one per session)
+    lets a batched step address every session's context by slot index, which is also what a
+    captured CUDA graph needs: the slots are data, the addresses fixed.
     """
 
-    def __init__(self, kv: torch.Tensor, slot: int | None = None, release: Callable[[], object] | None = None):
-        self.kv: torch.Tensor | None = kv
-        self.slot = slot
-        self.length = 0
-        self._release = release
+    def __init__(self, draft: "DFlashDraftModel", slots: int, capacity: int):
+        cfg, p = draft.cfg, draft.fc.weight
+        self.kv = torch.zeros(slots, cfg.num_layers, 2, cfg.num_kv_heads, capacity, cfg.head_dim,
+                              device=p.device, dtype=p.dtype)
+        self._free = list(range(slots - 1, -1, -1))  # pop() hands out slot 0 first
+
+    @property
+    def num_slots(self) -> int:
+        return self.kv.shape[0]
 
     @property
     def capacity(self) -> int:
-        return self.kv.shape[3]
+        return self.kv.shape[4]
 
-    def close(self) -> None:
-        """Give the K/V back (to the pool, for a slot); safe to call more than once."""
-        if self._release is not None:
-            self._release()
-        self.kv = None
+    @property
+    def free_slots(self) -> int:
+        return len(self._free)
+
+    def acquire(self) -> int | None:
+        """A free slot, zeroed, or None when all are taken. Masked columns are read as
+        finite values (0 * NaN is NaN), so an earlier session's K/V must never stay behind."""
+        if not self._free:
+            return None
+        slot = self._free.pop()
+        self.kv[slot].zero_()
+        return slot
+
+    def release(self, slot: int) -> None:
+        if not 0 <= slot < self.num_slots or slot in self._free:
+            raise ValueError(f"slot {slot} is not held")
+        self._free.append(slot)
 
 
 # One layer's attention of the block over [context, block]: (layer index, its projections,
-# the normalised block x [1, T, hidden], cos, sin) -> the attention output after o_proj.
+# the normalised block x [B, T, hidden], cos, sin) -> the attention output after o_proj.
 BlockAttention = Callable[[int, AttentionProjections, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
@@ -78,12 +97,6 @@ class DFlashDraftModel(nn.Module):
         model.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta)
         return model.to(device).eval().requires_grad_(False)
 
-    def new_context(self, capacity: int) -> DraftContext:
-        p = self.fc.weight
-        cfg = self.cfg
-        return DraftContext(torch.zeros(cfg.num_layers, 2, cfg.num_kv_heads, capacity, cfg.head_dim,
-                                        device=p.device, dtype=p.dtype))
-
     def fuse_weights(self) -> None:
         """Concatenate q/k/v and gate/up weights (inference only; see `common.layers`)."""
         for layer in self.layers:
@@ -91,34 +104,42 @@ class DFlashDraftModel(nn.Module):
             layer.mlp.fuse_weights(silu_mul)
 
     def context_hidden(self, features: torch.Tensor) -> torch.Tensor:
-        """The context rows [1, k, hidden] the layers' keys and values come from."""
-        return self.hidden_norm(self.fc(features.to(self.fc.weight.dtype)))[None]
+        """The context rows [..., hidden] the layers' keys and values come from, of feature rows
+        [..., n_layers * hidden]."""
+        return self.hidden_norm(self.fc(features.to(self.fc.weight.dtype)))
 
-    def context_kv(self, features: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Rotated keys and values [1, kv_heads, k, D] of every layer for feature rows
-        [k, n_layers * hidden] at positions [1, k]."""
-        hidden = self.context_hidden(features)
-        cos, sin = self.rotary(positions, hidden.dtype)
-        return [layer.self_attn.key_value(hidden, cos, sin) for layer in self.layers]
+    def extend(self, kv: torch.Tensor, slots: torch.Tensor, past: torch.Tensor, features: torch.Tensor) -> None:
+        """Write the rotated context K/V of feature rows [B, R, n_layers * hidden] into pool
+        `kv` at slot slots[b], positions past[b] .. past[b] + R - 1 (RoPE at those positions)."""
+        context = self.context_hidden(features)
+        rows = past[:, None] + torch.arange(features.shape[1], device=past.device)[None]
+        cos, sin = self.rotary(rows, context.dtype)
+        for i, layer in enumerate(self.layers):
+            project_store(layer.self_attn, context, cos, sin, kv[:, i, 0], kv[:, i, 1], slots, rows, queries=False)
 
-    def extend_context(self, ctx: DraftContext, features: torch.Tensor) -> None:
-        """Append K/V for new target feature rows [k, n_layers * hidden] at the next positions."""
-        k = features.shape[0]
-        if k == 0:
-            return
-        if ctx.length + k > ctx.capacity:
-            raise ValueError(f"draft context full: {ctx.length} + {k} rows > capacity {ctx.capacity}")
-        positions = torch.arange(ctx.length, ctx.length + k, device=self.fc.weight.device)[None]
-        for i, (key, value) in enumerate(self.context_kv(features, positions)):
-            ctx.kv[i, 0, :, ctx.length:ctx.length + k] = key[0]
-            ctx.kv[i, 1, :, ctx.length:ctx.length + k] = value[0]
-        ctx.length += k
+    def block_hidden(self, kv: torch.Tensor, slots: torch.Tensor, context_length: torch.Tensor,
+                     block_embeds: torch.Tensor, length: int) -> torch.Tensor:
+        """Hidden states [B, T, hidden] of blocks [B, T, hidden] placed right after each row's
+        context of context_length[b] rows: the block's K/V go to the slot after the context, and
+        every block token attends, without a causal mask, to the first `length` (>= the
+        context + T) positions of its slot, those from context + T on hidden."""
+        b, t = block_embeds.shape[:2]
+        positions = context_length[:, None] + torch.arange(t, device=slots.device)[None]
+        cols = torch.arange(length, device=slots.device)
+        visible = (cols[None] < (context_length + t)[:, None])[:, None, :].expand(b, t, length)
+
+        def attention(i: int, attn: AttentionProjections, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+            q = project_store(attn, x, cos, sin, kv[:, i, 0], kv[:, i, 1], slots, positions)
+            out = slot_attention(q, kv[:, i, 0], kv[:, i, 1], slots, visible)
+            return attn.o_proj(out.reshape(b, t, -1))
+
+        return self.block_forward(block_embeds, positions, attention)
 
     def block_forward(self, block_embeds: torch.Tensor, positions: torch.Tensor,
                       attention: BlockAttention) -> torch.Tensor:
-        """Hidden states [T, hidden] of block embeddings [T, hidden] at positions [1, T], each
+        """Hidden states [B, T, hidden] of block embeddings [B, T, hidden] at positions [B, T], each
         layer's attention (o_proj included) computed by `attention`."""
-        h = block_embeds[None].to(self.fc.weight.dtype)
+        h = block_embeds.to(self.fc.weight.dtype)
         cos, sin = self.rotary(positions, h.dtype)
         eps = self.cfg.rms_norm_eps
         pending = None  # the last MLP's output, added to h by the next fused add + norm
@@ -126,17 +147,4 @@ class DFlashDraftModel(nn.Module):
             h, x = add_rms_norm(h, pending, layer.input_layernorm.weight, eps)
             h, x = add_rms_norm(h, attention(i, layer.self_attn, x, cos, sin), layer.post_attention_layernorm.weight, eps)
             pending = layer.mlp(x)
-        return add_rms_norm(h, pending, self.norm.weight, eps)[1][0]
-
-    def forward(self, ctx: DraftContext, block_embeds: torch.Tensor) -> torch.Tensor:
-        """Hidden states [T, hidden] for a block of embeddings [T, hidden] placed right after the context."""
-        t = block_embeds.shape[0]
-        positions = torch.arange(ctx.length, ctx.length + t, device=self.fc.weight.device)[None]
-
-        def attention(i: int, attn: AttentionProjections, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-            k_blk, v_blk = attn.key_value(x, cos, sin)
-            k = torch.cat([ctx.kv[i, 0, :, :ctx.length][None], k_blk], dim=2)
-            v = torch.cat([ctx.kv[i, 1, :, :ctx.length][None], v_blk], dim=2)
-            return attn.attend(attn.query(x, cos, sin), k, v, None)
-
-        return self.block_forward(block_embeds, positions, attention)
+        return add_rms_norm(h, pending, self.norm.weight, eps)[1]

@@ -1,12 +1,14 @@
-"""The drafter's model side: DFlash block logits and the draft tree built from them.
+"""The drafter's model side: DFlash block logits for a batch of sessions, and their trees.
 
 The drafter holds the DFlash draft plus only the target's `embed_tokens` and `lm_head`
-(loaded from the target checkpoint), and one `DraftContext` per session. On CUDA the draft
-rounds replay CUDA graphs (`drafter_svc.draft_graphs`) over a pool of context slots; the
-prompt's features, rounds that fit no graph, `cuda_graphs=False` and CPU devices run eagerly.
+(loaded from the target checkpoint), and one slot of a context pool per session. On CUDA
+the batched draft step replays CUDA graphs (`drafter_svc.draft_graphs`); the prompt's
+features, steps that fit no graph, `cuda_graphs=False` and CPU devices run the same code
+eagerly.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -15,10 +17,11 @@ import torch
 
 from common.checkpoint import load_tensors
 from common.config import check_draft_fits_target, load_target_config
+from common.protocol import StatusError
 from common.tree import DraftTree
-from drafter_svc.ddtree import build_chain, build_ddtree
-from drafter_svc.draft_graphs import DraftGraphConfig, DraftGraphs
-from drafter_svc.draft_model import DFlashDraftModel, DraftContext
+from drafter_svc.ddtree import build_chains, build_ddtrees
+from drafter_svc.draft_graphs import DraftGraphConfig, DraftGraphs, DraftInputs, DraftRow, context_capacity, draft_step
+from drafter_svc.draft_model import DFlashDraftModel, DraftKVPool
 
 
 @dataclass(frozen=True)
@@ -34,48 +37,84 @@ class DraftMode:
             raise ValueError(f"tree budget must be >= 0, got {self.budget}")
 
 
+@dataclass
+class DraftState:
+    """One session's draft context: its pool slot and the feature rows it holds."""
+    slot: int
+    length: int = 0
+
+
 class BlockProposer(Protocol):
-    """Anything that proposes per-depth logits for the tokens after a root."""
+    """Anything that proposes per-depth logits for the tokens after each session's root, in batch."""
 
     block_size: int
 
     def start(self, prompt_ids: list[int], features: torch.Tensor) -> object: ...
 
-    def block_logits(self, state: object, root_token: int, new_tokens: list[int],
-                     new_features: torch.Tensor) -> torch.Tensor: ...
+    def propose(self, states: Sequence[object], roots: Sequence[int], new_tokens: Sequence[list[int]],
+                new_features: Sequence[torch.Tensor]) -> torch.Tensor: ...
 
     def finish(self, state: object) -> None: ...
 
 
-def build_tree(mode: DraftMode, block_logits: torch.Tensor | None, root_token: int, room: int) -> DraftTree:
-    """The round's tree under `mode`, with at most `room` nodes besides the root."""
-    if mode.kind == "ar" or room <= 0 or block_logits is None:
-        return build_ddtree(torch.zeros(1, 1), root_token, 0)
-    if mode.kind == "chain":
-        return build_chain(block_logits[:room], root_token)
-    return build_ddtree(block_logits, root_token, min(mode.budget, room))
+def root_only(root: int) -> DraftTree:
+    """The tree of a round that drafts nothing: plain decoding of one token."""
+    return DraftTree(torch.tensor([root]), torch.tensor([-1]), torch.tensor([-1]))
+
+
+def build_trees(modes: Sequence[DraftMode], block_logits: torch.Tensor, roots: Sequence[int],
+                rooms: Sequence[int]) -> list[DraftTree]:
+    """Each drafted session's tree under its mode, with at most `rooms[i]` nodes besides the root.
+
+    block_logits [S, D, V], row i for session i. All DDTrees are built in one batched call,
+    all chains in another."""
+    trees: list[DraftTree | None] = [None] * len(modes)
+    tree_rows, chain_rows = [], []
+    for i, (mode, root, room) in enumerate(zip(modes, roots, rooms)):
+        if mode.kind == "ar" or room <= 0 or (mode.kind == "tree" and mode.budget == 0):
+            trees[i] = root_only(root)
+        else:
+            (chain_rows if mode.kind == "chain" else tree_rows).append(i)
+    if chain_rows:
+        index = torch.tensor(chain_rows, device=block_logits.device)
+        built = build_chains(block_logits.index_select(0, index), [roots[i] for i in chain_rows],
+                             [rooms[i] for i in chain_rows])
+        for i, tree in zip(chain_rows, built):
+            trees[i] = tree
+    if tree_rows:
+        index = torch.tensor(tree_rows, device=block_logits.device)
+        built = build_ddtrees(block_logits.index_select(0, index), [roots[i] for i in tree_rows],
+                              [min(modes[i].budget, rooms[i]) for i in tree_rows])
+        for i, tree in zip(tree_rows, built):
+            trees[i] = tree
+    return trees
 
 
 class DFlashProposer:
-    """Block logits from the DFlash draft, conditioned on target features. Serving only: the
-    constructor fuses the draft's q/k/v and gate/up weights (`DFlashDraftModel.fuse_weights`)."""
+    """Block logits from the DFlash draft, conditioned on target features, for many sessions at
+    once: the drafter's model runner. Serving only: the constructor fuses the draft's q/k/v and
+    gate/up weights (`DFlashDraftModel.fuse_weights`) and allocates the context pool (`slots`
+    sessions plus a scratch slot)."""
 
     def __init__(self, draft: DFlashDraftModel, embed_tokens: torch.Tensor, lm_head: torch.Tensor,
-                 max_seq_len: int, cuda_graphs: bool = True, graph_config: DraftGraphConfig | None = None):
+                 max_seq_len: int, slots: int = 8, cuda_graphs: bool = True,
+                 graph_config: DraftGraphConfig | None = None):
         self.draft = draft
         draft.fuse_weights()
         self.embed_tokens = embed_tokens
         self.lm_head = lm_head
         self.block_size = draft.cfg.block_size
-        self.mask_token_id = draft.cfg.mask_token_id
         self.max_seq_len = max_seq_len
-        use_graphs = cuda_graphs and embed_tokens.device.type == "cuda"
-        self.graphs = (DraftGraphs(draft, embed_tokens, lm_head, max_seq_len, graph_config or DraftGraphConfig())
-                       if use_graphs else None)
+        self.device = embed_tokens.device
+        self.pool = DraftKVPool(draft, slots + 1, context_capacity(max_seq_len, self.block_size))
+        self.scratch_slot = self.pool.acquire()  # held for good: padding rows of the graphs write there
+        use_graphs = cuda_graphs and self.device.type == "cuda"
+        self.graphs = (DraftGraphs(draft, embed_tokens, lm_head, self.pool, self.scratch_slot,
+                                   graph_config or DraftGraphConfig()) if use_graphs else None)
 
     @classmethod
     def from_pretrained(cls, draft_dir: str | Path, target_dir: str | Path, device="cpu",
-                        dtype=torch.float32, max_seq_len: int = 2048, cuda_graphs: bool = True,
+                        dtype=torch.float32, max_seq_len: int = 2048, slots: int = 8, cuda_graphs: bool = True,
                         graph_config: DraftGraphConfig | None = None) -> "DFlashProposer":
         target_cfg = load_target_config(target_dir)
         draft = DFlashDraftModel.from_pretrained(draft_dir, device=device, dtype=dtype)
@@ -84,35 +123,46 @@ class DFlashProposer:
         tensors = load_tensors(target_dir, names, strip_prefix="model.", dtype=dtype)
         embed = tensors["embed_tokens.weight"].to(device)
         head = tensors.get("lm_head.weight", tensors["embed_tokens.weight"]).to(device)
-        return cls(draft, embed, head, max_seq_len, cuda_graphs, graph_config)
+        return cls(draft, embed, head, max_seq_len, slots, cuda_graphs, graph_config)
+
+    @property
+    def free_slots(self) -> int:
+        return self.pool.free_slots
 
     @torch.inference_mode()
-    def start(self, prompt_ids: list[int], features: torch.Tensor) -> DraftContext:
-        """A session's context (a pool slot when graphs are on and one is free) holding the prompt's features."""
-        ctx = self.graphs.acquire() if self.graphs is not None else None
-        if ctx is None:
-            ctx = self.draft.new_context(self.max_seq_len + self.block_size)
-        try:
-            self.draft.extend_context(ctx, features.to(self.embed_tokens.device))
-        except BaseException:
-            ctx.close()
-            raise
-        return ctx
+    def start(self, prompt_ids: list[int], features: torch.Tensor) -> DraftState:
+        """A session's context (a pool slot) holding the prompt's features. Raises
+        StatusError(RESOURCE_EXHAUSTED) when every slot is taken."""
+        slot = self.pool.acquire()
+        if slot is None:
+            raise StatusError("RESOURCE_EXHAUSTED", f"all {self.pool.num_slots - 1} draft context slots are in use")
+        k = features.shape[0]
+        if k > self.max_seq_len:
+            self.pool.release(slot)
+            raise ValueError(f"{k} prompt rows exceed max_seq_len {self.max_seq_len}")
+        dev = self.device
+        self.draft.extend(self.pool.kv, torch.tensor([slot], device=dev), torch.zeros(1, dtype=torch.long, device=dev),
+                          features[None].to(dev))
+        return DraftState(slot, k)
 
     @torch.inference_mode()
-    def block_logits(self, ctx: DraftContext, root_token: int, new_tokens: list[int],
-                     new_features: torch.Tensor) -> torch.Tensor:
-        """Logits [block_size - 1, vocab] for the tokens after `root_token`."""
-        if self.graphs is not None and ctx.slot is not None:
-            logits = self.graphs.step(ctx, root_token, new_features)
-            if logits is not None:
-                return logits
-        self.draft.extend_context(ctx, new_features.to(self.embed_tokens.device))
-        block = torch.full((self.block_size,), self.mask_token_id, device=self.embed_tokens.device)
-        block[0] = root_token
-        hidden = self.draft(ctx, self.embed_tokens[block])
-        return hidden[1:] @ self.lm_head.T
+    def propose(self, states: Sequence[DraftState], roots: Sequence[int], new_tokens: Sequence[list[int]],
+                new_features: Sequence[torch.Tensor]) -> torch.Tensor:
+        """Block logits [S, block_size - 1, V]: each session's context grows by its new feature
+        rows (at most block_size), then one batched draft step over every session."""
+        rows = [DraftRow(s.slot, s.length, root, f) for s, root, f in zip(states, roots, new_features)]
+        logits = self.graphs.run(rows) if self.graphs is not None else None
+        if logits is None:
+            inp = DraftInputs(len(rows), max(r.features.shape[0] for r in rows), self.block_size,
+                              self.draft.fc.weight.shape[1], self.draft.cfg.mask_token_id,
+                              self.draft.fc.weight.dtype, self.device, pinned=False)
+            inp.fill(rows, self.scratch_slot)
+            length = max(r.past + r.features.shape[0] for r in rows) + self.block_size
+            logits = draft_step(self.draft, self.embed_tokens, self.lm_head, self.pool.kv, inp, length)
+        for s, f in zip(states, new_features):
+            s.length += f.shape[0]
+        return logits
 
-    def finish(self, ctx: DraftContext) -> None:
-        """The session is over: give its context (slot) back."""
-        ctx.close()
+    def finish(self, state: DraftState) -> None:
+        """The session is over: give its slot back."""
+        self.pool.release(state.slot)

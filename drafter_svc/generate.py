@@ -8,8 +8,10 @@ or one JSON object with `--json`.
 """
 from __future__ import annotations
 
+import functools
 import json
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -17,13 +19,13 @@ import torch
 from common.checkpoint import load_tokenizer
 from common.cli import FlagParser, fail
 from common.config import CheckpointError, load_draft_config
-from common.protocol import SamplingParams
-from drafter_svc.draft_graphs import DraftGraphConfig
+from common.protocol import SamplingParams, StatusError
 from drafter_svc.drafter import DFlashProposer, DraftMode
-from drafter_svc.session_loop import GenerationConfig, GenerationResult, LocalVerifierLink, generate
+from drafter_svc.link import LocalLink
+from drafter_svc.scheduler import DraftScheduler, GenerationConfig, GenerationResult
 from verifier_svc.target_model import TargetModel
 from verifier_svc.target_runner import TargetRunner
-from verifier_svc.tree_verifier import TreeVerifier, VerifierError, VerifierLimits
+from verifier_svc.tree_verifier import TreeVerifier, VerifierLimits
 
 
 def default_dtype(device: str) -> torch.dtype:
@@ -32,7 +34,8 @@ def default_dtype(device: str) -> torch.dtype:
 
 @dataclass
 class LocalEngine:
-    """Target verifier + DFlash proposer + tokenizer, all in this process."""
+    """Target verifier + DFlash proposer + tokenizer, all in this process, batched by the
+    same `DraftScheduler` as the drafter service, over an in-process link."""
     verifier: TreeVerifier
     proposer: DFlashProposer | None
     tokenizer: object
@@ -41,19 +44,42 @@ class LocalEngine:
     @classmethod
     def load(cls, target_dir: str, draft_dir: str | None, device: str = "cpu", dtype: torch.dtype | None = None,
              limits: VerifierLimits = VerifierLimits(), cuda_graphs: bool = True) -> "LocalEngine":
-        """`cuda_graphs` (on CUDA): replay captured graphs for the draft step and the verify forward."""
+        """`cuda_graphs` (on CUDA): replay captured graphs for the draft step and the verify step."""
         dtype = dtype or default_dtype(device)
         layer_ids = load_draft_config(draft_dir).target_layer_ids if draft_dir else ()
         proposer = None
         if draft_dir:
             proposer = DFlashProposer.from_pretrained(draft_dir, target_dir, device, dtype, limits.max_seq_len,
-                                                      cuda_graphs, DraftGraphConfig(slots=limits.max_sessions))
+                                                      limits.max_sessions, cuda_graphs)
         model = TargetModel.from_pretrained(target_dir, layer_ids, device=device, dtype=dtype)
-        runner = TargetRunner(model, limits.max_sessions, limits.max_seq_len, cuda_graphs=cuda_graphs)
+        runner = TargetRunner(model, limits.max_sessions, limits.max_seq_len, limits.max_tree_nodes,
+                              cuda_graphs=cuda_graphs)
         return cls(TreeVerifier(runner, limits), proposer, load_tokenizer(target_dir), model.cfg.eos_token_ids)
 
+    def generate_many(self, requests: Sequence[tuple[list[int], GenerationConfig]]
+                      ) -> list[GenerationResult | StatusError]:
+        """Run the requests together, batched as the service batches them; one result (or error) each."""
+        scheduler = DraftScheduler(LocalLink(self.verifier), self.proposer, max_sessions=self.verifier.limits.max_sessions,
+                                   feature_layer_ids=self.verifier.feature_layer_ids,
+                                   eos_token_ids=self.eos_token_ids, queue_timeout_s=3600.0)
+        ends: list[dict] = []
+        for prompt_ids, config in requests:
+            ends.append({})
+            scheduler.submit(prompt_ids, config, functools.partial(_keep_end, ends[-1]))
+        scheduler.run_until_idle()
+        return [end["outcome"] for end in ends]
+
     def generate(self, prompt_ids: list[int], config: GenerationConfig) -> GenerationResult:
-        return generate(LocalVerifierLink(self.verifier), self.proposer, prompt_ids, config, self.eos_token_ids)
+        """One request; raises its StatusError if it fails."""
+        outcome = self.generate_many([(prompt_ids, config)])[0]
+        if isinstance(outcome, StatusError):
+            raise outcome
+        return outcome
+
+
+def _keep_end(end: dict, item) -> None:
+    if isinstance(item, (GenerationResult, StatusError)):
+        end["outcome"] = item
 
 
 def result_json(result: GenerationResult, text: str) -> dict:
@@ -126,7 +152,7 @@ def main(argv: list[str] | None = None) -> None:
     prompt_ids = parse_prompt_ids(a.prompt_ids) if a.prompt_ids is not None else engine.tokenizer.encode(a.prompt).ids
     try:
         result = engine.generate(prompt_ids, config)
-    except VerifierError as exc:
+    except StatusError as exc:
         fail(exc.message)
     text = engine.tokenizer.decode(result.tokens)
     if a.json:

@@ -1,16 +1,16 @@
 """The drafter's gRPC server: the public Generation API.
 
-Each Generate call runs one `DecodeSession` (the same loop as the local engine) in a
-worker thread, against its own `GrpcVerifierLink` stream; updates come back to the event
-loop through an asyncio queue, so a slow draft forward never blocks other streams.
+A Generate call only parses and validates the request, submits it to the `DraftScheduler`
+(which owns the draft model and the verifier link, and batches every session into one draft
+step and one link message per step) and streams what the scheduler delivers: deliveries
+come back to the event loop through an asyncio queue, so the handlers never wait on the
+model. Stop strings are cut here (`TextStream`); the session is then cancelled.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import AsyncIterator
 
@@ -22,11 +22,11 @@ from common.grpc_server import start_grpc_server
 from common.protocol import StatusError
 from common.rpc import GENERATION_SERVICE, pb, pb_grpc
 from common.wire import decode_sampling
-from drafter_svc.draft_graphs import DraftGraphConfig
 from drafter_svc.drafter import DFlashProposer, DraftMode
-from drafter_svc.session_loop import DecodeSession, GenerationConfig, GenerationResult
+from drafter_svc.oracle import ControlledAcceptance
+from drafter_svc.link import GrpcLink, check_verifier, open_channel, status_error
+from drafter_svc.scheduler import DraftScheduler, GenerationConfig, GenerationResult, RoundUpdate
 from drafter_svc.text_stream import TextStream
-from drafter_svc.verifier_client import GrpcVerifierLink, check_verifier, open_channel, status_error
 
 log = logging.getLogger("drafter_svc")
 
@@ -44,11 +44,12 @@ class DrafterConfig:
     tree_budget: int = 16
     chain: bool = False
     max_new_tokens: int = 128        # used when a request leaves it unset
-    max_concurrent: int = 64         # Generate calls running at once
+    max_concurrent: int = 64         # sessions drafting at once (draft context slots); more wait in the queue
     verifier_wait_s: float = 60.0    # how long start-up waits for the verifier
-    queue_timeout_s: float = 30.0    # how long a request waits for a free verifier slot
+    queue_timeout_s: float = 30.0    # how long a request waits for a free session slot
     trace_console: bool = False
     cuda_graphs: bool = True         # on CUDA, replay captured graphs for the draft step (False = eager)
+    bench_oracle: str = ""           # benchmarks only: controlled-acceptance file (drafter_svc.oracle)
 
 
 @dataclass
@@ -59,19 +60,16 @@ class _Request:
 
 
 class DrafterEngine:
-    """Draft model, tokenizer and the verifier connection shared by all requests."""
+    """Draft model, tokenizer, verifier link and the scheduler shared by all requests."""
 
-    def __init__(self, cfg: DrafterConfig, proposer: DFlashProposer, tokenizer, channel: grpc.Channel,
-                 info: pb.InfoResponse, eos_token_ids: tuple[int, ...]):
-        self.cfg, self.proposer, self.tokenizer, self.channel = cfg, proposer, tokenizer, channel
-        self.stub = pb_grpc.VerifierStub(channel)
-        self.info = info
-        self.eos_token_ids = eos_token_ids
+    def __init__(self, cfg: DrafterConfig, scheduler: DraftScheduler, tokenizer, channel: grpc.Channel | None,
+                 info: pb.InfoResponse):
+        self.cfg, self.scheduler, self.tokenizer, self.channel, self.info = cfg, scheduler, tokenizer, channel, info
         self.vocab_size = info.vocab_size
 
     @classmethod
     def start(cls, cfg: DrafterConfig, torch_dtype) -> "DrafterEngine":
-        """Load the draft, wait for the verifier, and check it serves our target."""
+        """Load the draft, wait for the verifier, check it serves our target, start the scheduler."""
         target_cfg = load_target_config(cfg.target_dir)
         draft_cfg = load_draft_config(cfg.draft_dir)
         tokenizer = load_tokenizer(cfg.target_dir)
@@ -91,8 +89,21 @@ class DrafterEngine:
         # One context slot per session that can be drafting at once: the verifier admits no more.
         slots = max(1, min(info.max_sessions, cfg.max_concurrent))
         proposer = DFlashProposer.from_pretrained(cfg.draft_dir, cfg.target_dir, cfg.device, torch_dtype,
-                                                  info.max_seq_len, cfg.cuda_graphs, DraftGraphConfig(slots=slots))
-        return cls(cfg, proposer, tokenizer, channel, info, target_cfg.eos_token_ids)
+                                                  info.max_seq_len, slots, cfg.cuda_graphs)
+        link = GrpcLink(stub, vocab_size=info.vocab_size, feature_dim=proposer.draft.fc.weight.shape[1],
+                        max_seq_len=info.max_seq_len)
+        hook = ControlledAcceptance.load(cfg.bench_oracle) if cfg.bench_oracle else None
+        scheduler = DraftScheduler(link, proposer, max_sessions=slots,
+                                   feature_layer_ids=draft_cfg.target_layer_ids,
+                                   eos_token_ids=target_cfg.eos_token_ids, queue_timeout_s=cfg.queue_timeout_s,
+                                   logits_hook=hook)
+        scheduler.start()
+        return cls(cfg, scheduler, tokenizer, channel, info)
+
+    def stop(self) -> None:
+        self.scheduler.stop()
+        if self.channel is not None:
+            self.channel.close()
 
     def parse(self, request: pb.GenerateRequest) -> _Request:
         """Validate a request; ValueError with a one-line message when it is bad."""
@@ -126,9 +137,8 @@ class DrafterEngine:
 
 
 class GenerationServicer(pb_grpc.GenerationServicer):
-    def __init__(self, engine: DrafterEngine, executor: ThreadPoolExecutor):
+    def __init__(self, engine: DrafterEngine):
         self.engine = engine
-        self.executor = executor
 
     async def _parse(self, request, context) -> _Request:
         try:
@@ -140,27 +150,17 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         """Yield (tokens, text delta, round) per round, then the GenerationResult."""
         loop = asyncio.get_running_loop()
         updates: asyncio.Queue = asyncio.Queue()
-        link = GrpcVerifierLink(self.engine.stub, self.engine.proposer.draft.cfg.target_layer_ids,
-                                admission_timeout_s=self.engine.cfg.queue_timeout_s)
-        session = DecodeSession(link, self.engine.proposer, req.prompt_ids, req.config, self.engine.eos_token_ids)
-        stop = threading.Event()
 
-        def work():
+        def deliver(item) -> None:  # on the scheduler's thread
             try:
-                for update in session:
-                    loop.call_soon_threadsafe(updates.put_nowait, update)
-                    if stop.is_set():
-                        break
-                loop.call_soon_threadsafe(updates.put_nowait, session.result)
-            except StatusError as exc:
-                loop.call_soon_threadsafe(updates.put_nowait, exc)
-            except Exception as exc:  # a bug, not a bad request: log it, answer INTERNAL
-                log.exception("generation failed")
-                loop.call_soon_threadsafe(updates.put_nowait, StatusError("INTERNAL", f"generation failed: {exc}"))
+                loop.call_soon_threadsafe(updates.put_nowait, item)
+            except RuntimeError:  # the loop is closed: nobody is listening
+                pass
 
+        scheduler = self.engine.scheduler
+        sid = scheduler.submit(req.prompt_ids, req.config, deliver)
         text = TextStream(self.engine.tokenizer, req.stop)
-        worker = loop.run_in_executor(self.executor, work)
-        finished = False
+        finished = stopped = False
         try:
             while True:
                 item = await updates.get()
@@ -176,16 +176,18 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                         item.finish_reason = "stop"
                     yield item
                     return
+                if stopped:  # a round delivered before the cancel took effect
+                    continue
+                assert isinstance(item, RoundUpdate)
                 delta = text.push(item.tokens)
                 if item.tokens or delta:
                     yield item.tokens, delta, item.round
                 if text.stopped:
-                    stop.set()  # the worker ends after this round and closes the session cleanly
+                    stopped = True
+                    scheduler.cancel(sid, "stop")  # the scheduler closes the session and sends the result
         finally:
-            if not finished:  # the client went away: abort the verifier stream now
-                stop.set()
-                link.cancel()
-            await asyncio.shield(worker)
+            if not finished:  # the client went away
+                scheduler.cancel(sid)
 
     @staticmethod
     def _final(result: GenerationResult, prompt_len: int) -> pb.GenerateFinal:
@@ -224,22 +226,20 @@ class GenerationServicer(pb_grpc.GenerationServicer):
 
 
 class DrafterServer:
-    """A running drafter: the gRPC server, its session threads and its health status."""
+    """A running drafter: the gRPC server, its scheduler and its health status."""
 
-    def __init__(self, server: grpc.aio.Server, health_servicer, executor: ThreadPoolExecutor, engine: DrafterEngine):
-        self.server, self.health, self.executor, self.engine = server, health_servicer, executor, engine
+    def __init__(self, server: grpc.aio.Server, health_servicer, engine: DrafterEngine):
+        self.server, self.health, self.engine = server, health_servicer, engine
 
     async def stop(self, grace: float | None = None) -> None:
         await self.health.enter_graceful_shutdown()
         await self.server.stop(grace)
-        self.executor.shutdown(wait=False, cancel_futures=True)
-        self.engine.channel.close()
+        await asyncio.to_thread(self.engine.stop)
 
 
 async def serve(engine: DrafterEngine, host: str, port: int) -> tuple[DrafterServer, int]:
     """Start the Generation server (plus health and reflection); returns it and its bound port."""
-    executor = ThreadPoolExecutor(max_workers=engine.cfg.max_concurrent, thread_name_prefix="session")
     server, bound, health_servicer = await start_grpc_server(
-        lambda srv: pb_grpc.add_GenerationServicer_to_server(GenerationServicer(engine, executor), srv),
+        lambda srv: pb_grpc.add_GenerationServicer_to_server(GenerationServicer(engine), srv),
         GENERATION_SERVICE, host, port)
-    return DrafterServer(server, health_servicer, executor, engine), bound
+    return DrafterServer(server, health_servicer, engine), bound

@@ -24,7 +24,7 @@ by SpecForge / NeMo):
   is `[anchor token, MASK x (B-1)]` at absolute positions anchor..anchor+B-1.
 - Attention (`dflash_training_mask`): a block's queries see the context features of
   positions < anchor (projected to K/V by each layer's k_proj/v_proj after fc+hidden_norm,
-  RoPE at their positions, exactly like `DFlashDraftModel.extend_context`) and their own
+  RoPE at their positions, exactly like `DFlashDraftModel.extend`) and their own
   block bidirectionally; never another block. One batched pass over [context rows; all
   blocks] with the modules of `DFlashDraftModel` (`draft_training_hidden`).
 - Labels are same-position: block position k predicts the token at anchor+k, k = 1..B-1.
@@ -134,7 +134,7 @@ def draft_training_hidden(draft: DFlashDraftModel, features: torch.Tensor, block
 
     features: target features [N, L, n_layers*hidden] of the whole sequence; block_embeds
     [N, A, B, hidden]; anchors [N, A]. The same modules and numerics as
-    `DFlashDraftModel.extend_context` + `forward`, with `dflash_training_mask` in place of
+    `DFlashDraftModel.extend` + `block_hidden`, with `dflash_training_mask` in place of
     the inference path's "context cache holds only positions < anchor".
     """
     n, a, b, hid = block_embeds.shape
@@ -446,7 +446,7 @@ def evaluate_engine(target_dir: str, draft_dir: str, prompts: list[list[int]], m
     from common.protocol import SamplingParams
     from drafter_svc.drafter import DraftMode
     from drafter_svc.generate import LocalEngine
-    from drafter_svc.session_loop import GenerationConfig
+    from drafter_svc.scheduler import GenerationConfig
     from verifier_svc.tree_verifier import VerifierLimits
 
     longest = max(len(p) for p in prompts)

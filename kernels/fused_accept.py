@@ -444,7 +444,7 @@ def _tree_walk_kernel(logits_ptr, tokens_ptr, next_token_ptr, next_sibling_ptr,
                       part_max_ptr, part_aux_ptr, floor_ptr, kept_ptr, coins_ptr, temperature_ptr,
                       T, V, C, GREEDY: tl.constexpr, FILTERS: tl.constexpr, KEY_BITS: tl.constexpr,
                       BLOCK_C: tl.constexpr):
-    """Per batch row: the walk of tree_sampling's kernel on p (or the argmax) evaluated on demand.
+    """Per batch row: the walk of tree_sampling's references on p (or the argmax), p evaluated on demand.
 
     Greedy also writes the bonus; sampling leaves it to the residual kernels (last_ptr)."""
     b = tl.program_id(0).to(tl.int64)
@@ -674,7 +674,7 @@ def tree_accept(logits: Tensor, tokens: Tensor, next_token: Tensor, next_sibling
 
     logits [B, T, V] (bf16, fp16 or fp32); tokens / next_token / next_sibling int64 [B, T]
     (node i of tree b in slot b * T + i); outputs predicts int32 [B * T], accept_index int32
-    [B, T], accept_num int32 [B], written like the tree_sampling kernels write them.
+    [B, T], accept_num int32 [B], written like the tree_sampling references write them
     Sampling (greedy=False) needs coins float32 [B, T], final_coins float32 [B] and
     temperature float32 [B] (> 0), and with filters top_k int64 [B] (off: <= 0 or >= V) and
     top_p float32 [B] (off: >= 1); filters=False promises that every row has both off and

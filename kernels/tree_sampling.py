@@ -1,8 +1,10 @@
 """Tree verification: which drafted tokens the target accepts, and the token that follows.
 
-Re-implements SGLang's `verify_tree_greedy` and `tree_speculative_sampling_target_only`
-(sgl-kernel, see shared/notes/sglang_tree_verification.md sections 1-2) with the same
-argument names, shapes, dtypes and in-place outputs. Per batch row b:
+Plain PyTorch/Python references of SGLang's `verify_tree_greedy` and
+`tree_speculative_sampling_target_only` (sgl-kernel, see shared/notes/sglang_tree_verification.md
+sections 1-2) with the same argument names, shapes, dtypes and in-place outputs: the
+specification that kernels/fused_accept.py's `tree_accept_reference` composes (its Triton
+version is the product's implementation). Per batch row b:
 
     walk from the root; at each level try the children of the last accepted node in
     sibling order, accept the first one the rule allows, stop when none is accepted or
@@ -18,9 +20,9 @@ over the siblings' target mass (so with thresholds (1, 1) the committed tokens a
 samples of the target); the bonus is drawn from the target row with the rejected
 siblings' mass removed (it is parked in the zero-filled `draft_probs`).
 
-Each operation exists three times: `*_reference` (plain PyTorch/Python, the
-specification), `*_triton` (one program per batch row) and a dispatcher that picks Triton
-for CUDA tensors and the reference otherwise; DDTREE_KERNELS=reference|triton overrides.
+The module also holds two helpers that every kernel module imports: `kernel_backend`
+(Triton exactly for CUDA tensors; DDTREE_KERNELS=reference|triton overrides) and
+`expect_tensor`.
 """
 from __future__ import annotations
 
@@ -29,15 +31,9 @@ from collections.abc import Callable
 
 import numpy as np
 import torch
-import triton
-import triton.language as tl
 from torch import Tensor
 
 BACKEND_ENV = "DDTREE_KERNELS"
-
-# Vocabulary chunk that one Triton program handles per loop step (a power of two).
-# Tests lower it to exercise several chunks with a small vocabulary.
-MAX_BLOCK_V = 1024
 
 
 def kernel_backend(device: torch.device) -> str:
@@ -50,13 +46,8 @@ def kernel_backend(device: torch.device) -> str:
     return "triton" if device.type == "cuda" else "reference"
 
 
-def block_size(vocab_size: int) -> int:
-    """Chunk length for a loop over the vocabulary: a power of two, at most MAX_BLOCK_V."""
-    return min(triton.next_power_of_2(vocab_size), MAX_BLOCK_V)
-
-
 # ---------------------------------------------------------------------------------------
-# Argument checking, shared by the reference and the Triton wrappers.
+# Argument checking.
 # ---------------------------------------------------------------------------------------
 
 
@@ -130,11 +121,6 @@ def _check_sampling_args(predicts, accept_index, accept_token_num, candidates, r
         if not 0.0 <= value <= 1.0:
             raise ValueError(f"{name} must be in [0, 1], got {value}")
     return bs, num_nodes, max_path, vocab
-
-
-def _clamped_threshold_acc(threshold_acc: float) -> float:
-    """SGLang's launcher divides by max(threshold_acc, 1e-9)."""
-    return max(threshold_acc, 1e-9)
 
 
 # ---------------------------------------------------------------------------------------
@@ -232,7 +218,7 @@ def tree_speculative_sampling_target_only_reference(
         retrive_next_sibling, uniform_samples, uniform_samples_for_final_sampling, target_probs,
         draft_probs, threshold_single, threshold_acc)
     thr_single = np.float32(threshold_single)
-    thr_acc = np.float32(_clamped_threshold_acc(threshold_acc))
+    thr_acc = np.float32(max(threshold_acc, 1e-9))  # SGLang's launcher divides by this
     tree = _HostTree(candidates, retrive_index, retrive_next_token, retrive_next_sibling)
     out = _HostOutputs(predicts, accept_index, accept_token_num)
     probs_host = target_probs.detach().cpu()
@@ -282,158 +268,3 @@ def tree_speculative_sampling_target_only_reference(
     out.write_back()
     if rejected_host.data_ptr() != draft_probs.data_ptr():
         draft_probs.copy_(rejected_host)
-
-
-# ---------------------------------------------------------------------------------------
-# Triton kernel: one program per batch row, both operations (GREEDY picks the rule).
-# ---------------------------------------------------------------------------------------
-
-
-@triton.jit
-def _verify_tree_kernel(
-    predicts_ptr, accept_index_ptr, accept_token_num_ptr,
-    candidates_ptr, retrive_index_ptr, next_token_ptr, next_sibling_ptr,
-    target_predict_ptr,  # GREEDY only
-    uniform_ptr, final_uniform_ptr, target_probs_ptr, draft_probs_ptr,  # sampling only
-    threshold_single, threshold_acc,
-    N, S, V,
-    GREEDY: tl.constexpr, BLOCK_V: tl.constexpr,
-):
-    b = tl.program_id(0).to(tl.int64)
-    nodes = b * N  # offset of row b in the [bs, N] buffers
-    probs = b * N * V  # offset of row b in the [bs, N, V] buffers
-
-    # The walk, flattened into one loop: `cur` is the child being tried, `row` the last
-    # accepted node (its parent), `n` the number of accepted drafts.
-    row = tl.full([], 0, tl.int64)
-    last = tl.load(retrive_index_ptr + nodes)
-    tl.store(accept_index_ptr + b * S, last.to(tl.int32))
-    n = tl.full([], 0, tl.int32)
-    prob_acc = tl.full([], 0.0, tl.float32)
-    coin = tl.full([], 0.0, tl.float32)
-    if not GREEDY:
-        coin = tl.load(uniform_ptr + nodes)
-    cur = tl.load(next_token_ptr + nodes)
-    while (cur != -1) & (n < S - 1):
-        tok = tl.load(candidates_ptr + nodes + cur)
-        if GREEDY:
-            accepted = tok == tl.load(target_predict_ptr + last)
-        else:
-            q = tl.load(target_probs_ptr + probs + row * V + tok)
-            prob_acc += q
-            accepted = (coin <= tl.math.div_rn(prob_acc, threshold_acc)) | (q >= threshold_single)
-        if accepted:
-            tl.store(predicts_ptr + last, tok.to(tl.int32))
-            n += 1
-            last = tl.load(retrive_index_ptr + nodes + cur)
-            tl.store(accept_index_ptr + b * S + n, last.to(tl.int32))
-            row = cur
-            if not GREEDY:
-                prob_acc = 0.0
-                coin = tl.load(uniform_ptr + nodes + cur)
-            cur = tl.load(next_token_ptr + nodes + cur)
-        else:
-            if not GREEDY:
-                tl.store(draft_probs_ptr + probs + row * V + tok, q)
-            cur = tl.load(next_sibling_ptr + nodes + cur)
-    tl.store(accept_token_num_ptr + b, n)
-
-    if GREEDY:
-        bonus = tl.load(target_predict_ptr + last)
-    else:
-        # Bonus from r = relu(target[row] - rejected[row]) (nothing removed on a full path).
-        target_row = target_probs_ptr + probs + row * V
-        rejected_row = draft_probs_ptr + probs + row * V
-        remove = n != S - 1
-        total = 0.0
-        for start in range(0, V, BLOCK_V):
-            r = _residual_chunk(target_row, rejected_row, start, V, remove, BLOCK_V)
-            total += tl.sum(r, axis=0)
-        u = tl.load(final_uniform_ptr + b) * total
-        # First index whose running cumsum exceeds u, and the last positive index.
-        running = 0.0
-        first_hit = V
-        last_positive = -1
-        for start in range(0, V, BLOCK_V):
-            offs = start + tl.arange(0, BLOCK_V)
-            r = _residual_chunk(target_row, rejected_row, start, V, remove, BLOCK_V)
-            cdf = running + tl.cumsum(r, axis=0)
-            hit = (r > 0) & (cdf > u)
-            first_hit = tl.minimum(first_hit, tl.min(tl.where(hit, offs, V), axis=0))
-            last_positive = tl.maximum(last_positive, tl.max(tl.where(r > 0, offs, -1), axis=0))
-            running += tl.sum(r, axis=0)
-        fallback = tl.where(last_positive >= 0, last_positive, V - 1)
-        bonus = tl.where(first_hit < V, first_hit, fallback)
-    tl.store(predicts_ptr + last, bonus.to(tl.int32))
-
-
-@triton.jit
-def _residual_chunk(target_row, rejected_row, start, V, remove, BLOCK_V: tl.constexpr):
-    """relu(target - rejected) (or relu(target) when not `remove`) on one chunk; 0 past V."""
-    offs = start + tl.arange(0, BLOCK_V)
-    mask = offs < V
-    p = tl.load(target_row + offs, mask=mask, other=0.0)
-    d = tl.load(rejected_row + offs, mask=mask, other=0.0)
-    return tl.maximum(tl.where(remove, p - d, p), 0.0)
-
-
-def verify_tree_greedy_triton(predicts, accept_index, accept_token_num, candidates, retrive_index,
-                              retrive_next_token, retrive_next_sibling, target_predict) -> None:
-    """Triton version of verify_tree_greedy_reference (one program per batch row)."""
-    bs, num_nodes, max_path = _check_greedy_args(
-        predicts, accept_index, accept_token_num, candidates, retrive_index,
-        retrive_next_token, retrive_next_sibling, target_predict)
-    unused = target_predict  # stands in for the sampling-only pointers
-    _verify_tree_kernel[(bs,)](
-        predicts, accept_index, accept_token_num, candidates, retrive_index,
-        retrive_next_token, retrive_next_sibling, target_predict,
-        unused, unused, unused, unused, 1.0, 1.0,
-        num_nodes, max_path, 1, GREEDY=True, BLOCK_V=1)
-
-
-def tree_speculative_sampling_target_only_triton(
-        predicts, accept_index, accept_token_num, candidates, retrive_index, retrive_next_token,
-        retrive_next_sibling, uniform_samples, uniform_samples_for_final_sampling, target_probs,
-        draft_probs, threshold_single=1.0, threshold_acc=1.0, deterministic=True) -> None:
-    """Triton version of tree_speculative_sampling_target_only_reference.
-
-    Sums are float32; the bonus search loops over the vocabulary in chunks.
-    """
-    bs, num_nodes, max_path, vocab = _check_sampling_args(
-        predicts, accept_index, accept_token_num, candidates, retrive_index, retrive_next_token,
-        retrive_next_sibling, uniform_samples, uniform_samples_for_final_sampling, target_probs,
-        draft_probs, threshold_single, threshold_acc)
-    unused = candidates  # stands in for the greedy-only pointer
-    _verify_tree_kernel[(bs,)](
-        predicts, accept_index, accept_token_num, candidates, retrive_index,
-        retrive_next_token, retrive_next_sibling, unused,
-        uniform_samples, uniform_samples_for_final_sampling, target_probs, draft_probs,
-        float(threshold_single), _clamped_threshold_acc(float(threshold_acc)),
-        num_nodes, max_path, vocab, GREEDY=False, BLOCK_V=block_size(vocab))
-
-
-# ---------------------------------------------------------------------------------------
-# Dispatchers.
-# ---------------------------------------------------------------------------------------
-
-
-def verify_tree_greedy(predicts, accept_index, accept_token_num, candidates, retrive_index,
-                       retrive_next_token, retrive_next_sibling, target_predict) -> None:
-    """SGLang's verify_tree_greedy: Triton on CUDA, the reference elsewhere (see module doc)."""
-    impl = (verify_tree_greedy_triton if kernel_backend(candidates.device) == "triton"
-            else verify_tree_greedy_reference)
-    impl(predicts, accept_index, accept_token_num, candidates, retrive_index,
-         retrive_next_token, retrive_next_sibling, target_predict)
-
-
-def tree_speculative_sampling_target_only(
-        predicts, accept_index, accept_token_num, candidates, retrive_index, retrive_next_token,
-        retrive_next_sibling, uniform_samples, uniform_samples_for_final_sampling, target_probs,
-        draft_probs, threshold_single=1.0, threshold_acc=1.0, deterministic=True) -> None:
-    """SGLang's tree_speculative_sampling_target_only: Triton on CUDA, the reference elsewhere."""
-    impl = (tree_speculative_sampling_target_only_triton
-            if kernel_backend(candidates.device) == "triton"
-            else tree_speculative_sampling_target_only_reference)
-    impl(predicts, accept_index, accept_token_num, candidates, retrive_index, retrive_next_token,
-         retrive_next_sibling, uniform_samples, uniform_samples_for_final_sampling, target_probs,
-         draft_probs, threshold_single, threshold_acc, deterministic)

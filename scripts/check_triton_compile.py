@@ -52,9 +52,7 @@ def exercise(label) -> None:
 
     from kernels.fused_accept import tree_accept_triton
     from kernels.layer_ops import add_rms_norm_triton, qk_norm_rope_store_triton, silu_mul_triton
-    from kernels.probs import process_probs_triton
     from kernels.slot_attention import slot_attention_triton
-    from kernels.tree_sampling import tree_speculative_sampling_target_only_triton, verify_tree_greedy_triton
 
     i32, i64 = torch.int32, torch.int64
     for dtype in (torch.bfloat16, torch.float32):
@@ -96,19 +94,6 @@ def exercise(label) -> None:
             q, mask = torch.zeros(1, heads, t, d, dtype=dtype), torch.ones(1, t, 256, dtype=torch.bool)
             for splits in (1, None):
                 slot_attention_triton(q, cache, cache, slots, mask, splits=splits)
-
-        label(f"tree_sampling / process_probs {name}")
-        bs, nodes, depth, vocab = 2, 9, 4, 151936
-        candidates = torch.zeros(bs, nodes, dtype=i64)
-        outputs = (torch.zeros(bs * nodes, dtype=i32), torch.zeros(bs, depth, dtype=i32), torch.zeros(bs, dtype=i32))
-        tree = (candidates, candidates.clone(), candidates.clone(), candidates.clone())
-        verify_tree_greedy_triton(*outputs, *tree, torch.zeros(bs, nodes, dtype=i64))
-        probs = torch.zeros(bs, nodes, vocab)
-        tree_speculative_sampling_target_only_triton(*outputs, *tree, torch.zeros(bs, nodes), torch.zeros(bs),
-                                                     probs, probs.clone())
-        rows = bs * nodes
-        process_probs_triton(torch.zeros(rows, vocab, dtype=dtype), torch.ones(rows), torch.zeros(rows, dtype=i64),
-                             torch.ones(rows))
 
 
 def describe(value):

@@ -194,9 +194,11 @@ def lr_at(progress: float, warmup: float, min_ratio: float = 0.1) -> float:
 def measure_cpu(size_specs: list[str], tokens: int, vocab: int) -> list[dict]:
     """AR tokens/s of the real engine on this CPU for random models of each `HIDDENxLAYERS` size."""
     from common.protocol import SamplingParams
+    from common.tree import DraftTree
     from drafter_svc.drafter import DraftMode
     from drafter_svc.generate import LocalEngine
-    from drafter_svc.session_loop import GenerationConfig
+    from drafter_svc.scheduler import GenerationConfig
+    from verifier_svc.cuda_graphs import VerifyRow
     from verifier_svc.tree_verifier import VerifierLimits
 
     tok = train_tokenizer(vocab)
@@ -227,14 +229,15 @@ def measure_cpu(size_specs: list[str], tokens: int, vocab: int) -> list[dict]:
             runner = engine.verifier.runner
             fwd = {}
             for t in (1, 17, 33):
-                toks = torch.randint(0, vocab, (t,))
-                tri = torch.ones(t, t, dtype=torch.bool).tril()
+                chain = DraftTree.from_parents(torch.randint(0, vocab, (t,)).tolist(), list(range(-1, t - 1)))
+                rows = [VerifyRow(0, 128, chain, torch.arange(t), SamplingParams())]  # slot 0, 128 tokens past
+                tri = torch.ones(1, t, t, dtype=torch.bool).tril()
                 for _ in range(3):
-                    runner.verify(0, 128, toks, torch.arange(t), tri)
+                    runner.forward_batch(rows, tri)
                 times = []
                 for _ in range(20):
                     start = time.perf_counter()
-                    runner.verify(0, 128, toks, torch.arange(t), tri)
+                    runner.forward_batch(rows, tri)
                     times.append(time.perf_counter() - start)
                 fwd[t] = sorted(times)[len(times) // 4] * 1e3  # lower quartile
         row = {"size": spec, "hidden": hidden, "layers": layers, "heads": heads, "kv_heads": max(1, heads // 2),

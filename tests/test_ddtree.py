@@ -14,9 +14,11 @@ from common.tree import (
     ancestor_mask_reference,
     walk_tree,
 )
-from drafter_svc.ddtree import build_chain, build_ddtree, build_ddtree_with_scores
+from drafter_svc.ddtree import build_chain, build_ddtree, build_ddtrees
+from tests.reference import build_ddtree_heap_reference
 
 ROOT_TOKEN = 7
+INF = float("inf")
 
 
 def random_logits(depths: int, vocab: int, seed: int, dtype=torch.float32) -> torch.Tensor:
@@ -43,6 +45,45 @@ def walk_ddtree(tree: DraftTree, block_logits: torch.Tensor):
     return walk_tree(tree, vocab_size=vocab, max_nodes=tree.num_nodes, max_depth=depth_limit)
 
 
+def assert_same_tree(tree: DraftTree, expected: DraftTree) -> None:
+    for field in ("tokens", "next_token", "next_sibling"):
+        got, want = getattr(tree, field), getattr(expected, field)
+        assert got.dtype == want.dtype == torch.int64 and torch.equal(got, want), field
+
+
+def heap_trees(block_logits: torch.Tensor, root_tokens: list[int], budgets: list[int]) -> list[DraftTree]:
+    """The heap reference, one session at a time."""
+    return [
+        build_ddtree_heap_reference(logits, root, budget).tree
+        for logits, root, budget in zip(block_logits, root_tokens, budgets)
+    ]
+
+
+def assert_batch_matches_heap(block_logits: torch.Tensor, budgets: list[int]) -> list[DraftTree]:
+    roots = [(7 * s + 3) % block_logits.shape[-1] for s in range(block_logits.shape[0])]
+    trees = build_ddtrees(block_logits, roots, budgets)
+    assert len(trees) == block_logits.shape[0]
+    for session, (tree, expected) in enumerate(zip(trees, heap_trees(block_logits, roots, budgets))):
+        try:
+            assert_same_tree(tree, expected)
+        except AssertionError as error:
+            raise AssertionError(f"session {session} (budget {budgets[session]}): {error}") from error
+    return trees
+
+
+def mixed_budgets(rng: random.Random, sessions: int, depths: int, vocab: int) -> list[int]:
+    """Budgets 0, 1, small, around V, up to 150, and past the V + ... + V^D possible prefixes."""
+    possible = sum(vocab**d for d in range(1, depths + 1))
+    choices = [0, 1, rng.randint(2, 8), vocab, vocab + 1, rng.randint(1, 150)]
+    if possible <= 150:
+        choices += [possible, possible + 3]
+    return [rng.choice(choices) for _ in range(sessions)]
+
+
+def batch_shape(rng: random.Random) -> tuple[int, int, int]:
+    return rng.randint(1, 12), rng.randint(0, 6), rng.randint(1, 40)
+
+
 # ----------------------------------------------------------------------------- builder
 
 
@@ -66,7 +107,8 @@ def test_budget_zero_is_root_only():
 @pytest.mark.parametrize("budget", [1, 5, 32, 200])
 def test_structure_and_walk_agree_with_builder(budget):
     logits = random_logits(6, 12, seed=budget)
-    built = build_ddtree_with_scores(logits, ROOT_TOKEN, budget)
+    built = build_ddtree_heap_reference(logits, ROOT_TOKEN, budget)
+    assert_same_tree(build_ddtree(logits, ROOT_TOKEN, budget), built.tree)
     layout = walk_ddtree(built.tree, logits)
 
     assert all(parent < node for node, parent in enumerate(built.parents))
@@ -112,25 +154,142 @@ def token_paths(tree: DraftTree, parents: list[int]) -> list[tuple[int, ...]]:
 @pytest.mark.parametrize("budget", [1, 3, 17, 64, 400])
 def test_matches_brute_force_top_prefixes(depths, vocab, budget):
     logits = random_logits(depths, vocab, seed=100 * depths + budget)
-    built = build_ddtree_with_scores(logits, ROOT_TOKEN, budget)
+    built = build_ddtree_heap_reference(logits, ROOT_TOKEN, budget)
     expected = brute_force_top_prefixes(logits, budget)
 
     # Node order equals the global order, which implies the order in every sibling group.
     assert token_paths(built.tree, built.parents) == [path for path, _ in expected]
     assert built.scores[1:] == [score for _, score in expected]
+    assert_same_tree(build_ddtree(logits, ROOT_TOKEN, budget), built.tree)
 
 
 def test_ties_follow_depth_then_rank_tuple():
     # All-equal logits make every candidate at one depth tie on score.
-    built = build_ddtree_with_scores(torch.zeros(3, 2), ROOT_TOKEN, budget=100)
+    built = build_ddtree_heap_reference(torch.zeros(3, 2), ROOT_TOKEN, budget=100)
     all_rank_tuples = [r for d in (1, 2, 3) for r in itertools.product(range(2), repeat=d)]
     assert built.ranks[1:] == all_rank_tuples
+    assert_same_tree(build_ddtree(torch.zeros(3, 2), ROOT_TOKEN, 100), built.tree)
 
     # A score tie across depths: a depth-2 path equals a depth-1 sibling; shallower first.
     logits = torch.tensor([[0.0, 0.0, -50.0], [50.0, -50.0, -50.0]])
-    built = build_ddtree_with_scores(logits, ROOT_TOKEN, budget=3)
+    built = build_ddtree_heap_reference(logits, ROOT_TOKEN, budget=3)
     assert built.scores[2] == built.scores[3]
     assert built.ranks[1:] == [(0,), (1,), (0, 0)]
+    assert_same_tree(build_ddtree(logits, ROOT_TOKEN, 3), built.tree)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_batch_matches_heap_reference(seed):
+    rng = random.Random(seed)
+    sessions, depths, vocab = batch_shape(rng)
+    logits = random_logits(sessions * depths, vocab, seed).reshape(sessions, depths, vocab)
+    assert_batch_matches_heap(logits, mixed_budgets(rng, sessions, depths, vocab))
+
+
+def tied_score_logits(rng: random.Random, sessions: int, depths: int, vocab: int) -> torch.Tensor:
+    """Logits distinct within each row whose paths often tie exactly on score.
+
+    Rows are permutations of -step * (0..V-1) drawn from a pool of two per session, so
+    rows repeat across depths and permuted rank paths tie (a + b == b + a). A step of 64
+    makes the log-probs exact integers with a top log-prob of 0: sums are exact, and a
+    rank-0 child ties its parent, so many ties cross depths too.
+    """
+    sessions_rows = []
+    for _ in range(sessions):
+        pool = []
+        for _ in range(2):
+            step, order = rng.choice([0.5, 1.0, 64.0]), list(range(vocab))
+            rng.shuffle(order)
+            pool.append([-step * position for position in order])
+        sessions_rows.append([rng.choice(pool) for _ in range(depths)])
+    return torch.tensor(sessions_rows, dtype=torch.float32).reshape(sessions, depths, vocab)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_batch_matches_heap_reference_on_tied_scores(seed):
+    rng = random.Random(seed)
+    sessions, depths, vocab = batch_shape(rng)
+    logits = tied_score_logits(rng, sessions, depths, vocab)
+    assert_batch_matches_heap(logits, mixed_budgets(rng, sessions, depths, vocab))
+
+
+def tied_log_prob_logits(rng: random.Random, sessions: int, depths: int, vocab: int) -> torch.Tensor:
+    """Logits with equal values inside rows: small integers, duplicated columns and -inf entries."""
+    generator = torch.Generator().manual_seed(rng.randrange(2**31))
+    logits = torch.randint(-3, 1, (sessions, depths, vocab), generator=generator).float()
+    logits[..., vocab // 2:] = logits[..., : vocab - vocab // 2]  # duplicated columns
+    logits[torch.rand(logits.shape, generator=generator) < 0.2] = -INF
+    logits[..., 0] = 0.0  # no row all -inf
+    return logits
+
+
+def node_log_probs(tree: DraftTree, block_logits: torch.Tensor) -> list[float]:
+    """Each drafted node's log-prob at its depth, in node order."""
+    logq = torch.log_softmax(block_logits.float(), dim=-1).double()
+    depths = walk_ddtree(tree, block_logits).depths.tolist()
+    return [logq[depth - 1, token].item() for depth, token in zip(depths[1:], tree.tokens.tolist()[1:])]
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_batch_matches_heap_reference_on_tied_log_probs(seed):
+    rng = random.Random(seed)
+    sessions, depths, vocab = batch_shape(rng)
+    logits = tied_log_prob_logits(rng, sessions, depths, vocab)
+    # One budget for all: each session's top-k is the heap's, ties inside rows included.
+    assert_batch_matches_heap(logits, [rng.randint(0, 150)] * sessions)
+
+    # Mixed budgets: among tokens of exactly equal log-prob, which one torch.topk ranks
+    # first depends on k (here the largest budget, for the heap the session's own), so
+    # the trees agree in every link and every node's log-prob, not always in token ids.
+    budgets = mixed_budgets(rng, sessions, depths, vocab)
+    roots = [ROOT_TOKEN % vocab] * sessions
+    for session, (tree, expected) in enumerate(
+        zip(build_ddtrees(logits, roots, budgets), heap_trees(logits, roots, budgets))
+    ):
+        assert torch.equal(tree.next_token, expected.next_token), session
+        assert torch.equal(tree.next_sibling, expected.next_sibling), session
+        assert node_log_probs(tree, logits[session]) == node_log_probs(expected, logits[session]), session
+
+
+def test_tie_past_the_staircase_matches_heap_reference():
+    # -inf log-probs make children of parents with different scores tie at -inf, so the
+    # rank tuple decides: node (0, 4, 3), child of the 17th parent in key order, belongs
+    # in the tree although (17)(3 + 1) > 66 puts it past the staircase.
+    logits = torch.tensor([[0, -1, -2, -3, -INF], [0, -1.5, -3.1, -4.7, -INF], [0, -INF, -INF, -INF, -INF]])
+    expected = build_ddtree_heap_reference(logits, ROOT_TOKEN, 66)
+    assert (0, 4, 3) in expected.ranks
+    assert_batch_matches_heap(torch.stack([logits, logits, random_logits(3, 5, seed=0)]), [66, 65, 66])
+
+
+@pytest.mark.parametrize(
+    "depths, vocab, budgets",
+    [
+        (4, 10, [0, 0]),  # budget 0: root only
+        (1, 6, [0, 1, 3, 6, 40]),  # D = 1
+        (3, 2, [1, 5, 14, 100]),  # V < budget; 14 = every possible prefix
+        (2, 1, [0, 1, 2, 9]),  # V = 1: a chain
+        (0, 8, [0, 4]),  # D = 0: root only
+    ],
+)
+def test_batch_edge_cases_match_heap_reference(depths, vocab, budgets):
+    logits = random_logits(len(budgets) * depths, vocab, seed=depths).reshape(len(budgets), depths, vocab)
+    trees = assert_batch_matches_heap(logits, budgets)
+    for tree, budget in zip(trees, budgets):
+        possible = sum(min(budget, vocab) ** d for d in range(1, depths + 1))
+        assert tree.num_nodes == 1 + min(budget, possible)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_batch_low_precision_logits_match_heap_reference(dtype):
+    logits = random_logits(6 * 5, 300, seed=4).reshape(6, 5, 300).to(dtype)
+    assert_batch_matches_heap(logits, [24] * 6)  # one budget: low precision ties inside rows
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_batch_on_cuda_matches_heap_reference_on_cuda():
+    rng = random.Random(0)
+    logits = random_logits(16 * 15, 4096, seed=0).reshape(16, 15, 4096).cuda()
+    assert_batch_matches_heap(logits, mixed_budgets(rng, 16, 15, 4096))
 
 
 def test_low_precision_logits_give_the_same_tree():
@@ -158,11 +317,40 @@ def test_builder_rejects_bad_arguments(logits, budget):
         build_ddtree(logits, ROOT_TOKEN, budget)
 
 
+@pytest.mark.parametrize(
+    "logits, roots, budgets",
+    [
+        (torch.zeros(4, 10), [1], [4]),  # not [S, D, V]
+        (torch.zeros(2, 4, 10), [1], [4, 4]),  # a root token short
+        (torch.zeros(2, 4, 10), [1, 2], [4]),  # a budget short
+        (torch.zeros(2, 4, 10), [1, 2], [4, -1]),  # negative budget
+    ],
+)
+def test_batch_builder_rejects_bad_arguments(logits, roots, budgets):
+    with pytest.raises(ValueError):
+        build_ddtrees(logits, roots, budgets)
+
+
 def test_builder_rejects_nan_logits():
     logits = random_logits(3, 8, seed=0)
     logits[1, 2] = float("nan")
     with pytest.raises(ValueError, match="NaN"):
         build_ddtree(logits, ROOT_TOKEN, 8)
+
+
+@pytest.mark.parametrize("all_minus_inf", [False, True])
+def test_batch_rejects_nan_like_the_heap(all_minus_inf):
+    logits = random_logits(3 * 4, 8, seed=0).reshape(3, 4, 8)
+    if all_minus_inf:
+        logits[1, 3, :] = -INF  # NaN after log_softmax
+    else:
+        logits[1, 3, 5] = float("nan")
+    with pytest.raises(ValueError, match="NaN"):
+        build_ddtree_heap_reference(logits[1], ROOT_TOKEN, 4)
+    with pytest.raises(ValueError, match="NaN"):
+        build_ddtrees(logits, [ROOT_TOKEN] * 3, [4, 4, 4])
+    # A session that drafts nothing does not read its logits, like the heap.
+    assert_batch_matches_heap(logits, [4, 0, 2])
 
 
 def test_chain_is_the_argmax_path():

@@ -7,7 +7,7 @@ import pytest
 
 from drafter_svc.drafter import DraftMode
 from drafter_svc.generate import LocalEngine
-from drafter_svc.session_loop import GenerationConfig
+from drafter_svc.scheduler import GenerationConfig
 from verifier_svc.tree_verifier import VerifierLimits
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -1,10 +1,13 @@
-"""The engine's invariants on tiny random checkpoints: greedy == autoregressive, seeds."""
+"""The engine's invariants on tiny random checkpoints: greedy == autoregressive, seeds,
+alone and batched with other sessions (the same scheduler and verifier step as the services)."""
+import dataclasses
+
 import pytest
 
 from common.protocol import SamplingParams
 from drafter_svc.drafter import DraftMode
 from drafter_svc.generate import LocalEngine
-from drafter_svc.session_loop import GenerationConfig, LocalVerifierLink, generate
+from drafter_svc.scheduler import GenerationConfig
 from tests.reference import OracleProposer, hf_greedy
 from verifier_svc.tree_verifier import VerifierLimits
 
@@ -16,7 +19,7 @@ N = 24
 @pytest.fixture(scope="module")
 def engine(tiny_pair):
     target, draft = tiny_pair
-    return LocalEngine.load(str(target), str(draft), limits=VerifierLimits(max_sessions=2, max_seq_len=256))
+    return LocalEngine.load(str(target), str(draft), limits=VerifierLimits(max_sessions=6, max_seq_len=256))
 
 
 def greedy(engine, prompt, mode, n=N):
@@ -41,7 +44,7 @@ def test_greedy_equals_ar(engine, mode):
 def _oracle_run(engine, prompt, mode, rank1_every):
     oracle = OracleProposer(engine.verifier.runner.model, block_size=8, rank1_every=rank1_every)
     config = GenerationConfig(max_new_tokens=40, mode=mode)
-    return generate(LocalVerifierLink(engine.verifier), oracle, prompt, config)
+    return dataclasses.replace(engine, proposer=oracle).generate(prompt, config)
 
 
 def test_matching_draft_accepts_many_tokens_and_stays_exact(engine):
@@ -87,3 +90,32 @@ def test_generation_stops_at_kv_capacity(tiny_pair):
     ar = small.generate(prompt, GenerationConfig(max_new_tokens=100, mode=DraftMode("ar", 0)))
     assert out.tokens == ar.tokens
     assert out.finish_reason == "length" and len(prompt) + len(out.tokens) == 16 + 1
+
+
+SAMPLED = SamplingParams(temperature=0.9, top_k=40, top_p=0.95, seed=11)
+
+
+def test_batched_sessions_equal_their_one_session_twins(engine):
+    """Greedy sessions of every mode, batched with each other and with sampled ones, give
+    exactly their tokens alone (== autoregressive); seeded sampled ones their tokens alone."""
+    requests = [(PROMPTS[i % len(PROMPTS)], GenerationConfig(N, mode=mode)) for i, mode in enumerate(MODES)]
+    requests += [(p, GenerationConfig(N, sampling=SAMPLED, mode=DraftMode("tree", 8))) for p in PROMPTS]
+    batched = engine.generate_many(requests)
+    for (prompt, config), out in zip(requests, batched):
+        alone = engine.generate(prompt, config)
+        assert out.tokens == alone.tokens, (prompt, config.mode, config.sampling)
+        if config.sampling.greedy:
+            assert out.tokens == greedy(engine, prompt, DraftMode("ar", 0)).tokens
+    assert engine.verifier.free_capacity == engine.verifier.limits.max_sessions
+    assert engine.proposer.free_slots == engine.verifier.limits.max_sessions
+
+
+def test_more_requests_than_slots_queue_and_complete(engine):
+    """Twice as many requests as KV slots: the rest wait for free slots, outputs unchanged."""
+    limit = engine.verifier.limits.max_sessions
+    requests = [(PROMPTS[i % len(PROMPTS)] + [i], GenerationConfig(8, mode=DraftMode("tree", 4)))
+                for i in range(2 * limit)]
+    batched = engine.generate_many(requests)
+    for (prompt, config), out in zip(requests, batched):
+        assert out.tokens == greedy(engine, prompt, DraftMode("ar", 0), n=8).tokens
+    assert engine.verifier.free_capacity == limit

@@ -1,10 +1,9 @@
-"""Tree-verification and probability kernels: SGLang's vectors, Triton == reference, losslessness.
+"""The SGLang-semantics references of tree verification and of the probability step.
 
-Without CUDA the Triton kernels run in the interpreter (tests/conftest.py), so the random
-comparisons use small vocabularies and few rows. Random target probabilities are
-multiples of a power of two (2**-20 mostly): every float32 sum of them is then exact in
-any order, so the Triton kernel (chunked sums) and the reference (torch sums) must agree
-bit for bit, ties included.
+kernels/tree_sampling.py and kernels/probs.py are the specification that
+kernels/fused_accept.py's `tree_accept_reference` composes (tests/test_fused_accept.py checks
+the Triton stage against it). Here: SGLang's published test vectors, the top-k / top-p
+definitions applied literally, and the distribution of the emitted tokens (losslessness).
 """
 from __future__ import annotations
 
@@ -14,21 +13,15 @@ import torch
 from scipy.stats import chisquare
 from torch import Tensor
 
-from kernels import probs as probs_module
-from kernels import tree_sampling
-from kernels.probs import process_probs, process_probs_reference, process_probs_triton
+from kernels.probs import process_probs_reference
 from kernels.tree_sampling import (
-    tree_speculative_sampling_target_only,
+    BACKEND_ENV,
+    kernel_backend,
     tree_speculative_sampling_target_only_reference,
-    tree_speculative_sampling_target_only_triton,
-    verify_tree_greedy,
     verify_tree_greedy_reference,
-    verify_tree_greedy_triton,
 )
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-SAMPLING = [tree_speculative_sampling_target_only_reference, tree_speculative_sampling_target_only_triton]
-GREEDY = [verify_tree_greedy_reference, verify_tree_greedy_triton]
 OUTPUTS = ("predicts", "accept_index", "accept_token_num", "draft_probs")
 
 
@@ -37,12 +30,6 @@ def run(impl, args: dict) -> dict[str, Tensor]:
     moved = {k: v.clone().to(DEVICE) if isinstance(v, Tensor) else v for k, v in args.items()}
     impl(**moved)
     return {k: moved[k].cpu() for k in OUTPUTS if k in moved}
-
-
-def assert_same(a: dict[str, Tensor], b: dict[str, Tensor]) -> None:
-    assert a.keys() == b.keys()
-    for key in a:
-        assert torch.equal(a[key], b[key]), f"{key} differs:\n{a[key]}\n{b[key]}"
 
 
 def fresh_outputs(bs: int, max_path: int, num_slots: int) -> dict[str, Tensor]:
@@ -86,11 +73,8 @@ SGLANG_CASES = [
 ]
 
 
-@pytest.mark.parametrize("impl", SAMPLING)
-@pytest.mark.parametrize("case", SGLANG_CASES, ids=["thresholds_1_1", "thresholds_0_0"])
-@pytest.mark.parametrize("seed", [0, 1, 2])
-def test_sglang_sampling_vectors(impl, case, seed):
-    threshold_single, threshold_acc, predicts, accept_index, accept_token_num = case
+def sglang_sampling_args(seed: int) -> dict:
+    """The shared inputs with sharp target probabilities and random coins (thresholds not set)."""
     args, logits = sglang_tree_args()
     target_probs = torch.softmax(logits / 0.01, dim=-1)
     gen = torch.Generator().manual_seed(seed)
@@ -98,28 +82,33 @@ def test_sglang_sampling_vectors(impl, case, seed):
         uniform_samples=torch.rand(2, 6, generator=gen).clamp_min(2**-24),  # SGLang: coin-independent unless 0
         uniform_samples_for_final_sampling=torch.rand(2, generator=gen),
         target_probs=target_probs, draft_probs=torch.zeros_like(target_probs),
-        threshold_single=threshold_single, threshold_acc=threshold_acc,
     )
-    out = run(impl, args)
+    return args
+
+
+@pytest.mark.parametrize("case", SGLANG_CASES, ids=["thresholds_1_1", "thresholds_0_0"])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_sglang_sampling_vectors(case, seed):
+    threshold_single, threshold_acc, predicts, accept_index, accept_token_num = case
+    args = {**sglang_sampling_args(seed), "threshold_single": threshold_single, "threshold_acc": threshold_acc}
+    out = run(tree_speculative_sampling_target_only_reference, args)
     assert out["predicts"].tolist() == predicts
     assert out["accept_index"].tolist() == accept_index
     assert out["accept_token_num"].tolist() == accept_token_num
 
 
-@pytest.mark.parametrize("impl", GREEDY)
-def test_sglang_greedy_vector(impl):
+def test_sglang_greedy_vector():
     args, logits = sglang_tree_args()
     args["target_predict"] = logits.argmax(dim=-1)
     assert args["target_predict"].tolist() == [[3, 18, 18, 4, 5, 18], [11, 18, 18, 18, 12, 18]]
-    out = run(impl, args)
+    out = run(verify_tree_greedy_reference, args)
     _, _, predicts, accept_index, accept_token_num = SGLANG_CASES[0]
     assert out["predicts"].tolist() == predicts
     assert out["accept_index"].tolist() == accept_index
     assert out["accept_token_num"].tolist() == accept_token_num
 
 
-@pytest.mark.parametrize("impl", SAMPLING)
-def test_sglang_residual_masking_vector(impl):
+def test_sglang_residual_masking_vector():
     """A rejected draft's mass is removed before the bonus is drawn (0.90 on token 5)."""
     target_probs = torch.zeros(1, 3, 32)
     for (b, i, v), p in {(0, 0, 0): 0.05, (0, 0, 3): 0.95, (0, 1, 5): 0.90, (0, 1, 31): 0.10,
@@ -134,7 +123,7 @@ def test_sglang_residual_masking_vector(impl):
         "target_probs": target_probs, "draft_probs": torch.zeros_like(target_probs),
         "threshold_single": 0.91, "threshold_acc": 1.0,
     }
-    out = run(impl, args)
+    out = run(tree_speculative_sampling_target_only_reference, args)
     assert out["predicts"].tolist() == [3, 31, -1]
     assert out["accept_index"].tolist() == [[0, 1, -1]]
     assert out["accept_token_num"].tolist() == [1]
@@ -142,8 +131,7 @@ def test_sglang_residual_masking_vector(impl):
     assert out["draft_probs"].count_nonzero().item() == 1
 
 
-@pytest.mark.parametrize("impl", SAMPLING)
-def test_sglang_chain_vector(impl):
+def test_sglang_chain_vector():
     """A chain longer than S: S - 1 drafts accepted, bonus from the last accepted node."""
     candidates = as_int64([[0, 3, 5, 7], [0, 4, 6, 8]])
     logits = torch.full((2, 4, 16), -10.0)
@@ -161,14 +149,38 @@ def test_sglang_chain_vector(impl):
         "uniform_samples_for_final_sampling": torch.rand(2, generator=gen),
         "target_probs": target_probs, "draft_probs": torch.zeros_like(target_probs),
     }
-    out = run(impl, args)
+    out = run(tree_speculative_sampling_target_only_reference, args)
     assert out["predicts"].tolist() == [3, 5, 7, -1, 4, 6, 8, -1]
     assert out["accept_index"].tolist() == [[0, 1, 2], [4, 5, 6]]
     assert out["accept_token_num"].tolist() == [2, 2]
 
 
+@pytest.mark.parametrize("threshold_single, threshold_acc, coin, predicts, accept_index", [
+    (1.0, 1.0, 0.5, [2, -1, 3], [[0, 2]]),  # exact: the first sibling whose running mass reaches the coin
+    (1.0, 0.5, 0.5, [1, 3, -1], [[0, 1]]),  # coin <= running mass / threshold_acc
+    (0.25, 1.0, 0.9, [1, 3, -1], [[0, 1]]),  # q >= threshold_single
+    (1.0, 1.0, 0.9, [0, -1, -1], [[0, -1]]),  # both rejected: the bonus from the rest of the root's row
+])
+def test_acceptance_rule_vector(threshold_single, threshold_acc, coin, predicts, accept_index):
+    """SGLang's rule, worked by hand: accept iff coin <= mass / threshold_acc or q >= threshold_single."""
+    target_probs = torch.tensor([[[0.4, 0.3, 0.3, 0.0], [0.0, 0.0, 0.0, 1.0], [0.0, 0.0, 0.0, 1.0]]])
+    args = {
+        "candidates": as_int64([[0, 1, 2]]), "retrive_index": as_int64([[0, 1, 2]]),
+        "retrive_next_token": as_int64([[1, -1, -1]]), "retrive_next_sibling": as_int64([[-1, 2, -1]]),
+        **fresh_outputs(bs=1, max_path=2, num_slots=3),
+        "uniform_samples": torch.tensor([[coin, 0.5, 0.5]]),
+        "uniform_samples_for_final_sampling": torch.tensor([0.5]),
+        "target_probs": target_probs, "draft_probs": torch.zeros_like(target_probs),
+        "threshold_single": threshold_single, "threshold_acc": threshold_acc,
+    }
+    out = run(tree_speculative_sampling_target_only_reference, args)
+    assert out["predicts"].tolist() == predicts
+    assert out["accept_index"].tolist() == accept_index
+    assert out["accept_token_num"].tolist() == [1 if accept_index[0][1] >= 0 else 0]
+
+
 # ---------------------------------------------------------------------------------------
-# Random trees: Triton == reference.
+# Random trees.
 # ---------------------------------------------------------------------------------------
 
 
@@ -203,160 +215,8 @@ def link_children(parents: list[int]) -> tuple[list[int], list[int]]:
     return next_token, next_sibling
 
 
-def depth_of(parents: list[int]) -> int:
-    depths = [0] * len(parents)
-    for node in range(1, len(parents)):
-        depths[node] = depths[parents[node]] + 1
-    return max(depths)
-
-
-def random_target_probs(rng, parents, tokens, vocab, zero_children, coarse) -> np.ndarray:
-    """[N, V] target rows: flat to peaked, partly sparse, often favouring a drafted child.
-
-    Values are multiples of 2**-20, so float32 sums are exact in any order. coarse rows
-    put a few sixteenths on a few tokens instead (with coins in sixteenths too, coin
-    values then often equal partial sums exactly: this exercises <= versus < ties).
-    zero_children gives every drafted child zero target mass.
-    """
-    n = len(parents)
-    if coarse:
-        weights = np.zeros((n, vocab))
-        for row in range(n):
-            weights[row, rng.choice(vocab, min(vocab, 4), replace=False)] = rng.integers(0, 5, min(vocab, 4))
-    else:
-        weights = rng.exponential(size=(n, vocab)) ** rng.uniform(1, 6, size=(n, 1))
-        weights *= rng.random((n, vocab)) < rng.uniform(0.2, 1.0, size=(n, 1))
-    for child in range(1, n):
-        row = parents[child]
-        if zero_children:
-            weights[row, tokens[child]] = 0.0
-        elif rng.random() < 0.6:
-            boost = rng.integers(1, 9) if coarse else weights[row].sum() * rng.uniform(0.5, 8)
-            weights[row, tokens[child]] += boost
-    if coarse:  # a power-of-two denominator keeps the values exact (rows may sum below 1)
-        return (weights / 2.0 ** np.ceil(np.log2(max(weights.sum(axis=1).max(), 1)))).astype(np.float32)
-    sums = weights.sum(axis=1, keepdims=True)
-    probs = np.divide(weights, sums, out=np.zeros_like(weights), where=sums > 0)
-    return (np.floor(probs * 2**20) / 2**20).astype(np.float32)
-
-
-def random_greedy_targets(rng, parents, tokens, vocab) -> list[int]:
-    """Target argmax per node: often the token of one of its children, else any token."""
-    targets = []
-    for node in range(len(parents)):
-        children = [i for i, p in enumerate(parents) if p == node]
-        if children and rng.random() < 0.75:
-            targets.append(tokens[int(rng.choice(children))])
-        else:
-            targets.append(int(rng.integers(vocab)))
-    return targets
-
-
-def random_batch(seed, shape, num_nodes, vocab, bs, path="depth", zero_children=False,
-                 shuffled_slots=False, dirty_scratch=False) -> tuple[dict, dict]:
-    """Random trees, one per row; returns (sampling args without thresholds, greedy args).
-
-    path: S = deepest path ("depth"), N ("full") or one less than the deepest ("short",
-    so the walk is cut off). shuffled_slots: retrive_index is a random permutation of
-    more slots than bs * N (sampling only; greedy assumes b * N + i). dirty_scratch:
-    draft_probs starts non-zero, which SGLang's callers never do, but which makes the
-    rule "nothing is removed from the bonus row on a full path" observable.
-    """
-    rng = np.random.default_rng(seed)
-    parents = [random_parents(rng, shape, num_nodes) for _ in range(bs)]
-    tokens = [random_tokens(rng, p, vocab) for p in parents]
-    links = [link_children(p) for p in parents]
-    depth = max(depth_of(p) for p in parents)
-    max_path = {"depth": depth + 1, "full": num_nodes, "short": max(depth, 1)}[path]
-
-    num_slots = bs * num_nodes + (3 if shuffled_slots else 0)
-    slots = rng.permutation(num_slots)[: bs * num_nodes] if shuffled_slots else np.arange(bs * num_nodes)
-    tree = {
-        "candidates": as_int64(tokens),
-        "retrive_index": torch.from_numpy(slots.reshape(bs, num_nodes)).to(torch.int64),
-        "retrive_next_token": as_int64([nt for nt, _ in links]),
-        "retrive_next_sibling": as_int64([ns for _, ns in links]),
-        **fresh_outputs(bs, max_path, num_slots),
-    }
-    gen = torch.Generator().manual_seed(seed)
-    coins = torch.rand(bs, num_nodes, generator=gen)
-    coins[torch.rand(bs, num_nodes, generator=gen) < 0.05] = 0.0  # a zero coin accepts q = 0
-    final_coins = torch.rand(bs, generator=gen)
-    final_coins[torch.rand(bs, generator=gen) < 0.1] = 1.0  # u = total: the fallback path
-    coarse = torch.rand(bs, generator=gen) < 0.3
-    coins[coarse] = (coins[coarse] * 16).floor() / 16
-    final_coins[coarse] = (final_coins[coarse] * 16).floor() / 16
-    target_probs = torch.from_numpy(np.stack([
-        random_target_probs(rng, p, t, vocab, zero_children, bool(c))
-        for p, t, c in zip(parents, tokens, coarse)]))
-    scratch = torch.zeros_like(target_probs)
-    if dirty_scratch:
-        scratch = torch.where(torch.rand(target_probs.shape, generator=gen) < 0.5, target_probs, 0.0)
-    sampling = {**tree, "uniform_samples": coins, "uniform_samples_for_final_sampling": final_coins,
-                "target_probs": target_probs, "draft_probs": scratch}
-    greedy = {**tree, "target_predict": as_int64(
-        [random_greedy_targets(rng, p, t, vocab) for p, t in zip(parents, tokens)])}
-    return sampling, greedy
-
-
-RANDOM_CASES = [
-    # (shape, N, V, bs, extra random_batch options, other thresholds, max vocabulary chunk)
-    ("random", 1, 50, 6, {}, (0.5, 0.5), None),  # budget 0: root only
-    ("chain", 8, 64, 8, {}, (0.6, 0.9), None),
-    ("chain", 16, 100, 8, {"path": "full"}, (0.0, 0.0), None),
-    ("chain", 12, 80, 8, {"path": "short"}, (0.0, 0.0), None),
-    ("deep", 20, 150, 8, {}, (0.3, 1.0), None),
-    ("deep", 20, 150, 8, {"path": "short"}, (0.3, 1.0), None),
-    ("chain", 10, 120, 8, {"path": "short", "dirty_scratch": True}, (0.0, 0.0), None),
-    ("wide", 12, 77, 8, {}, (1.0, 0.5), None),
-    ("wide", 30, 128, 6, {"path": "full"}, (0.2, 0.7), None),
-    ("random", 10, 97, 8, {}, (0.6, 0.9), None),
-    ("random", 24, 300, 8, {}, (0.5, 0.5), None),
-    ("random", 16, 255, 8, {"zero_children": True}, (0.5, 0.5), None),
-    ("chain", 6, 60, 6, {"zero_children": True}, (0.9, 0.1), None),
-    ("random", 12, 90, 8, {"shuffled_slots": True}, (0.6, 0.9), None),
-    ("random", 12, 200, 8, {}, (0.6, 0.9), 32),
-    ("chain", 6, 100, 6, {}, (0.3, 1.0), 16),
-    ("wide", 9, 129, 6, {"zero_children": True}, (0.5, 0.5), 64),
-    ("random", 12, 2000, 3, {}, (0.6, 0.9), None),
-    ("wide", 8, 2049, 3, {}, (1.0, 0.5), None),
-]
-
-
-@pytest.mark.parametrize("seed", [0, 1])
-@pytest.mark.parametrize("case", RANDOM_CASES, ids=[f"{c[0]}-N{c[1]}-V{c[2]}" for c in RANDOM_CASES])
-def test_triton_matches_reference_on_random_trees(seed, case, monkeypatch):
-    shape, num_nodes, vocab, bs, options, other_thresholds, max_block = case
-    if max_block is not None:
-        monkeypatch.setattr(tree_sampling, "MAX_BLOCK_V", max_block)
-    seed += 100 * RANDOM_CASES.index(case)
-    sampling, greedy = random_batch(seed, shape, num_nodes, vocab, bs, **options)
-
-    for threshold_single, threshold_acc in [(1.0, 1.0), other_thresholds]:
-        args = {**sampling, "threshold_single": threshold_single, "threshold_acc": threshold_acc}
-        expected = run(tree_speculative_sampling_target_only_reference, args)
-        assert_same(run(tree_speculative_sampling_target_only_triton, args), expected)
-        if options.get("zero_children") and threshold_single > 0:  # only a coin of 0 accepts q = 0
-            root_coin_positive = sampling["uniform_samples"][:, 0] > 0
-            assert expected["accept_token_num"][root_coin_positive].eq(0).all()
-
-    if not options.get("shuffled_slots"):
-        assert_same(run(verify_tree_greedy_triton, greedy), run(verify_tree_greedy_reference, greedy))
-
-
-def test_triton_matches_reference_on_softmax_probs():
-    """Unquantised softmax rows: sums then differ in the last bits, tokens still agree."""
-    sampling, _ = random_batch(seed=99, shape="random", num_nodes=12, vocab=150, bs=16)
-    gen = torch.Generator().manual_seed(99)
-    logits = torch.randn(sampling["target_probs"].shape, generator=gen) * 3
-    sampling["target_probs"] = torch.softmax(logits, dim=-1)
-    sampling["draft_probs"] = torch.zeros_like(logits)
-    expected = run(tree_speculative_sampling_target_only_reference, sampling)
-    assert_same(run(tree_speculative_sampling_target_only_triton, sampling), expected)
-
-
 # ---------------------------------------------------------------------------------------
-# process_probs.
+# process_probs_reference.
 # ---------------------------------------------------------------------------------------
 
 
@@ -375,32 +235,6 @@ def assert_probs_close(actual: Tensor, expected: Tensor) -> None:
     assert (actual - expected).abs().max().item() <= 1e-6
 
 
-PROBS_CASES = [
-    # (rows, V, logits dtype, logit scale, max vocabulary chunk)
-    (1, 1, torch.float32, 1.0, None),
-    (12, 50, torch.float32, 1.0, None),
-    (12, 300, torch.bfloat16, 3.0, None),
-    (12, 257, torch.float16, 2.0, 64),
-    (6, 100, torch.float32, 6.0, 16),
-    (4, 2000, torch.float32, 2.0, None),
-]
-
-
-@pytest.mark.parametrize("seed, case", list(enumerate(PROBS_CASES)),
-                         ids=[f"R{c[0]}-V{c[1]}-{str(c[2])[6:]}" for c in PROBS_CASES])
-def test_process_probs_triton_matches_reference(seed, case, monkeypatch):
-    rows, vocab, dtype, scale, max_block = case
-    if max_block is not None:
-        monkeypatch.setattr(tree_sampling, "MAX_BLOCK_V", max_block)
-    rng = np.random.default_rng(seed)
-    logits = (torch.from_numpy(rng.normal(size=(rows, vocab))) * scale).to(dtype)
-    filters = random_filters(rng, rows, vocab)
-    expected = process_probs_reference(logits, *filters)
-    actual = process_probs_triton(*(t.to(DEVICE) for t in (logits, *filters))).cpu()
-    assert_probs_close(actual, expected)
-    assert torch.allclose(expected.sum(dim=-1), torch.ones(rows))
-
-
 def brute_force_filters(probs: list[float], top_k: int, top_p: float) -> list[float]:
     """The top-k / top-p definitions applied literally to one row, in float64."""
     vocab = len(probs)
@@ -416,14 +250,13 @@ def brute_force_filters(probs: list[float], top_k: int, top_p: float) -> list[fl
     return probs
 
 
-@pytest.mark.parametrize("impl", [process_probs_reference, process_probs_triton])
-def test_process_probs_definition_with_ties(impl):
+def test_process_probs_definition_with_ties():
     """Integer logits tie often, also at the top-k / top-p boundaries: ties are kept."""
     rng = np.random.default_rng(7)
     rows, vocab = 18, 40
     logits = torch.from_numpy(rng.integers(0, 6, size=(rows, vocab)).astype(np.float32))
     temperature, top_k, top_p = random_filters(rng, rows, vocab)
-    actual = impl(*(t.to(DEVICE) for t in (logits, temperature, top_k, top_p))).cpu()
+    actual = process_probs_reference(*(t.to(DEVICE) for t in (logits, temperature, top_k, top_p))).cpu()
     softmax = torch.softmax(logits / temperature[:, None], dim=-1).double()
     for r in range(rows):
         expected = torch.tensor(brute_force_filters(softmax[r].tolist(), int(top_k[r]), float(top_p[r])))
@@ -523,39 +356,20 @@ def test_emitted_tokens_follow_the_target(filtered):
 
 
 # ---------------------------------------------------------------------------------------
-# Dispatch and argument checking.
+# Backend choice and argument checking.
 # ---------------------------------------------------------------------------------------
 
 
-DISPATCH = [
-    (tree_sampling, verify_tree_greedy, "verify_tree_greedy"),
-    (tree_sampling, tree_speculative_sampling_target_only, "tree_speculative_sampling_target_only"),
-    (probs_module, process_probs, "process_probs"),
-]
-
-
-@pytest.mark.parametrize("module, dispatcher, name", DISPATCH, ids=[d[2] for d in DISPATCH])
-def test_dispatch_follows_device_and_env(module, dispatcher, name, monkeypatch):
-    calls = []
-    for backend in ("reference", "triton"):
-        monkeypatch.setattr(module, f"{name}_{backend}", lambda *a, _b=backend: calls.append(_b))
-    first_arg = torch.zeros(2, 3, device=DEVICE)  # only its device matters to the fakes
-    args = [first_arg] * 4 if name == "process_probs" else [None] * 3 + [first_arg] + [None] * 10
-
-    def dispatch(env):
-        if env is None:
-            monkeypatch.delenv(tree_sampling.BACKEND_ENV, raising=False)
-        else:
-            monkeypatch.setenv(tree_sampling.BACKEND_ENV, env)
-        calls.clear()
-        dispatcher(*args[: dispatcher.__code__.co_argcount])
-        return calls
-
-    assert dispatch(None) == ["triton" if DEVICE == "cuda" else "reference"]
-    assert dispatch("reference") == ["reference"]
-    assert dispatch("triton") == ["triton"]
+def test_kernel_backend_follows_device_and_env(monkeypatch):
+    monkeypatch.delenv(BACKEND_ENV, raising=False)
+    assert kernel_backend(torch.device("cpu")) == "reference"
+    assert kernel_backend(torch.device("cuda")) == "triton"
+    for forced in ("reference", "triton"):
+        monkeypatch.setenv(BACKEND_ENV, forced)
+        assert kernel_backend(torch.device("cpu")) == kernel_backend(torch.device("cuda")) == forced
+    monkeypatch.setenv(BACKEND_ENV, "cuda")
     with pytest.raises(ValueError, match="DDTREE_KERNELS"):
-        dispatch("cuda")
+        kernel_backend(torch.device("cpu"))
 
 
 BAD_ARGS = [
@@ -567,19 +381,17 @@ BAD_ARGS = [
 ]
 
 
-@pytest.mark.parametrize("impl", SAMPLING)
 @pytest.mark.parametrize("key, corrupt, message", BAD_ARGS, ids=[b[0] for b in BAD_ARGS])
-def test_sampling_rejects_bad_arguments(impl, key, corrupt, message):
-    sampling, _ = random_batch(seed=0, shape="random", num_nodes=4, vocab=8, bs=2)
-    sampling[key] = corrupt(sampling)
+def test_sampling_rejects_bad_arguments(key, corrupt, message):
+    args = sglang_sampling_args(seed=0)
+    args[key] = corrupt(args)
     with pytest.raises(ValueError, match=message):
-        impl(**sampling)
+        tree_speculative_sampling_target_only_reference(**args)
 
 
-@pytest.mark.parametrize("impl", [process_probs_reference, process_probs_triton])
-def test_process_probs_rejects_bad_arguments(impl):
+def test_process_probs_rejects_bad_arguments():
     logits = torch.zeros(2, 5)
     with pytest.raises(ValueError, match="top_k must be torch.int64"):
-        impl(logits, torch.ones(2), torch.zeros(2, dtype=torch.int32), torch.ones(2))
+        process_probs_reference(logits, torch.ones(2), torch.zeros(2, dtype=torch.int32), torch.ones(2))
     with pytest.raises(ValueError, match="temperature must have shape"):
-        impl(logits, torch.ones(3), torch.zeros(2, dtype=torch.int64), torch.ones(2))
+        process_probs_reference(logits, torch.ones(3), torch.zeros(2, dtype=torch.int64), torch.ones(2))

@@ -7,7 +7,8 @@ import torch
 
 from common.config import CheckpointError, check_draft_fits_target, load_draft_config, load_target_config
 from common.make_tiny import TinySizes, make_tiny
-from drafter_svc.draft_model import DFlashDraftModel
+from drafter_svc.draft_model import DFlashDraftModel, DraftKVPool
+from tests.reference import dflash_hidden_reference
 from verifier_svc.target_model import KVCache, TargetModel
 
 
@@ -51,41 +52,29 @@ def test_sharded_checkpoint_loads_the_same(tmp_path, tiny_tokenizer):
     assert torch.equal(a, b)
 
 
-def _dflash_reference(draft, embed, features, block_ids):
-    """The z-lab formulation: one pass over [context; block] keys without a cache."""
-    from common.layers import apply_rope
-
-    ctx_len, t = features.shape[0], len(block_ids)
-    hidden = draft.hidden_norm(draft.fc(features))[None]
-    h = embed[torch.tensor(block_ids)][None]
-    cos, sin = draft.rotary(torch.arange(ctx_len + t)[None], h.dtype)
-    for layer in draft.layers:
-        attn = layer.self_attn
-        x = layer.input_layernorm(h)
-        q = attn.query(x, cos[:, ctx_len:], sin[:, ctx_len:])
-        both = torch.cat([hidden, x], dim=1)
-        k = attn.k_norm(attn.k_proj(both).view(1, ctx_len + t, attn.num_kv_heads, attn.head_dim))
-        v = attn.v_proj(both).view(1, ctx_len + t, attn.num_kv_heads, attn.head_dim).transpose(1, 2)
-        k = apply_rope(k.transpose(1, 2), cos, sin)
-        h = h + attn.attend(q, k, v, None)
-        h = h + layer.mlp(layer.post_attention_layernorm(h))
-    return draft.norm(h)[0]
-
-
 def test_draft_context_cache_matches_one_pass(qwen3_pair):
+    """Context K/V written into pool slots in pieces (as rounds write them), then the block over
+    the slot == one pass over [context; block]; two sessions of different lengths in one batch."""
     target_dir, draft_dir = qwen3_pair
     draft = DFlashDraftModel.from_pretrained(draft_dir)
     embed = TargetModel.from_pretrained(target_dir).embed_tokens.weight.detach()
-    feats = torch.randn(11, draft.fc.in_features, generator=torch.Generator().manual_seed(0))
-    block = [7] + [draft.cfg.mask_token_id] * (draft.cfg.block_size - 1)
-    ctx = draft.new_context(64)
+    gen = torch.Generator().manual_seed(0)
+    feats = [torch.randn(n, draft.fc.in_features, generator=gen) for n in (11, 5)]
+    t = draft.cfg.block_size
+    blocks = [[7] + [draft.cfg.mask_token_id] * (t - 1), [300] + [draft.cfg.mask_token_id] * (t - 1)]
+    pool = DraftKVPool(draft, slots=2, capacity=64)
+    slots = torch.tensor([pool.acquire(), pool.acquire()])
     with torch.inference_mode():
-        draft.extend_context(ctx, feats[:4])  # the cache grows in pieces, as rounds do
-        draft.extend_context(ctx, feats[4:])
-        got = draft(ctx, embed[torch.tensor(block)])
-        want = _dflash_reference(draft, embed, feats, block)
-    assert ctx.length == 11
-    assert (got - want).abs().max().item() < 1e-5
+        # The cache grows in pieces, as rounds do: 4 + 7 rows for one session, 3 + 2 for the other.
+        draft.extend(pool.kv, slots[:1], torch.tensor([0]), feats[0][None, :4])
+        draft.extend(pool.kv, slots[:1], torch.tensor([4]), feats[0][None, 4:])
+        draft.extend(pool.kv, slots[1:], torch.tensor([0]), feats[1][None, :3])
+        draft.extend(pool.kv, slots[1:], torch.tensor([3]), feats[1][None, 3:])
+        got = draft.block_hidden(pool.kv, slots, torch.tensor([11, 5]), embed[torch.tensor(blocks)], 11 + t)
+        want = [dflash_hidden_reference(draft, embed, f, b) for f, b in zip(feats, blocks)]
+    assert got.shape == (2, t, draft.cfg.hidden_size)
+    for i in range(2):
+        assert (got[i] - want[i]).abs().max().item() < 1e-5, i
 
 
 def _edit_config(folder, **changes):

@@ -1,8 +1,9 @@
 """The DFlash draft trainer (drafter_svc/train.py) on tiny random targets, on CPU.
 
 The strongest check is `test_training_forward_equals_inference_forward`: the batched
-training pass must give, for every block, what the serving path (`DraftContext` filled
-round by round) gives, so that a draft trained here serves as trained.
+training pass must give, for every block, what the serving path (a `DraftKVPool` slot filled
+round by round with `extend`, then `block_hidden`) gives, so that a draft trained here
+serves as trained.
 """
 import json
 import math
@@ -14,10 +15,10 @@ from safetensors import safe_open
 from common.config import load_draft_config
 from common.make_tiny import TinySizes, make_tiny
 from drafter_svc import train as T
-from drafter_svc.draft_model import DFlashDraftModel
+from drafter_svc.draft_model import DFlashDraftModel, DraftKVPool
 from drafter_svc.drafter import DraftMode
 from drafter_svc.generate import LocalEngine
-from drafter_svc.session_loop import GenerationConfig
+from drafter_svc.scheduler import GenerationConfig
 from verifier_svc.target_model import TargetModel
 from verifier_svc.tree_verifier import VerifierLimits
 
@@ -120,15 +121,20 @@ def test_training_forward_equals_inference_forward(tiny_dirs):
     embeds = torch.randn(2, 4, cfg.block_size, cfg.hidden_size, generator=gen)
     with torch.no_grad():
         train_hidden = T.draft_training_hidden(draft, feats, embeds, anchors)
-    for i in range(2):
-        for j in range(4):
-            a = int(anchors[i, j])
-            ctx = draft.new_context(64)
-            # Filled the way a session fills it: the prompt, then accepted rows per round.
-            draft.extend_context(ctx, feats[i, : a // 2])
-            draft.extend_context(ctx, feats[i, a // 2: a])
-            ref = draft(ctx, embeds[i, j])
-            assert torch.allclose(train_hidden[i, j], ref, atol=1e-5, rtol=0), (i, j)
+    for j in range(4):
+        # The serving path, one block per session, both sequences in one batch: each slot is
+        # filled the way a session fills it, the prompt and then the accepted rows of a round.
+        pool = DraftKVPool(draft, slots=2, capacity=64)
+        slots = torch.tensor([pool.acquire(), pool.acquire()])
+        a = anchors[:, j]
+        with torch.inference_mode():
+            for i in range(2):
+                half = int(a[i]) // 2
+                draft.extend(pool.kv, slots[i: i + 1], torch.tensor([0]), feats[i: i + 1, :half])
+                draft.extend(pool.kv, slots[i: i + 1], torch.tensor([half]), feats[i: i + 1, half: int(a[i])])
+            ref = draft.block_hidden(pool.kv, slots, a, embeds[:, j], int(a.max()) + cfg.block_size)
+        for i in range(2):
+            assert torch.allclose(train_hidden[i, j], ref[i], atol=1e-5, rtol=0), (i, j)
 
 
 def test_target_training_forward_equals_serving_forward(tiny_dirs):

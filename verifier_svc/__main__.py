@@ -16,7 +16,7 @@ import signal
 
 from common.cli import FlagParser, fail
 from common.config import CheckpointError, check_draft_fits_target, load_draft_config, load_target_config
-from common.tracing import setup_tracing, shutdown_tracing
+from common.tracing import exporting, setup_tracing, shutdown_tracing
 from verifier_svc.server import VerifierConfig, load_verifier, serve
 from verifier_svc.tree_verifier import TreeVerifier
 
@@ -53,10 +53,16 @@ def build_parser() -> argparse.ArgumentParser:
     flag("--max-tree-depth", "max_tree_depth", "deepest tree accepted", type=int)
     flag("--idle-timeout", "idle_timeout_s", "seconds without a message before a session is closed", type=float)
     flag("--grace", "grace_s", "seconds running RPCs get to finish on shutdown", type=float)
+    flag("--max-inflight", "max_inflight", "unanswered messages per drafter link before the verifier stops "
+         "reading it (back-pressure)", type=int)
+    flag("--graph-batches", "graph_batches", "batch buckets (sessions per step) of the captured verify CUDA graphs",
+         type=_int_list)
+    flag("--graph-trees", "graph_trees", "tree buckets (drafted nodes) of the captured verify CUDA graphs; larger "
+         "trees run eagerly", type=_int_list)
     p.switch("--trace-console", env="VERIFIER_TRACE_CONSOLE", default=_DEFAULTS["trace_console"],
              help="print trace spans to stdout (OTLP export is set by OTEL_EXPORTER_OTLP_ENDPOINT)")
     p.switch("--no-cuda-graphs", env="VERIFIER_NO_CUDA_GRAPHS", default=not _DEFAULTS["cuda_graphs"],
-             help="run the verify forward eagerly on CUDA instead of replaying captured CUDA graphs")
+             help="run the verify step eagerly on CUDA instead of replaying captured CUDA graphs")
     return p
 
 
@@ -84,6 +90,7 @@ def parse_config(argv: list[str] | None = None) -> VerifierConfig:
         device=args.device, dtype=args.dtype, max_sessions=args.max_sessions, max_seq_len=args.max_seq_len,
         max_tree_nodes=args.max_tree_nodes, max_tree_depth=args.max_tree_depth, idle_timeout_s=args.idle_timeout,
         grace_s=args.grace, trace_console=args.trace_console, cuda_graphs=not args.no_cuda_graphs,
+        max_inflight=args.max_inflight, graph_batches=tuple(args.graph_batches), graph_trees=tuple(args.graph_trees),
     )
     try:
         config.check()
@@ -116,7 +123,8 @@ def main(argv: list[str] | None = None) -> None:
         verifier = load_verifier(config)
     except (CheckpointError, ValueError) as exc:
         fail(str(exc))
-    setup_tracing("verifier", console=config.trace_console)
+    if exporting(config.trace_console):
+        setup_tracing("verifier", console=config.trace_console)
     try:
         error = asyncio.run(run(config, verifier))
     finally:

@@ -1,48 +1,44 @@
-"""CUDA graphs for the verifier's tree-verify forward (and, optionally, the accept step).
+"""The batched verify step (forward + accept + KV compaction) and its CUDA graphs.
 
-A verify pass at batch 1 is launch-bound when run eagerly (thousands of small kernels per
-pass), so on CUDA the runner captures it once per shape and replays it every round:
+One step verifies the trees of B sessions in one forward of B x T tokens; each session
+keeps its own KV slot, past length, positions (past + depth) and tree mask. The same
+static-shape code runs eagerly (CPU, or shapes no graph covers) and under CUDA graphs:
 
-* **Token buckets.** A tree of n = 1 + N nodes is padded to the smallest bucket
-  T = 1 + B (B in `GraphConfig.tree_buckets`, default 8, 16, 32, 64, 128) with T >= n.
-  Padding rows get token 0, position `past`, no tree links (the accept kernels never reach
-  them) and a mask row that sees the prefix and themselves only (never another node, and
-  no real node sees them), so every row stays finite and real rows are unaffected. Their
-  K/V are written at cache positions past + n .. past + T - 1, after the real tree, and are
-  never committed (the next round overwrites them). The KV cache therefore holds
-  `cache_length(max_seq_len, config)` positions: max_seq_len plus the largest bucket.
-* **KV-length buckets.** Attention runs over a static key length L (a `kv_buckets` value
-  >= past + T), with the mask hiding everything at or past the tree; L = the cache length
-  works for every round, smaller buckets save the K/V gather and attention over unused
-  positions (`auto_kv_buckets`: a geometric ladder from the cache length down to 256).
-* **Static buffers.** Per token bucket: one int64 buffer (tokens, positions, tree links,
-  past, slot, top-k), one float32 buffer (coins, temperature, top-p) and the [T, T] tree
-  mask, each filled from a pinned host copy with one asynchronous copy. Cache positions and
-  the [T, L] attention mask are computed from them inside the graph.
-* **Modes.** "greedy" and "sample" (the default, what a verifier's rounds use) replay forward
-  + accept in one graph: `kernels.fused_accept.tree_accept` (greedy, or sampling with
-  temperature / top-k / top-p), then the bonus-token lookup and the gather of the accepted
-  rows' features; one small device-to-host copy returns [accepted count, bonus, accepted
-  path]. "forward" replays the target forward only (logits and features of all T rows; the
-  caller slices the first n): benchmarks and tests use it.
+* **Padding.** Trees are padded to a common T nodes. A padding node gets token 0, position
+  `past`, no tree links (the accept kernels never reach it) and a mask row that sees the
+  prefix and itself only (never another node, and no real node sees it), so every row stays
+  finite and real rows are unaffected. Its K/V land at cache positions past + n .. past + T - 1,
+  after the real tree, and are never committed: the KV cache keeps `headroom` positions past
+  max_seq_len for them. Padding batch rows (a graph's batch bucket larger than the batch) use
+  the cache's scratch slot, which no session owns.
+* **Buckets.** Under graphs T = 1 + N for N in `GraphConfig.tree_buckets`, B in
+  `batch_buckets`, and the attention's static key length L in `kv_buckets` (L >= the
+  largest past + T of the batch; the mask hides everything at or past each row's tree). One
+  graph per (mode, B, T, L) with B * T <= `max_tokens`; a batch that fits none runs eagerly.
+  Eagerly, B, T and L are the batch's own.
+* **Static buffers.** Per (B, T): one int64 buffer [B, 4T + 3] (tokens, positions, tree links,
+  past, slot, top-k), one float32 buffer [B, T + 4] (coins, final coin, temperature, top-p,
+  greedy flag) and the [B, T, T] tree masks, each filled from a pinned host copy with one
+  asynchronous copy. The [B, T, L] attention mask and cache positions are computed from them
+  inside the graph.
+* **Modes.** "greedy" (every row greedy) and "sample" (any row sampled; greedy rows take the
+  greedy walk's result, so one batch mixes both) run forward, `verifier_svc.accept.accept_batch`
+  (one batched sampling + tree-walk call) and the KV compaction of every row's accepted path
+  (one batched gather + scatter); one small device-to-host copy returns [accepted count, bonus,
+  path] per row. "forward" returns the logits and features of all rows (tests, benchmarks).
 
-Graphs are captured once, at start-up (`VerifyGraphs.capture_all`, called by the
-constructor on CUDA), after the warm-up runs that PyTorch requires on a side stream. The
-capture writes dummy K/V into slot 0, so it must happen before any session is opened. All
-graphs share one memory pool; they are replayed one at a time by the model worker thread.
-Outputs of a replay live in static buffers and are overwritten by the next replay of the same
-graph: use them (or copy them) before the next verify.
-
-With `capture=False` (any device, CPU included) the same static-shape code runs eagerly;
-the tests use that to check the padding logic without a GPU.
-
-The attention inside the graphs is `kernels.slot_attention` on CUDA (see `TargetModel.attention`):
-it reads the session's cache slot in place, so the slot is data in the captured graph.
+Graphs are captured at start-up into one memory pool (largest first), after the warm-up runs
+PyTorch needs on a side stream; capture runs dummy trees in the scratch slot, so sessions'
+K/V are never touched. Outputs of a replay live in static buffers, overwritten by the next
+replay of the same graph. The attention inside is `kernels.slot_attention` (see
+`TargetModel.attention`): it reads each row's cache slot in place, so slots are data.
 """
 from __future__ import annotations
 
+import gc
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -52,12 +48,11 @@ from common.buckets import KV_ALIGN, auto_kv_buckets, round_up
 from common.protocol import SamplingParams
 from common.staging import StagedInputs
 from common.tree import DraftTree
-from verifier_svc.accept import AcceptResult, Stage, accept_step, no_stage, unpack_accept
-from verifier_svc.target_model import ForwardOutput, KVCache, TargetModel
+from verifier_svc.accept import accept_batch
+from verifier_svc.target_model import KVCache, TargetModel
 
 log = logging.getLogger(__name__)
 
-DEFAULT_TREE_BUCKETS = (8, 16, 32, 64, 128)
 MODES = ("forward", "greedy", "sample")
 
 
@@ -65,160 +60,197 @@ MODES = ("forward", "greedy", "sample")
 class GraphConfig:
     """Which verify graphs to capture."""
 
-    tree_buckets: tuple[int, ...] = DEFAULT_TREE_BUCKETS  # drafted nodes N; a bucket forwards 1 + N tokens
+    tree_buckets: tuple[int, ...] = (8, 16, 32, 64, 128)  # drafted nodes N; a bucket forwards 1 + N tokens
+    batch_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)  # sessions per step (capped by the KV slots)
     kv_buckets: tuple[int, ...] | None = None  # static KV lengths; None = auto_kv_buckets(cache length)
-    # "forward", "greedy", "sample" (see the module doc); a verifier's rounds use the last two.
-    modes: tuple[str, ...] = ("greedy", "sample")
-    max_kv_buckets: int = 8  # for the automatic ladder
+    modes: tuple[str, ...] = ("greedy", "sample")  # a verifier's steps use these two
+    max_kv_buckets: int = 4  # for the automatic ladder
+    max_tokens: int = 4096  # no graph for B * T above this (eager)
     warmup_iters: int = 2
 
     def check(self) -> None:
         if not self.tree_buckets or any(b < 0 for b in self.tree_buckets):
             raise ValueError(f"tree_buckets must be non-empty and >= 0, got {self.tree_buckets}")
+        if not self.batch_buckets or any(b < 1 for b in self.batch_buckets):
+            raise ValueError(f"batch_buckets must be non-empty and >= 1, got {self.batch_buckets}")
         bad = [m for m in self.modes if m not in MODES]
         if bad or not self.modes:
             raise ValueError(f"modes must be a non-empty subset of {MODES}, got {self.modes}")
         if self.kv_buckets is not None and (not self.kv_buckets or any(k < 1 for k in self.kv_buckets)):
             raise ValueError(f"kv_buckets must be positive, got {self.kv_buckets}")
-        if self.max_kv_buckets < 1 or self.warmup_iters < 1:
-            raise ValueError("max_kv_buckets and warmup_iters must be >= 1")
+        if self.max_kv_buckets < 1 or self.warmup_iters < 1 or self.max_tokens < 1:
+            raise ValueError("max_kv_buckets, max_tokens and warmup_iters must be >= 1")
 
     def token_buckets(self) -> tuple[int, ...]:
-        """Static token counts T = 1 + N, ascending."""
+        """Static node counts T = 1 + N, ascending."""
         return tuple(sorted({1 + b for b in self.tree_buckets}))
 
-    def headroom(self) -> int:
-        """Cache positions past max_seq_len that padding may write: the largest bucket."""
-        return max(self.token_buckets())
+
+def cache_length(max_seq_len: int, headroom: int) -> int:
+    """KV positions per slot: max_seq_len plus room for the padding nodes of the largest tree."""
+    return round_up(max_seq_len + headroom, KV_ALIGN)
 
 
-def cache_length(max_seq_len: int, config: GraphConfig) -> int:
-    """KV positions per slot when graphs are used: room for the largest padded tree."""
-    return round_up(max_seq_len + config.headroom(), KV_ALIGN)
+@dataclass
+class VerifyRow:
+    """One session's tree in a verify step."""
+
+    slot: int
+    past: int  # committed tokens; the root goes to position past
+    tree: DraftTree
+    depths: Tensor  # int64 [n]
+    sampling: SamplingParams
+    coins: Tensor | None = None  # float32 [n + 1] when sampling
 
 
-class _Inputs:
-    """The static input buffers of one token bucket, plus their host staging copies."""
+class _Fields:
+    """Named contiguous views of one flat buffer, field after field: (name, shape) pairs."""
 
-    def __init__(self, tokens: int, device: torch.device, pinned: bool):
-        t = self.T = tokens
-        self.device = device
+    def __init__(self, flat: Tensor, layout: Sequence[tuple[str, tuple[int, ...]]]):
+        offset = 0
+        for name, shape in layout:
+            size = 1
+            for d in shape:
+                size *= d
+            setattr(self, name, flat[offset: offset + size].view(shape))
+            offset += size
+
+
+def _layout_size(layout: Sequence[tuple[str, tuple[int, ...]]]) -> int:
+    return sum(torch.Size(shape).numel() for _, shape in layout)
+
+
+class BatchInputs:
+    """The static inputs of a (B, T) verify step, plus their host staging copies.
+
+    Two flat buffers (int64 and float32) hold the fields one after another, so each field is
+    a contiguous view (the kernels want that) and one copy per buffer moves them all."""
+
+    def __init__(self, batch: int, tokens: int, device: torch.device, pinned: bool):
+        b, t = self.B, self.T = batch, tokens
+        ints = [("tokens", (b, t)), ("positions", (b, t)), ("next_token", (b, t)), ("next_sibling", (b, t)),
+                ("past", (b,)), ("slot", (b,)), ("top_k", (b,))]
+        floats = [("coins", (b, t)), ("final_coin", (b,)), ("temperature", (b,)), ("top_p", (b,)),
+                  ("greedy", (b,))]
         self._staging = StagedInputs(device, pinned)
-        self.ints, self._host_ints = self._staging.buffer(4 * t + 3, dtype=torch.int64)
-        self.floats, self._host_floats = self._staging.buffer(t + 3, dtype=torch.float32)
-        self.tree_mask, self._host_mask = self._staging.buffer(t, t, dtype=torch.bool)
+        int_buffer, host_ints = self._staging.buffer(_layout_size(ints), dtype=torch.int64)
+        float_buffer, host_floats = self._staging.buffer(_layout_size(floats), dtype=torch.float32)
+        self.tree_mask, self._host_mask = self._staging.buffer(b, t, t, dtype=torch.bool)
+        self.ints, self.floats = _Fields(int_buffer, ints), _Fields(float_buffer, floats)  # what the graphs read
+        self._host_ints, self._host_floats = _Fields(host_ints, ints), _Fields(host_floats, floats)
         self.arange = torch.arange(t, device=device)
         self._eye = torch.eye(t, dtype=torch.bool)
+        # Where a graph leaves the path rows' features: one buffer per (B, T) that every graph of
+        # that shape shares, rather than one output per graph (set by VerifyGraphs).
+        self.features_out: Tensor | None = None
 
-    # Views of the device buffers (what the graphs read).
-    @property
-    def tokens(self) -> Tensor:
-        return self.ints[: self.T]
-
-    @property
-    def positions(self) -> Tensor:
-        return self.ints[self.T: 2 * self.T]
-
-    @property
-    def next_token(self) -> Tensor:
-        return self.ints[2 * self.T: 3 * self.T]
-
-    @property
-    def next_sibling(self) -> Tensor:
-        return self.ints[3 * self.T: 4 * self.T]
-
-    @property
-    def past(self) -> Tensor:
-        return self.ints[4 * self.T: 4 * self.T + 1]
-
-    @property
-    def slot(self) -> Tensor:
-        return self.ints[4 * self.T + 1: 4 * self.T + 2]
-
-    @property
-    def top_k(self) -> Tensor:
-        return self.ints[4 * self.T + 2: 4 * self.T + 3]
-
-    @property
-    def coins(self) -> Tensor:
-        return self.floats[: self.T]
-
-    @property
-    def final_coin(self) -> Tensor:
-        return self.floats[self.T: self.T + 1]
-
-    @property
-    def temperature(self) -> Tensor:
-        return self.floats[self.T + 1: self.T + 2]
-
-    @property
-    def top_p(self) -> Tensor:
-        return self.floats[self.T + 2: self.T + 3]
-
-    def fill(self, slot: int, past: int, tokens: Tensor, depths: Tensor, tree_mask: Tensor,
-             next_token: Tensor | None = None, next_sibling: Tensor | None = None,
-             sampling: SamplingParams | None = None, coins: Tensor | None = None) -> None:
-        """Stage one tree (n <= T nodes) and copy it to the device buffers (asynchronously)."""
-        t, n = self.T, tokens.shape[0]
+    def fill(self, rows: Sequence[VerifyRow], masks: Tensor, scratch_slot: int) -> None:
+        """Stage the rows (masks bool [len(rows), W, W] with W <= T: each tree's ancestor mask in
+        the top-left block, padding rows seeing themselves only, as `common.tree.ancestor_masks`
+        builds them) and copy them to the device buffers asynchronously; batch rows past
+        len(rows) are padding. A few whole-batch operations, whatever the batch size."""
         self._staging.begin()
-        ints, floats, mask = self._host_ints, self._host_floats, self._host_mask
-        ints.zero_()
-        ints[:n] = tokens
-        ints[t: 2 * t] = past
-        ints[t: t + n] += depths
-        ints[2 * t: 4 * t] = -1
-        if next_token is not None:
-            ints[2 * t: 2 * t + n] = next_token
-            ints[3 * t: 3 * t + n] = next_sibling
-        ints[4 * t] = past
-        ints[4 * t + 1] = slot
-        mask.copy_(self._eye)
-        mask[:n, :n] = tree_mask
-        floats.fill_(0.5)
-        if sampling is not None:
-            ints[4 * t + 2] = sampling.top_k
-            floats[t + 1] = sampling.temperature
-            floats[t + 2] = sampling.top_p
-        else:
-            floats[t + 1] = 1.0
-            floats[t + 2] = 1.0
-        if coins is not None:
-            floats[:n] = coins[:n]
-            floats[t] = coins[n]
+        i, f, mask = self._host_ints, self._host_floats, self._host_mask
+        b, width = len(rows), masks.shape[-1]
+        sizes = torch.tensor([r.tree.num_nodes for r in rows])
+        row_of = torch.repeat_interleave(torch.arange(b), sizes)  # batch row of every node
+        col_of = torch.arange(row_of.shape[0]) - torch.repeat_interleave(sizes.cumsum(0) - sizes, sizes)
+        past = torch.tensor([r.past for r in rows])
+        i.tokens.zero_()
+        i.next_token.fill_(-1)
+        i.next_sibling.fill_(-1)
+        i.past.zero_()
+        i.top_k.zero_()
+        i.slot.fill_(scratch_slot)
+        i.positions.zero_()
+        i.tokens[row_of, col_of] = torch.cat([r.tree.tokens for r in rows])
+        i.next_token[row_of, col_of] = torch.cat([r.tree.next_token for r in rows])
+        i.next_sibling[row_of, col_of] = torch.cat([r.tree.next_sibling for r in rows])
+        i.positions[:b] = past[:, None]
+        i.positions[row_of, col_of] += torch.cat([r.depths for r in rows])
+        i.past[:b] = past
+        i.slot[:b] = torch.tensor([r.slot for r in rows])
+        mask.copy_(self._eye.expand(self.B, self.T, self.T))
+        mask[:b, :width, :width] = masks
+        f.coins.fill_(0.5)
+        f.final_coin.fill_(0.5)
+        for field in (f.temperature, f.top_p, f.greedy):
+            field.fill_(1.0)
+        sampled = [j for j, r in enumerate(rows) if not r.sampling.greedy]
+        if sampled:
+            index = torch.tensor(sampled)
+            i.top_k[index] = torch.tensor([rows[j].sampling.top_k for j in sampled])
+            f.temperature[index] = torch.tensor([rows[j].sampling.temperature for j in sampled])
+            f.top_p[index] = torch.tensor([rows[j].sampling.top_p for j in sampled])
+            f.greedy[index] = 0.0
+            for j in sampled:
+                n = rows[j].tree.num_nodes
+                f.coins[j, :n] = rows[j].coins[:n]
+                f.final_coin[j] = rows[j].coins[n]
         self._staging.commit()
 
-    def fill_dummy(self) -> None:
-        """A valid tree for warm-up and capture: a chain of T token-0 nodes in slot 0 at past 0."""
+    def fill_dummy(self, scratch_slot: int) -> None:
+        """Valid trees for warm-up and capture: B chains of T token-0 nodes in the scratch slot."""
         t = self.T
-        parents = torch.arange(-1, t - 1)
-        chain = torch.ones(t, t, dtype=torch.bool).tril()
-        next_token = torch.cat([torch.arange(1, t), torch.tensor([-1])])
-        self.fill(0, 0, torch.zeros(t, dtype=torch.int64), parents + 1, chain, next_token,
-                  torch.full((t,), -1), SamplingParams(temperature=1.0, top_k=0, top_p=1.0),
-                  torch.full((t + 1,), 0.5))
+        chain = DraftTree.from_parents([0] * t, list(range(-1, t - 1)))
+        row = VerifyRow(scratch_slot, 0, chain, torch.arange(t), SamplingParams(temperature=1.0),
+                        torch.full((t + 1,), 0.5))
+        masks = torch.ones(t, t, dtype=torch.bool).tril().expand(self.B, t, t)
+        self.fill([row] * self.B, masks, scratch_slot)
+
+
+def verify_step(model: TargetModel, cache: KVCache, inp: BatchInputs, length: int, mode: str):
+    """The static-shape step over key length `length` (captured on CUDA, eager otherwise).
+
+    "forward": ForwardOutput of all B x T rows. "greedy" / "sample": (result int64 [B, T + 2] =
+    [accepted, bonus, path padded with -1] per row, features of the path rows [B, T, F]), with
+    each row's accepted K/V already compacted to [past, past + 1 + accepted).
+    """
+    b, t = inp.B, inp.T
+    i, f = inp.ints, inp.floats
+    cols = torch.arange(length, device=inp.arange.device)
+    past = i.past[:, None]
+    rel = cols[None] - past  # [B, L]: column index inside the tree, valid for 0 <= rel < T
+    inside = (rel >= 0) & (rel < t)
+    local = torch.gather(inp.tree_mask, 2, rel.clamp(0, t - 1)[:, None, :].expand(b, t, length))
+    mask = (local & inside[:, None, :]) | (cols[None] < past)[:, None, :]  # [B, T, L]
+    cache_pos = past + inp.arange[None]
+    out = model(i.tokens, i.positions, cache, i.slot, cache_pos, mask)
+    if mode == "forward":
+        return out
+    result, features = accept_batch(mode, i.tokens, i.next_token, i.next_sibling, out.logits, out.features,
+                                    greedy=f.greedy > 0.5, coins=f.coins, final_coin=f.final_coin,
+                                    temperature=f.temperature, top_k=i.top_k, top_p=f.top_p)
+    # KV compaction: node path[i] -> position past + i for i <= accepted; the rest copy past onto itself.
+    path = result[:, 2:]
+    keep = inp.arange[None] <= result[:, :1]
+    src = past + torch.where(keep, path, 0)
+    dst = past + torch.where(keep, inp.arange[None], 0)
+    cache.move(i.slot[:, None].expand(b, t), src, dst)
+    if inp.features_out is not None:
+        inp.features_out.copy_(features)
+        features = inp.features_out
+    return result, features
 
 
 class VerifyGraphs:
-    """Captured verify passes of one model over one KV cache, keyed by (mode, T, L)."""
+    """Captured verify steps of one model over one KV cache, keyed by (mode, B, T, L)."""
 
-    def __init__(self, model: TargetModel, cache: KVCache, max_seq_len: int,
+    def __init__(self, model: TargetModel, cache: KVCache, max_seq_len: int, scratch_slot: int,
                  config: GraphConfig = GraphConfig(), *, capture: bool | None = None):
         config.check()
-        self.model, self.cache, self.config = model, cache, config
+        self.model, self.cache, self.config, self.scratch_slot = model, cache, config, scratch_slot
         self.device = cache.k.device
         self.capture = self.device.type == "cuda" if capture is None else capture
         if self.capture and self.device.type != "cuda":
             raise ValueError("CUDA graphs need a CUDA device")
-        self.token_buckets = config.token_buckets()
-        need = max_seq_len + config.headroom()
-        if cache.max_seq_len < need:
-            raise ValueError(f"KV cache of {cache.max_seq_len} positions cannot hold max_seq_len {max_seq_len} "
-                             f"plus the largest bucket ({config.headroom()}); allocate cache_length()")
+        self.token_buckets = tuple(t for t in config.token_buckets() if max_seq_len + t <= cache.max_seq_len)
+        sessions = cache.num_slots - 1
+        self.batch_buckets = tuple(sorted({min(b, sessions) for b in config.batch_buckets}))
         kv = config.kv_buckets or auto_kv_buckets(cache.max_seq_len, config.max_kv_buckets)
         self.kv_buckets = tuple(sorted({min(k, cache.max_seq_len) for k in kv}))
-        self._inputs = {t: _Inputs(t, self.device, pinned=self.capture) for t in self.token_buckets}
-        self._cols = {length: torch.arange(length, device=self.device) for length in self.kv_buckets}
-        self._graphs: dict[tuple[str, int, int], tuple[torch.cuda.CUDAGraph, object]] = {}
+        self._inputs: dict[tuple[int, int], BatchInputs] = {}
+        self._graphs: dict[tuple[str, int, int, int], tuple[torch.cuda.CUDAGraph, object]] = {}
         self._pool = None
         self.capture_s = 0.0
         if self.capture:
@@ -226,106 +258,77 @@ class VerifyGraphs:
 
     # -- shapes ----------------------------------------------------------------------------
 
-    def select(self, mode: str, n: int, past: int) -> tuple[int, int] | None:
-        """(T, L) for a tree of n nodes after `past` tokens, or None (eager fallback)."""
-        t = next((b for b in self.token_buckets if b >= n), None)
-        if t is None:
+    def select(self, mode: str, batch: int, nodes: int, end: int) -> tuple[int, int, int] | None:
+        """(B, T, L) for `batch` trees of at most `nodes` nodes whose last position is below
+        `end` (max past + nodes), or None when no captured graph fits (eager)."""
+        b = next((x for x in self.batch_buckets if x >= batch), None)
+        t = next((x for x in self.token_buckets if x >= nodes), None)
+        if b is None or t is None or b * t > self.config.max_tokens:
             return None
-        length = next((k for k in self.kv_buckets if k >= past + t), None)
-        if length is None:
+        length = next((k for k in self.kv_buckets if k >= end - nodes + t), None)
+        if length is None or (self.capture and (mode, b, t, length) not in self._graphs):
             return None
-        if self.capture and (mode, t, length) not in self._graphs:
-            return None
-        return t, length
+        return b, t, length
 
     @property
     def num_graphs(self) -> int:
         return len(self._graphs)
 
-    # -- the static-shape computation (captured on CUDA, run eagerly otherwise) ---------------
-
-    def _forward(self, inp: _Inputs, length: int) -> ForwardOutput:
-        t = inp.T
-        cols = self._cols[length]
-        past = inp.past
-        rel = cols - past  # column index inside the tree, valid for 0 <= rel < T
-        local = inp.tree_mask.index_select(1, rel.clamp(0, t - 1)) & ((rel >= 0) & (rel < t))
-        mask = local | (cols < past)  # [T, L]: the prefix, then the tree's own ancestor mask
-        cache_pos = (past + inp.arange)[None]
-        return self.model(inp.tokens[None], inp.positions[None], self.cache, inp.slot, cache_pos, mask[None])
-
-    def _static(self, mode: str, inp: _Inputs, length: int):
-        out = self._forward(inp, length)
-        if mode == "forward":
-            return out
-        return accept_step(mode, inp.tokens, inp.next_token, inp.next_sibling, out.logits[0], out.features[0],
-                           coins=inp.coins, final_coin=inp.final_coin, temperature=inp.temperature,
-                           top_k=inp.top_k, top_p=inp.top_p)
-
-    def _run(self, mode: str, t: int, length: int):
-        if not self.capture:
-            with torch.inference_mode():
-                return self._static(mode, self._inputs[t], length)
-        graph, outputs = self._graphs[(mode, t, length)]
-        graph.replay()
-        return outputs
+    def inputs(self, batch: int, tokens: int) -> BatchInputs:
+        key = (batch, tokens)
+        if key not in self._inputs:
+            inp = BatchInputs(batch, tokens, self.device, pinned=self.capture)
+            if self.capture:
+                inp.features_out = torch.empty(batch, tokens, self.model.feature_dim, device=self.device,
+                                               dtype=self.cache.k.dtype)
+            self._inputs[key] = inp
+        return self._inputs[key]
 
     # -- capture -----------------------------------------------------------------------------
 
     def capture_all(self) -> None:
-        """Capture every (mode, T, L) of the config; largest first so the pool is sized once."""
+        """Capture every (mode, B, T, L) of the config; largest first so the pool is sized once."""
         start = time.perf_counter()
+        gc.collect()  # dead graphs freed by the collector in the middle of a capture would break it
         self._pool = torch.cuda.graph_pool_handle()
-        keys = [(m, t, k) for m in self.config.modes for t in self.token_buckets for k in self.kv_buckets
-                if t <= k]
-        for key in sorted(keys, key=lambda key: (-key[1] * key[2], key)):
+        keys = [(m, b, t, k) for m in self.config.modes for b in self.batch_buckets for t in self.token_buckets
+                for k in self.kv_buckets if t <= k and b * t <= self.config.max_tokens]
+        for key in sorted(keys, key=lambda key: (-key[1] * key[2] * key[3], key)):
             self._capture(*key)
         torch.cuda.synchronize(self.device)
         self.capture_s = time.perf_counter() - start
-        log.info("captured %d verify CUDA graphs (modes %s, tokens %s, kv lengths %s) in %.1f s",
-                 len(self._graphs), ",".join(self.config.modes), list(self.token_buckets), list(self.kv_buckets),
-                 self.capture_s)
+        log.info("captured %d verify CUDA graphs (modes %s, batches %s, nodes %s, kv lengths %s) in %.1f s",
+                 len(self._graphs), ",".join(self.config.modes), list(self.batch_buckets), list(self.token_buckets),
+                 list(self.kv_buckets), self.capture_s)
 
-    def _capture(self, mode: str, t: int, length: int) -> None:
-        inp = self._inputs[t]
-        inp.fill_dummy()
+    def _capture(self, mode: str, b: int, t: int, length: int) -> None:
+        inp = self.inputs(b, t)
+        inp.fill_dummy(self.scratch_slot)
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side), torch.inference_mode():
             for _ in range(self.config.warmup_iters):
-                self._static(mode, inp, length)
+                verify_step(self.model, self.cache, inp, length, mode)
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.inference_mode(), torch.cuda.graph(graph, pool=self._pool):
-            outputs = self._static(mode, inp, length)
-        self._graphs[(mode, t, length)] = (graph, outputs)
+            outputs = verify_step(self.model, self.cache, inp, length, mode)
+        self._graphs[(mode, b, t, length)] = (graph, outputs)
 
-    # -- per round ---------------------------------------------------------------------------
+    # -- per step ----------------------------------------------------------------------------
 
-    def forward(self, slot: int, past: int, tokens: Tensor, depths: Tensor, tree_mask: Tensor) -> ForwardOutput | None:
-        """Logits and features of the tree's n rows (views of static buffers), or None if no graph fits."""
-        n = tokens.shape[0]
-        shape = self.select("forward", n, past)
+    def run(self, mode: str, rows: Sequence[VerifyRow], masks: Tensor):
+        """The step's outputs (see `verify_step`; static buffers under graphs), or None if no graph fits."""
+        nodes = max(r.tree.num_nodes for r in rows)
+        shape = self.select(mode, len(rows), nodes, max(r.past for r in rows) + nodes)
         if shape is None:
             return None
-        t, length = shape
-        self._inputs[t].fill(slot, past, tokens, depths, tree_mask)
-        out = self._run("forward", t, length)
-        return ForwardOutput(logits=out.logits[:, :n], features=out.features[:, :n])
-
-    def verify_accept(self, slot: int, past: int, tree: DraftTree, depths: Tensor, tree_mask: Tensor,
-                      sampling: SamplingParams, coins: Tensor | None = None,
-                      stage: Stage = no_stage) -> AcceptResult | None:
-        """Forward + accept + feature gather in one replay, or None if no graph fits."""
-        mode = "greedy" if sampling.greedy else "sample"
-        n = tree.num_nodes
-        shape = self.select(mode, n, past)
-        if shape is None:
-            return None
-        t, length = shape
-        with stage("forward"):
-            self._inputs[t].fill(slot, past, tree.tokens, depths, tree_mask, tree.next_token, tree.next_sibling,
-                                 sampling, coins)
-            result, features = self._run(mode, t, length)
-        with stage("sample"):
-            return unpack_accept(result, features)
+        b, t, length = shape
+        inp = self.inputs(b, t)
+        inp.fill(rows, masks, self.scratch_slot)
+        if not self.capture:
+            with torch.inference_mode():
+                return verify_step(self.model, self.cache, inp, length, mode)
+        graph, outputs = self._graphs[(mode, b, t, length)]
+        graph.replay()
+        return outputs

@@ -1,10 +1,11 @@
-"""The Verifier gRPC service: one bidirectional `Session` stream per generation, and `Info`.
+"""The Verifier gRPC service: one bidirectional `Link` stream per drafter connection, and `Info`.
 
 The servicer runs on the asyncio event loop and only does I/O and cheap checks: it reads a
-message, checks its kind, order and sizes, hands the model work to the `ModelWorker`
-thread and writes the reply. Every refusal goes out twice, as the protocol asks: in-band as
-`VerifierMessage.error`, then as the RPC's status. A session's KV slot is freed however its
-stream ends: Close, end of stream, client cancel or deadline, error, or idle timeout.
+link message, decodes and checks its entries (`common.wire.decode_link_request`), hands the
+model work to the `ModelWorker` thread, which batches the messages of every link into one
+step, and writes the reply. A bad entry fails its own session (an in-band `Error` result);
+a message that breaks the link's limits ends the link with INVALID_ARGUMENT. A session's KV
+slot is freed however it ends: Close, error, idle timeout, or the end of its link.
 
     server, port = await serve(VerifierConfig(target_dir="...", port=0))
     ...
@@ -23,8 +24,10 @@ from grpc_health.v1.health import aio as health_aio
 from common.config import CheckpointError, load_target_config
 from common.grpc_server import start_grpc_server
 from common.rpc import VERIFIER_SERVICE, pb, pb_grpc
-from common.wire import WireError, decode_sampling, decode_tree
-from verifier_svc.scheduler import ModelWorker, OpenJob, SessionHandle, VerifyJob
+from common.protocol import CloseEntry, OpenEntry
+from common.wire import LinkLimits, WireError, decode_link_request
+from verifier_svc.cuda_graphs import GraphConfig
+from verifier_svc.scheduler import LinkStep, ModelWorker
 from verifier_svc.target_model import TargetModel
 from verifier_svc.target_runner import TargetRunner
 from verifier_svc.tree_verifier import TreeVerifier, VerifierError, VerifierLimits
@@ -51,11 +54,15 @@ class VerifierConfig:
     idle_timeout_s: float = 300.0  # a session with no message for this long is closed
     grace_s: float = 5.0  # on shutdown, how long running RPCs may finish
     trace_console: bool = False  # also print spans to stdout
-    cuda_graphs: bool = True  # on CUDA, replay captured graphs for the verify forward (False = eager)
+    cuda_graphs: bool = True  # on CUDA, replay captured graphs for the verify step (False = eager)
+    graph_batches: tuple[int, ...] = GraphConfig.batch_buckets  # batch buckets of the verify graphs
+    graph_trees: tuple[int, ...] = GraphConfig.tree_buckets  # tree buckets (drafted nodes) of the verify graphs
+    max_inflight: int = 4  # unanswered messages per link before the verifier stops reading it
 
     def check(self) -> None:
         """Raise ValueError with a one-line message for out-of-range values."""
-        for name, low in (("max_sessions", 1), ("max_seq_len", 2), ("max_tree_nodes", 1), ("max_tree_depth", 1)):
+        for name, low in (("max_sessions", 1), ("max_seq_len", 2), ("max_tree_nodes", 1), ("max_tree_depth", 1),
+                          ("max_inflight", 1)):
             if getattr(self, name) < low:
                 raise ValueError(f"{name} must be >= {low}, got {getattr(self, name)}")
         if not self.idle_timeout_s > 0:
@@ -84,6 +91,13 @@ class VerifierConfig:
     def limits(self) -> VerifierLimits:
         return VerifierLimits(self.max_sessions, self.max_seq_len, self.max_tree_nodes, self.max_tree_depth)
 
+    def max_link_entries(self) -> int:
+        """Entries one link message may carry: every session's, and as many opens again."""
+        return 2 * self.max_sessions + 16
+
+    def graph_config(self) -> GraphConfig:
+        return GraphConfig(tree_buckets=self.graph_trees, batch_buckets=self.graph_batches)
+
 
 def load_verifier(config: VerifierConfig) -> TreeVerifier:
     """Load the target checkpoint and allocate the KV cache (blocking; CheckpointError/ValueError)."""
@@ -94,7 +108,8 @@ def load_verifier(config: VerifierConfig) -> TreeVerifier:
         raise CheckpointError(f"feature layer ids {bad} outside the target's {target.num_layers} layers")
     model = TargetModel.from_pretrained(config.target_dir, config.feature_layer_ids,
                                         device=config.torch_device(), dtype=config.torch_dtype())
-    runner = TargetRunner(model, config.max_sessions, config.max_seq_len, cuda_graphs=config.cuda_graphs)
+    runner = TargetRunner(model, config.max_sessions, config.max_seq_len, config.max_tree_nodes,
+                          cuda_graphs=config.cuda_graphs, graph_config=config.graph_config())
     return TreeVerifier(runner, config.limits())
 
 
@@ -102,85 +117,74 @@ def _status_code(name: str) -> grpc.StatusCode:
     return grpc.StatusCode.__members__.get(name, grpc.StatusCode.UNKNOWN)
 
 
-def _invalid(message: str) -> VerifierError:
-    return VerifierError("INVALID_ARGUMENT", message)
+class _Link:
+    """One `Link` RPC: reads messages, hands each to the worker, writes the replies in order.
 
+    A reader and a writer run concurrently, so a drafter may keep up to `max_inflight`
+    messages unanswered (pipelining); past that the reader stops reading, and gRPC's flow
+    control holds the drafter back. The link's sessions are closed however it ends.
+    """
 
-class _SessionStream:
-    """One `Session` RPC: reads messages in order, runs them on the worker, writes the replies."""
-
-    def __init__(self, context: grpc.aio.ServicerContext, worker: ModelWorker, config: VerifierConfig):
-        self.context, self.worker, self.config = context, worker, config
-        self.handle = SessionHandle()
-        self.rounds = 0
+    def __init__(self, context: grpc.aio.ServicerContext, worker: ModelWorker, config: VerifierConfig, owner: int):
+        self.context, self.worker, self.config, self.owner = context, worker, config, owner
+        self.limits = LinkLimits(max_entries=config.max_link_entries(), max_tree_nodes=config.max_tree_nodes)
+        self.sessions: set[int] = set()  # ids opened and neither closed nor failed, as far as the link knows
+        self.messages = 0
 
     async def run(self) -> str:
-        """Serve the session until it ends normally; returns why. Raises VerifierError."""
-        first = await self._read()
-        if first is None:
-            return self._ended("before Open")
-        if first.WhichOneof("kind") != "open":
-            raise _invalid(f"the first message must be Open, got {self._kind(first)}")
-        await self.context.write(await self.worker.open(self._open_job(first.open)))
-        log.info("session %d opened for %s: %d prompt tokens", self.handle.session_id, self.context.peer(),
-                 len(first.open.prompt_token_ids))
-        while True:
-            message = await self._read()
-            if message is None:
-                return self._ended("without Close")
-            kind = message.WhichOneof("kind")
-            if kind == "close":
-                return "Close received"
-            if kind != "tree":
-                raise _invalid(f"expected Tree or Close, got {self._kind(message)}")
-            await self.context.write(await self.worker.verify(self._verify_job(message.tree)))
-            self.rounds += 1
+        """Serve the link until the drafter ends it; returns why. Raises VerifierError.
 
-    def _ended(self, when: str) -> str:
-        # A client's cancel or deadline first shows up as the end of the request stream.
-        remaining = self.context.time_remaining()
-        if remaining is not None and remaining <= 0:
-            return "the client's deadline passed"
-        return f"stream ended {when} (or the client cancelled)"
-
-    async def _read(self) -> pb.DrafterMessage | None:
-        """The next message, None at the end of the stream; enforces the idle timeout."""
+        The read of the next message and the writer run at once: a failed step (the writer's
+        error) ends the link at once, even while the drafter, waiting for that reply, sends
+        nothing. While the link has sessions and sends nothing for idle_timeout_s, its sessions
+        are closed and the same read goes on (the link stays usable)."""
+        pending: asyncio.Queue = asyncio.Queue(maxsize=self.config.max_inflight)
+        writer = asyncio.create_task(self._write(pending))
+        read = None
         try:
-            message = await asyncio.wait_for(self.context.read(), self.config.idle_timeout_s)
-        except asyncio.TimeoutError:
-            raise VerifierError("DEADLINE_EXCEEDED",
-                                f"no message for {self.config.idle_timeout_s:g} s: session closed") from None
-        return None if message is grpc.aio.EOF else message
+            while True:
+                read = read or asyncio.ensure_future(self.context.read())
+                timeout = self.config.idle_timeout_s if self.sessions else None
+                done, _ = await asyncio.wait({read, writer}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+                if writer in done:
+                    await writer  # raises the step's error
+                    raise VerifierError("INTERNAL", "the link's writer ended early")
+                if not done:
+                    log.warning("link %d: no message for %g s: closing its %d sessions", self.owner,
+                                self.config.idle_timeout_s, len(self.sessions))
+                    self.sessions.clear()
+                    self.worker.close_owner(self.owner)
+                    continue
+                message, read = read.result(), None
+                if message is grpc.aio.EOF:
+                    break
+                try:
+                    items = decode_link_request(message, self.limits)
+                except WireError as exc:
+                    raise VerifierError("INVALID_ARGUMENT", f"bad link message: {exc}") from None
+                for item in items:
+                    if isinstance(item, OpenEntry):
+                        self.sessions.add(item.session_id)
+                    elif isinstance(item, CloseEntry):
+                        self.sessions.discard(item.session_id)
+                job = LinkStep(self.owner, message.step, items, received_bytes=message.ByteSize())
+                await pending.put(self.worker.submit(job))
+            await pending.put(None)
+            await writer
+        finally:
+            writer.cancel()
+            if read is not None:
+                read.cancel()
+        return "the drafter ended the link"
 
-    def _open_job(self, msg: pb.Open) -> OpenJob:
-        layers = tuple(msg.feature_layer_ids)
-        ours = self.worker.verifier.runner.model.feature_layer_ids
-        if layers != ours:
-            raise VerifierError(
-                "FAILED_PRECONDITION",
-                f"the drafter asks for features of target layers {list(layers)}, this verifier returns layers "
-                f"{list(ours)}; start both with the same draft checkpoint",
-            )
-        try:
-            sampling = decode_sampling(msg.sampling)
-        except ValueError as exc:
-            raise _invalid(f"bad sampling parameters: {exc}") from None
-        return OpenJob(self.handle, list(msg.prompt_token_ids), sampling, msg.traceparent, msg.ByteSize())
-
-    def _verify_job(self, msg: pb.Tree) -> VerifyJob:
-        expected = self.rounds + 1
-        if msg.round != expected:
-            raise _invalid(f"tree round {msg.round} is out of order: expected round {expected}")
-        try:
-            tree = decode_tree(msg, max_nodes=self.config.max_tree_nodes)
-        except WireError as exc:
-            raise _invalid(f"malformed tree: {exc}") from None
-        return VerifyJob(self.handle, tree, msg.round, msg.traceparent, msg.ByteSize())
-
-    @staticmethod
-    def _kind(message: pb.DrafterMessage) -> str:
-        kind = message.WhichOneof("kind")
-        return kind.capitalize() if kind else "an empty message"
+    async def _write(self, pending: asyncio.Queue) -> None:
+        while (future := await pending.get()) is not None:
+            reply = await future
+            for r in reply.results:
+                if r.WhichOneof("kind") == "error":
+                    self.sessions.discard(r.session_id)
+            await self.context.write(reply)
+            self.messages += 1
 
 
 class VerifierServicer(pb_grpc.VerifierServicer):
@@ -195,6 +199,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             max_seq_len=config.max_seq_len, max_sessions=config.max_sessions,
             max_tree_nodes=config.max_tree_nodes,
         )
+        self._links = 0
 
     async def Info(self, request: pb.InfoRequest, context: grpc.aio.ServicerContext) -> pb.InfoResponse:
         reply = pb.InfoResponse()
@@ -202,40 +207,28 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         reply.free_sessions = self.worker.free_sessions
         return reply
 
-    async def Session(self, request_iterator, context: grpc.aio.ServicerContext) -> None:
-        stream = _SessionStream(context, self.worker, self.config)
+    async def Link(self, request_iterator, context: grpc.aio.ServicerContext) -> None:
+        self._links += 1
+        link = _Link(context, self.worker, self.config, self._links)
+        log.info("link %d opened by %s", link.owner, context.peer())
         reason = "?"
         try:
-            reason = await stream.run()
+            reason = await link.run()
         except asyncio.CancelledError:
-            reason = "cancelled by the client (or its deadline passed)"
+            reason = "cancelled by the drafter (or its deadline passed)"
             raise
         except Exception as exc:
             error = exc if isinstance(exc, VerifierError) else self._internal(exc)
             reason = f"{error.status}: {error.message}"
-            self.worker.close(stream.handle)  # free the slot before the client hears of the error
-            await self._abort(context, error)
+            await context.abort(_status_code(error.status), error.message)
         finally:
-            self.worker.close(stream.handle)
-            if stream.handle.session_id is not None:
-                log.info("session %d closed after %d rounds: %s", stream.handle.session_id, stream.rounds, reason)
-            else:
-                log.info("session from %s not opened: %s", context.peer(), reason)
+            self.worker.close_owner(link.owner)
+            log.info("link %d closed after %d messages: %s", link.owner, link.messages, reason)
 
     @staticmethod
     def _internal(exc: Exception) -> VerifierError:
-        log.exception("Session failed unexpectedly")
+        log.exception("Link failed unexpectedly")
         return VerifierError("INTERNAL", f"internal error in the verifier ({type(exc).__name__}); see its log")
-
-    @staticmethod
-    async def _abort(context: grpc.aio.ServicerContext, error: VerifierError) -> None:
-        """Send the error in-band, then end the RPC with the same status (raises AbortError)."""
-        code = _status_code(error.status)
-        try:
-            await context.write(pb.VerifierMessage(error=pb.Error(code=code.value[0], message=error.message)))
-        except Exception:  # the peer may already be gone; the status below is what matters
-            pass
-        await context.abort(code, error.message)
 
 
 class VerifierServer:

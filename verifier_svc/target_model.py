@@ -32,10 +32,11 @@ class KVCache:
         self.v = torch.zeros(shape, device=device, dtype=dtype)
         self.num_slots, self.max_seq_len = num_slots, max_seq_len
 
-    def move(self, slot: int, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """Copy entries src -> dst (1-D index tensors) of one slot, all layers at once."""
-        self.k[:, slot, :, dst] = self.k[:, slot, :, src]
-        self.v[:, slot, :, dst] = self.v[:, slot, :, src]
+    def move(self, slots: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy entries src -> dst of slot `slots`, all layers at once (index tensors of one
+        shape, e.g. [B, P]). Every source is read before any destination is written."""
+        self.k[:, slots, :, dst] = self.k[:, slots, :, src]
+        self.v[:, slots, :, dst] = self.v[:, slots, :, src]
 
 
 class DecoderLayer(nn.Module):

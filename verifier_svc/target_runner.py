@@ -1,93 +1,109 @@
-"""Runs the target model over the KV cache: prefill, tree-verify forward, KV compaction.
+"""Runs the target model over the KV cache: prefill, and the batched verify step.
 
-The runner knows positions, cache indices and masks, not sessions or sampling: the
-verifier above it decides which slot a request uses and what was accepted.
+The runner knows slots, positions, cache indices and masks, not sessions: the verifier
+above it decides which slot a request uses. A verify step (`verify_batch`) runs the trees
+of many sessions in one forward, accepts them in one batched call and compacts every
+row's accepted K/V in one batched copy (`verifier_svc.cuda_graphs.verify_step`).
 
-On CUDA the tree-verify forward replays CUDA graphs (`verifier_svc.cuda_graphs`), captured
-when the runner is built; trees larger than the largest bucket, `cuda_graphs=False` and
-CPU devices run eagerly. Prefill is always eager.
+On CUDA the step replays CUDA graphs captured when the runner is built, per (mode, batch
+bucket, tree bucket, KV bucket); batches no graph fits, `cuda_graphs=False` and CPU devices
+run the same code eagerly at the batch's own shape. Prefill is always eager.
+
+The cache has one slot per session plus a scratch slot that padding batch rows write
+into, and `headroom` positions past max_seq_len for the padding nodes of a tree.
 """
 from __future__ import annotations
 
-import torch
+from collections.abc import Sequence
+from dataclasses import dataclass
 
-from common.protocol import SamplingParams
-from common.tree import DraftTree
-from verifier_svc.accept import AcceptResult, Stage, accept_tree, no_stage
-from verifier_svc.cuda_graphs import GraphConfig, VerifyGraphs, cache_length
+import torch
+from torch import Tensor
+
+from verifier_svc.cuda_graphs import BatchInputs, GraphConfig, VerifyGraphs, VerifyRow, cache_length, verify_step
 from verifier_svc.target_model import ForwardOutput, KVCache, TargetModel
 
 
+@dataclass
+class VerifiedBatch:
+    """The accepted paths of one verify step, row by row."""
+
+    paths: list[list[int]]  # node indices, root first
+    bonus: list[int]
+    features: Tensor  # [sum of path lengths, F] on the CPU: the path rows of every row, in row order
+
+
 class TargetRunner:
-    def __init__(self, model: TargetModel, num_slots: int, max_seq_len: int, cuda_graphs: bool = True,
-                 graph_config: GraphConfig | None = None):
+    def __init__(self, model: TargetModel, num_slots: int, max_seq_len: int, max_tree_nodes: int = 1025,
+                 cuda_graphs: bool = True, graph_config: GraphConfig | None = None):
         self.model = model
         model.fuse_weights()
         p = model.embed_tokens.weight
         self.device = p.device
         self.max_seq_len = max_seq_len
+        self.num_slots = num_slots
+        self.scratch_slot = num_slots
         use_graphs = cuda_graphs and self.device.type == "cuda"
-        config = graph_config or GraphConfig()
-        # Graphs pad trees to their bucket: the padding's K/V land after the tree, so the cache
-        # keeps room for the largest bucket past max_seq_len (never committed, never visible).
-        length = cache_length(max_seq_len, config) if use_graphs else max_seq_len
-        self.cache = KVCache(model.cfg, num_slots, length, p.device, p.dtype)
-        self.graphs = VerifyGraphs(model, self.cache, max_seq_len, config) if use_graphs else None
+        self.cache = KVCache(model.cfg, num_slots + 1, cache_length(max_seq_len, max_tree_nodes), p.device, p.dtype)
+        self.graphs = (VerifyGraphs(model, self.cache, max_seq_len, self.scratch_slot, graph_config or GraphConfig())
+                       if use_graphs else None)
 
-    def _run(self, slot: int, tokens: torch.Tensor, positions: torch.Tensor, past: int,
-             local_mask: torch.Tensor, logit_rows: torch.Tensor | None) -> ForwardOutput:
-        """Forward T tokens stored at cache [past, past+T); prefix fully visible, local_mask [T, T] within."""
-        t = tokens.shape[0]
-        mask = torch.ones(t, past + t, dtype=torch.bool, device=self.device)
-        mask[:, past:] = local_mask
-        cache_pos = torch.arange(past, past + t, device=self.device)
+    def prefill(self, slots: Sequence[int], prompts: Sequence[Tensor]) -> tuple[Tensor, list[Tensor]]:
+        """Causal forward of B prompts into empty slots, in one pass. Returns the logits [B, V] of
+        each prompt's last token and each prompt's features [n_b, F].
+
+        The prompts are right-aligned in T = the longest one's columns, so every row's last token
+        is the same column and the head runs on that column only. Row b's padding columns (the
+        first T - n_b) go to cache positions n_b .. T - 1, past its prompt (overwritten later,
+        never visible), and see only themselves.
+        """
+        dev = self.device
+        b, t = len(prompts), max(p.shape[0] for p in prompts)
+        sizes = torch.tensor([p.shape[0] for p in prompts])
+        col = torch.arange(t)[None]
+        start = (t - sizes)[:, None]  # the first prompt column of each row
+        in_prompt = col >= start
+        cache_pos = torch.where(in_prompt, col - start, sizes[:, None] + col)  # [B, T], unique per row
+        positions = torch.where(in_prompt, col - start, 0)
+        tokens = torch.zeros(b, t, dtype=torch.int64)
+        tokens[in_prompt] = torch.cat(list(prompts))
+        causal = cache_pos[:, :, None] >= torch.arange(t)[None, None]
+        mask = torch.where(in_prompt[:, :, None], causal, cache_pos[:, :, None] == torch.arange(t)[None, None])
         with torch.inference_mode():
-            return self.model(
-                tokens[None].to(self.device), positions[None].to(self.device), self.cache,
-                torch.tensor([slot], device=self.device), cache_pos[None], mask[None], logit_rows,
-            )
+            out = self.model(tokens.to(dev), positions.to(dev), self.cache, torch.tensor(list(slots), device=dev),
+                             cache_pos.to(dev), mask.to(dev), torch.tensor([t - 1], device=dev))
+        return out.logits[:, 0], [out.features[i, t - n:] for i, n in enumerate(sizes.tolist())]
 
-    def prefill(self, slot: int, prompt: torch.Tensor) -> ForwardOutput:
-        """Causal forward of the prompt into an empty slot; logits for the last position only."""
-        t = prompt.shape[0]
-        causal = torch.ones(t, t, dtype=torch.bool, device=self.device).tril()
-        last = torch.tensor([t - 1], device=self.device)
-        return self._run(slot, prompt, torch.arange(t), 0, causal, last)
+    def _eager_inputs(self, rows: Sequence[VerifyRow], masks: Tensor) -> tuple[BatchInputs, int]:
+        nodes = max(r.tree.num_nodes for r in rows)
+        inp = BatchInputs(len(rows), nodes, self.device, pinned=False)
+        inp.fill(rows, masks, self.scratch_slot)
+        return inp, max(r.past for r in rows) + nodes
 
-    def verify(self, slot: int, past: int, tokens: torch.Tensor, depths: torch.Tensor,
-               tree_mask: torch.Tensor) -> ForwardOutput:
-        """Tree forward: node i at position past + depth[i], cache index past + i.
+    def forward_batch(self, rows: Sequence[VerifyRow], masks: Tensor) -> ForwardOutput:
+        """Logits [B, T, V] and features [B, T, F] of the padded trees, eagerly (tests, benchmarks).
+        The K/V of every node are written after each row's past; nothing is committed."""
+        inp, length = self._eager_inputs(rows, masks)
+        with torch.inference_mode():
+            return verify_step(self.model, self.cache, inp, length, "forward")
 
-        Under CUDA graphs the outputs are views of static buffers, valid until the next verify.
+    def verify_batch(self, rows: Sequence[VerifyRow], masks: Tensor) -> VerifiedBatch:
+        """Verify every row's tree (masks: bool [B, >= n, >= n], see `common.tree.ancestor_masks`),
+        accept, and compact each row's accepted K/V to [past, past + len(path)).
+
+        Two device-to-host copies: the per-row results, then the accepted rows' features.
         """
-        if self.graphs is not None:
-            out = self.graphs.forward(slot, past, tokens, depths, tree_mask)
-            if out is not None:
-                return out
-        return self._run(slot, tokens, past + depths, past, tree_mask.to(self.device), None)
-
-    def verify_accept(self, slot: int, past: int, tree: DraftTree, depths: torch.Tensor, tree_mask: torch.Tensor,
-                      sampling: SamplingParams, coins: torch.Tensor | None = None,
-                      stage: Stage = no_stage) -> AcceptResult:
-        """Forward + accept (greedy, or target-only sampling with `coins` float32 [n + 1]) + the
-        features of the accepted path: one graph replay on CUDA, the same steps eagerly otherwise.
-
-        `stage` wraps the steps: "forward" and "sample" eagerly; under a graph, "forward" is the
-        replay (forward and accept kernels together) and "sample" reading the result back.
-        """
-        if not sampling.greedy and coins is None:
-            raise ValueError("sampling needs coins: float32 [num_nodes + 1]")
-        if self.graphs is not None:
-            result = self.graphs.verify_accept(slot, past, tree, depths, tree_mask, sampling, coins, stage)
-            if result is not None:
-                return result
-        with stage("forward"):
-            out = self.verify(slot, past, tree.tokens, depths, tree_mask)
-        with stage("sample"):
-            return accept_tree(tree, out.logits[0], out.features[0], sampling, coins)
-
-    def commit(self, slot: int, past: int, path: torch.Tensor) -> None:
-        """Compact the accepted path's K/V (tree node indices, root first) to [past, past+len)."""
-        src = past + path.to(self.device)
-        dst = torch.arange(past, past + path.shape[0], device=self.device)
-        self.cache.move(slot, src, dst)
+        mode = "greedy" if all(r.sampling.greedy for r in rows) else "sample"
+        outputs = self.graphs.run(mode, rows, masks) if self.graphs is not None else None
+        if outputs is None:
+            inp, length = self._eager_inputs(rows, masks)
+            with torch.inference_mode():
+                outputs = verify_step(self.model, self.cache, inp, length, mode)
+        result, features = outputs
+        values = result[: len(rows)].cpu().tolist()
+        paths = [v[2: 3 + v[0]] for v in values]
+        b, t, f = features.shape
+        index = torch.tensor([i * t + j for i, path in enumerate(paths) for j in range(len(path))],
+                             device=features.device)
+        picked = features.reshape(b * t, f).index_select(0, index).cpu()
+        return VerifiedBatch(paths=paths, bonus=[v[1] for v in values], features=picked)

@@ -1,20 +1,30 @@
-"""Verifier sessions: prefill, validate and verify draft trees, sample, commit.
+"""Verifier sessions: open (prefill), verify many sessions' draft trees in one step, close.
 
 Everything that arrives from a drafter is checked here before it touches the model:
-prompt ids, sampling values, the tree's buffers, its root, and its fit in the session's KV
-capacity. Errors are `VerifierError`s that carry a gRPC-style status name.
+prompt ids, sampling values, feature layers, the trees' buffers (`common.tree.walk_trees`,
+vectorised over the step), each tree's root, round and fit in its session's KV capacity.
+A bad entry fails its own session only (it is closed; its result is a `VerifierError`);
+the rest of the step goes on.
+
+Sessions are keyed by (owner, session id): the owner is the link they came over, the id
+the drafter's, so several drafters can share one verifier and their sessions batch together.
 """
 from __future__ import annotations
 
+import collections
 import secrets
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from common.protocol import Prefilled, SamplingParams, StatusError, Verified
-from common.tree import DraftTree, TreeError, ancestor_mask, walk_tree
-from verifier_svc.accept import Stage, accept_tree, draw_coins, no_stage
+from common.protocol import (CloseEntry, Entry, OpenEntry, Prefilled, SamplingParams, StatusError, StepResult,
+                             TreeEntry, Verified)
+from common.tree import DraftTree, TreeError, TreeLayout, ancestor_masks, walk_trees
+from verifier_svc.accept import Stage, accept_roots, draw_coins, no_stage
+from verifier_svc.cuda_graphs import VerifyRow
 from verifier_svc.target_runner import TargetRunner
+
 
 class VerifierError(StatusError):
     """A request the verifier refuses; `status` names the gRPC status code."""
@@ -35,97 +45,228 @@ class _Session:
     generator: torch.Generator
     length: int = 0        # tokens whose K/V are committed
     next_token: int = -1   # the bonus token the next tree must start from
+    rounds: int = 0        # trees verified
+    features: bool = True  # the drafter wants the target features of its tokens
+
+
+Key = tuple[Hashable, int]  # (owner, session id)
 
 
 class TreeVerifier:
+    max_prefill_tokens = 8192  # padded prompt tokens per prefill forward
+
     def __init__(self, runner: TargetRunner, limits: VerifierLimits):
         self.runner = runner
         self.limits = limits
         self.vocab_size = runner.model.cfg.vocab_size
-        self._free_slots = list(range(runner.cache.num_slots - 1, -1, -1))
-        self._sessions: dict[int, _Session] = {}
-        self._next_id = 1
-
-    # -- session lifecycle -------------------------------------------------------------
+        self.feature_layer_ids = runner.model.feature_layer_ids
+        self._free_slots = list(range(runner.num_slots - 1, -1, -1))
+        self._sessions: dict[Key, _Session] = {}
 
     @property
     def free_capacity(self) -> int:
         return len(self._free_slots)
 
-    def open(self, prompt_ids: list[int], sampling: SamplingParams, *,
-             stage: Stage = no_stage) -> tuple[int, Prefilled]:
-        if not prompt_ids:
+    @property
+    def num_sessions(self) -> int:
+        return len(self._sessions)
+
+    # -- one step ------------------------------------------------------------------------
+
+    def step(self, entries: Sequence[tuple[Hashable, Entry]], *, stage: Stage = no_stage) -> list[StepResult | None]:
+        """Run one step: closes first, then every tree in one batched verify, then the opens.
+
+        Returns a list aligned with `entries`: a result for each open and tree entry, None for
+        a close. A session may have one entry per step. An error result means the session has
+        failed and is closed. `stage` wraps the parts: "forward" (the batched verify: forward,
+        accept and KV compaction) and "commit" (bookkeeping), and each batched prefill of opens
+        ("prefill", around its "forward" and "sample").
+        """
+        results: dict[int, StepResult] = {}
+        counts = collections.Counter((owner, e.session_id) for owner, e in entries)
+        trees: list[tuple[int, Key, TreeEntry]] = []
+        opens: list[tuple[int, Key, OpenEntry]] = []
+        for i, (owner, e) in enumerate(entries):
+            key = (owner, e.session_id)
+            if counts[key] > 1:  # every entry of the session fails, and it is closed
+                results[i] = _failed(e.session_id, "FAILED_PRECONDITION", "the session has another entry in this step")
+                self.close(key)
+                continue
+            if isinstance(e, CloseEntry):
+                self.close(key)
+            elif isinstance(e, TreeEntry):
+                trees.append((i, key, e))
+            else:
+                opens.append((i, key, e))
+        if trees:
+            for (i, key, e), outcome in zip(trees, self._verify([(key, e) for _, key, e in trees], stage)):
+                results[i] = StepResult(e.session_id, outcome)
+        if opens:
+            for (i, key, e), outcome in zip(opens, self.open([(key, e) for _, key, e in opens], stage=stage)):
+                results[i] = StepResult(e.session_id, outcome)
+                if isinstance(outcome, VerifierError):
+                    self.close(key)
+        return [results.get(i) for i in range(len(entries))]
+
+    # -- session lifecycle -------------------------------------------------------------
+
+    def open(self, items: Sequence[tuple[Key, OpenEntry]], *, stage: Stage = no_stage
+             ) -> list[Prefilled | VerifierError]:
+        """Open new sessions: check each, prefill the good ones together (in groups of at most
+        `max_prefill_tokens` padded tokens) and sample each one's first token."""
+        outcomes: list[Prefilled | VerifierError | None] = [None] * len(items)
+        ready: list[tuple[int, Key, OpenEntry, torch.Tensor]] = []
+        for i, (key, e) in enumerate(items):
+            try:
+                prompt = self._check_open(key, e)
+            except VerifierError as exc:
+                outcomes[i] = exc
+                continue
+            if len(ready) >= len(self._free_slots):
+                outcomes[i] = VerifierError("RESOURCE_EXHAUSTED",
+                                            f"all {self.limits.max_sessions} session slots are in use")
+                continue
+            ready.append((i, key, e, prompt))
+        ready.sort(key=lambda item: item[3].shape[0])  # similar lengths together: less padding
+        group: list[tuple[int, Key, OpenEntry, torch.Tensor]] = []
+        for item in ready:
+            if group and (len(group) + 1) * item[3].shape[0] > self.max_prefill_tokens:
+                self._prefill(group, outcomes, stage)
+                group = []
+            group.append(item)
+        if group:
+            self._prefill(group, outcomes, stage)
+        return outcomes
+
+    def _check_open(self, key: Key, e: OpenEntry) -> torch.Tensor:
+        """The prompt as a tensor, or VerifierError."""
+        if key in self._sessions:
+            raise VerifierError("ALREADY_EXISTS", f"session {e.session_id} is already open")
+        if tuple(e.feature_layer_ids) not in ((), self.feature_layer_ids):
+            raise VerifierError(
+                "FAILED_PRECONDITION",
+                f"the drafter asks for features of target layers {list(e.feature_layer_ids)}, this verifier "
+                f"returns layers {list(self.feature_layer_ids)}; start both with the same draft checkpoint")
+        if not e.prompt_ids:
             raise VerifierError("INVALID_ARGUMENT", "prompt is empty")
-        if len(prompt_ids) >= self.limits.max_seq_len:
+        if len(e.prompt_ids) >= self.limits.max_seq_len:
             raise VerifierError(
                 "INVALID_ARGUMENT",
-                f"prompt of {len(prompt_ids)} tokens does not fit max_seq_len {self.limits.max_seq_len} "
+                f"prompt of {len(e.prompt_ids)} tokens does not fit max_seq_len {self.limits.max_seq_len} "
                 "(room for at least one generated token is needed)",
             )
-        bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise VerifierError("INVALID_ARGUMENT", f"token ids {bad[:5]} outside the vocabulary [0, {self.vocab_size})")
+        prompt = torch.tensor(e.prompt_ids, dtype=torch.int64)
+        bad = prompt[(prompt < 0) | (prompt >= self.vocab_size)]
+        if bad.numel():
+            raise VerifierError("INVALID_ARGUMENT",
+                                f"token ids {bad[:5].tolist()} outside the vocabulary [0, {self.vocab_size})")
         try:
-            sampling.check()
+            e.sampling.check()
         except ValueError as exc:
             raise VerifierError("INVALID_ARGUMENT", str(exc)) from None
-        if not self._free_slots:
-            raise VerifierError("RESOURCE_EXHAUSTED", f"all {self.limits.max_sessions} session slots are in use")
-        seed = sampling.seed if sampling.seed is not None else secrets.randbits(63)
-        session = _Session(self._free_slots.pop(), sampling, torch.Generator().manual_seed(seed))
-        session_id = self._next_id
-        self._next_id += 1
-        self._sessions[session_id] = session
-        try:
-            prompt = torch.tensor(prompt_ids, dtype=torch.int64)
-            with stage("forward"):
-                out = self.runner.prefill(session.slot, prompt)
-            session.length = len(prompt_ids)
-            root_only = DraftTree(prompt[-1:], torch.tensor([-1]), torch.tensor([-1]))
-            with stage("sample"):
-                coins = None if sampling.greedy else draw_coins(session.generator, 1)
-                bonus = accept_tree(root_only, out.logits[0], out.features[0, -1:], sampling, coins).bonus
-        except Exception:
-            self.close(session_id)
-            raise
-        session.next_token = bonus
-        return session_id, Prefilled(token=bonus, features=out.features[0], max_seq_len=self.limits.max_seq_len)
+        return prompt
 
-    def close(self, session_id: int) -> None:
+    def _prefill(self, group: Sequence[tuple[int, Key, OpenEntry, torch.Tensor]],
+                 outcomes: list, stage: Stage) -> None:
+        """One batched prefill, then every first token in one batched accept of root-only trees."""
+        sessions = []
+        for _, key, e, _ in group:
+            seed = e.sampling.seed if e.sampling.seed is not None else secrets.randbits(63)
+            session = _Session(self._free_slots.pop(), e.sampling, torch.Generator().manual_seed(seed),
+                               features=bool(e.feature_layer_ids))
+            self._sessions[key] = session
+            sessions.append(session)
+        try:
+            with stage("prefill"):
+                with stage("forward"):
+                    logits, features = self.runner.prefill([s.slot for s in sessions], [p for *_, p in group])
+                with stage("sample"):
+                    roots = [DraftTree(p[-1:], torch.tensor([-1]), torch.tensor([-1])) for *_, p in group]
+                    coins = [None if s.sampling.greedy else draw_coins(s.generator, 1) for s in sessions]
+                    bonus = accept_roots(roots, logits, [s.sampling for s in sessions], coins)
+                    rows = [(f if s.features else f[:0]).cpu() for s, f in zip(sessions, features)]
+        except Exception:
+            for _, key, _, _ in group:
+                self.close(key)
+            raise
+        for (i, _, _, prompt), s, token, f in zip(group, sessions, bonus, rows):
+            s.length, s.next_token = prompt.shape[0], token
+            outcomes[i] = Prefilled(token=token, features=f, max_seq_len=self.limits.max_seq_len)
+
+    def close(self, key: Key) -> None:
         """Free the session's slot; closing an unknown or closed session is a no-op."""
-        session = self._sessions.pop(session_id, None)
+        session = self._sessions.pop(key, None)
         if session is not None:
             self._free_slots.append(session.slot)
 
-    # -- one round -----------------------------------------------------------------------
+    def close_owner(self, owner: Hashable) -> int:
+        """Close every session of one owner (its link ended); returns how many."""
+        keys = [k for k in self._sessions if k[0] == owner]
+        for key in keys:
+            self.close(key)
+        return len(keys)
 
-    def verify(self, session_id: int, tree: DraftTree, *, stage: Stage = no_stage) -> Verified:
-        session = self._sessions.get(session_id)
+    # -- verify ----------------------------------------------------------------------------
+
+    def _verify(self, items: Sequence[tuple[Key, TreeEntry]], stage: Stage) -> list[Verified | VerifierError]:
+        """Check every tree, verify the good ones in one batched step; a bad one closes its session."""
+        outcomes: list[Verified | VerifierError | None] = [None] * len(items)
+        layouts = walk_trees([e.tree for _, e in items], vocab_size=self.vocab_size,
+                             max_nodes=self.limits.max_tree_nodes, max_depth=self.limits.max_tree_depth)
+        good: list[int] = []
+        for i, ((key, e), layout) in enumerate(zip(items, layouts)):
+            try:
+                self._check(key, e, layout)
+                good.append(i)
+            except VerifierError as exc:
+                outcomes[i] = exc
+                self.close(key)
+        if good:
+            rows = []
+            for i in good:
+                key, e = items[i]
+                s = self._sessions[key]
+                coins = None if s.sampling.greedy else draw_coins(s.generator, e.tree.num_nodes)
+                rows.append(VerifyRow(s.slot, s.length, e.tree, layouts[i].depths, s.sampling, coins))
+            masks = ancestor_masks([layouts[i] for i in good], max(r.tree.num_nodes for r in rows))
+            with stage("forward"):
+                batch = self.runner.verify_batch(rows, masks)
+            with stage("commit"):
+                offset = 0
+                for j, i in enumerate(good):
+                    key, e = items[i]
+                    s = self._sessions[key]
+                    path = batch.paths[j]
+                    s.length += len(path)
+                    s.next_token = batch.bonus[j]
+                    s.rounds += 1
+                    accepted = e.tree.tokens[path[1:]].tolist()
+                    rows = batch.features[offset: offset + len(path)]
+                    outcomes[i] = Verified(accepted_tokens=accepted, next_token=batch.bonus[j],
+                                           features=rows if s.features else rows[:0], round=e.round)
+                    offset += len(path)
+        return outcomes
+
+    def _check(self, key: Key, e: TreeEntry, layout: TreeLayout | TreeError) -> None:
+        session = self._sessions.get(key)
         if session is None:
-            raise VerifierError("NOT_FOUND", f"no open session {session_id}")
-        try:
-            layout = walk_tree(tree, vocab_size=self.vocab_size, max_nodes=self.limits.max_tree_nodes,
-                               max_depth=self.limits.max_tree_depth)
-        except TreeError as exc:
-            raise VerifierError("INVALID_ARGUMENT", f"malformed tree: {exc}") from None
-        if int(tree.tokens[0]) != session.next_token:
-            raise VerifierError(
-                "INVALID_ARGUMENT",
-                f"tree root token {int(tree.tokens[0])} is not the last bonus token {session.next_token}",
-            )
-        n = tree.num_nodes
+            raise VerifierError("NOT_FOUND", f"no open session {e.session_id}")
+        if isinstance(layout, TreeError):
+            raise VerifierError("INVALID_ARGUMENT", f"malformed tree: {layout}")
+        if e.round != session.rounds + 1:
+            raise VerifierError("INVALID_ARGUMENT",
+                                f"tree round {e.round} is out of order: expected round {session.rounds + 1}")
+        root = int(e.tree.tokens[0])
+        if root != session.next_token:
+            raise VerifierError("INVALID_ARGUMENT",
+                                f"tree root token {root} is not the last bonus token {session.next_token}")
+        n = e.tree.num_nodes
         if session.length + n > self.limits.max_seq_len:
             raise VerifierError(
                 "INVALID_ARGUMENT",
-                f"tree of {n} nodes does not fit: session holds {session.length} of {self.limits.max_seq_len} tokens",
-            )
-        coins = None if session.sampling.greedy else draw_coins(session.generator, n)
-        mask = ancestor_mask(layout.parents, layout.depths)
-        result = self.runner.verify_accept(session.slot, session.length, tree, layout.depths, mask,
-                                           session.sampling, coins, stage=stage)
-        with stage("commit"):
-            self.runner.commit(session.slot, session.length, result.path)
-            session.length += result.path.shape[0]
-            session.next_token = result.bonus
-        return Verified(accepted_tokens=tree.tokens[result.path[1:]].tolist(), next_token=result.bonus,
-                        features=result.features)
+                f"tree of {n} nodes does not fit: session holds {session.length} of {self.limits.max_seq_len} tokens")
+
+
+def _failed(session_id: int, status: str, message: str) -> StepResult:
+    return StepResult(session_id, VerifierError(status, message))
+

@@ -135,54 +135,66 @@ class Open(_message.Message):
     def __init__(self, prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., traceparent: _Optional[str] = ..., feature_layer_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Tree(_message.Message):
-    __slots__ = ("round", "tokens", "next_token", "next_sibling", "traceparent")
+    __slots__ = ("round", "num_nodes", "traceparent")
     ROUND_FIELD_NUMBER: _ClassVar[int]
-    TOKENS_FIELD_NUMBER: _ClassVar[int]
-    NEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
-    NEXT_SIBLING_FIELD_NUMBER: _ClassVar[int]
+    NUM_NODES_FIELD_NUMBER: _ClassVar[int]
     TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
     round: int
-    tokens: PackedInts
-    next_token: PackedInts
-    next_sibling: PackedInts
+    num_nodes: int
     traceparent: str
-    def __init__(self, round: _Optional[int] = ..., tokens: _Optional[_Union[PackedInts, _Mapping]] = ..., next_token: _Optional[_Union[PackedInts, _Mapping]] = ..., next_sibling: _Optional[_Union[PackedInts, _Mapping]] = ..., traceparent: _Optional[str] = ...) -> None: ...
+    def __init__(self, round: _Optional[int] = ..., num_nodes: _Optional[int] = ..., traceparent: _Optional[str] = ...) -> None: ...
 
 class Close(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
-class DrafterMessage(_message.Message):
-    __slots__ = ("open", "tree", "close")
+class SessionEntry(_message.Message):
+    __slots__ = ("session_id", "open", "tree", "close")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     OPEN_FIELD_NUMBER: _ClassVar[int]
     TREE_FIELD_NUMBER: _ClassVar[int]
     CLOSE_FIELD_NUMBER: _ClassVar[int]
+    session_id: int
     open: Open
     tree: Tree
     close: Close
-    def __init__(self, open: _Optional[_Union[Open, _Mapping]] = ..., tree: _Optional[_Union[Tree, _Mapping]] = ..., close: _Optional[_Union[Close, _Mapping]] = ...) -> None: ...
+    def __init__(self, session_id: _Optional[int] = ..., open: _Optional[_Union[Open, _Mapping]] = ..., tree: _Optional[_Union[Tree, _Mapping]] = ..., close: _Optional[_Union[Close, _Mapping]] = ...) -> None: ...
+
+class LinkRequest(_message.Message):
+    __slots__ = ("step", "entries", "tree_tokens", "tree_next_token", "tree_next_sibling")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    TREE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TREE_NEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    TREE_NEXT_SIBLING_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    entries: _containers.RepeatedCompositeFieldContainer[SessionEntry]
+    tree_tokens: PackedInts
+    tree_next_token: PackedInts
+    tree_next_sibling: PackedInts
+    def __init__(self, step: _Optional[int] = ..., entries: _Optional[_Iterable[_Union[SessionEntry, _Mapping]]] = ..., tree_tokens: _Optional[_Union[PackedInts, _Mapping]] = ..., tree_next_token: _Optional[_Union[PackedInts, _Mapping]] = ..., tree_next_sibling: _Optional[_Union[PackedInts, _Mapping]] = ...) -> None: ...
 
 class Prefilled(_message.Message):
-    __slots__ = ("token", "features", "max_seq_len")
+    __slots__ = ("token", "max_seq_len", "feature_rows")
     TOKEN_FIELD_NUMBER: _ClassVar[int]
-    FEATURES_FIELD_NUMBER: _ClassVar[int]
     MAX_SEQ_LEN_FIELD_NUMBER: _ClassVar[int]
+    FEATURE_ROWS_FIELD_NUMBER: _ClassVar[int]
     token: int
-    features: Tensor
     max_seq_len: int
-    def __init__(self, token: _Optional[int] = ..., features: _Optional[_Union[Tensor, _Mapping]] = ..., max_seq_len: _Optional[int] = ...) -> None: ...
+    feature_rows: int
+    def __init__(self, token: _Optional[int] = ..., max_seq_len: _Optional[int] = ..., feature_rows: _Optional[int] = ...) -> None: ...
 
 class Verified(_message.Message):
-    __slots__ = ("round", "accepted_tokens", "next_token", "features")
+    __slots__ = ("round", "accepted_tokens", "next_token", "feature_rows")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
-    FEATURES_FIELD_NUMBER: _ClassVar[int]
+    FEATURE_ROWS_FIELD_NUMBER: _ClassVar[int]
     round: int
     accepted_tokens: _containers.RepeatedScalarFieldContainer[int]
     next_token: int
-    features: Tensor
-    def __init__(self, round: _Optional[int] = ..., accepted_tokens: _Optional[_Iterable[int]] = ..., next_token: _Optional[int] = ..., features: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+    feature_rows: int
+    def __init__(self, round: _Optional[int] = ..., accepted_tokens: _Optional[_Iterable[int]] = ..., next_token: _Optional[int] = ..., feature_rows: _Optional[int] = ...) -> None: ...
 
 class Error(_message.Message):
     __slots__ = ("code", "message")
@@ -192,15 +204,27 @@ class Error(_message.Message):
     message: str
     def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
 
-class VerifierMessage(_message.Message):
-    __slots__ = ("prefilled", "verified", "error")
+class SessionResult(_message.Message):
+    __slots__ = ("session_id", "prefilled", "verified", "error")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PREFILLED_FIELD_NUMBER: _ClassVar[int]
     VERIFIED_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    session_id: int
     prefilled: Prefilled
     verified: Verified
     error: Error
-    def __init__(self, prefilled: _Optional[_Union[Prefilled, _Mapping]] = ..., verified: _Optional[_Union[Verified, _Mapping]] = ..., error: _Optional[_Union[Error, _Mapping]] = ...) -> None: ...
+    def __init__(self, session_id: _Optional[int] = ..., prefilled: _Optional[_Union[Prefilled, _Mapping]] = ..., verified: _Optional[_Union[Verified, _Mapping]] = ..., error: _Optional[_Union[Error, _Mapping]] = ...) -> None: ...
+
+class LinkResponse(_message.Message):
+    __slots__ = ("step", "results", "features")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    FEATURES_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    results: _containers.RepeatedCompositeFieldContainer[SessionResult]
+    features: Tensor
+    def __init__(self, step: _Optional[int] = ..., results: _Optional[_Iterable[_Union[SessionResult, _Mapping]]] = ..., features: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class InfoRequest(_message.Message):
     __slots__ = ()

@@ -156,8 +156,11 @@ class Generation:
 
 class VerifierStub:
     """---------------------------------------------------------------------------------------
-    Internal API, served by the verifier: one bidirectional stream per generation,
-    exactly one message each way per step.
+    Internal API, served by the verifier: one long-lived bidirectional `Link` stream per
+    drafter connection. Each LinkRequest carries the entries of one drafter step for many
+    sessions (open / tree / close); the verifier answers every LinkRequest with exactly one
+    LinkResponse, in order, holding a result for each open and tree entry. A session's
+    failure is a per-session Error result; the link and the other sessions carry on.
     ---------------------------------------------------------------------------------------
 
     """
@@ -168,10 +171,10 @@ class VerifierStub:
         Args:
             channel: A grpc.Channel.
         """
-        self.Session = channel.stream_stream(
-                '/ddtree.v1.Verifier/Session',
-                request_serializer=ddtree_dot_v1_dot_ddtree__pb2.DrafterMessage.SerializeToString,
-                response_deserializer=ddtree_dot_v1_dot_ddtree__pb2.VerifierMessage.FromString,
+        self.Link = channel.stream_stream(
+                '/ddtree.v1.Verifier/Link',
+                request_serializer=ddtree_dot_v1_dot_ddtree__pb2.LinkRequest.SerializeToString,
+                response_deserializer=ddtree_dot_v1_dot_ddtree__pb2.LinkResponse.FromString,
                 _registered_method=True)
         self.Info = channel.unary_unary(
                 '/ddtree.v1.Verifier/Info',
@@ -182,13 +185,16 @@ class VerifierStub:
 
 class VerifierServicer:
     """---------------------------------------------------------------------------------------
-    Internal API, served by the verifier: one bidirectional stream per generation,
-    exactly one message each way per step.
+    Internal API, served by the verifier: one long-lived bidirectional `Link` stream per
+    drafter connection. Each LinkRequest carries the entries of one drafter step for many
+    sessions (open / tree / close); the verifier answers every LinkRequest with exactly one
+    LinkResponse, in order, holding a result for each open and tree entry. A session's
+    failure is a per-session Error result; the link and the other sessions carry on.
     ---------------------------------------------------------------------------------------
 
     """
 
-    def Session(self, request_iterator, context):
+    def Link(self, request_iterator, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -203,10 +209,10 @@ class VerifierServicer:
 
 def add_VerifierServicer_to_server(servicer, server):
     rpc_method_handlers = {
-            'Session': grpc.stream_stream_rpc_method_handler(
-                    servicer.Session,
-                    request_deserializer=ddtree_dot_v1_dot_ddtree__pb2.DrafterMessage.FromString,
-                    response_serializer=ddtree_dot_v1_dot_ddtree__pb2.VerifierMessage.SerializeToString,
+            'Link': grpc.stream_stream_rpc_method_handler(
+                    servicer.Link,
+                    request_deserializer=ddtree_dot_v1_dot_ddtree__pb2.LinkRequest.FromString,
+                    response_serializer=ddtree_dot_v1_dot_ddtree__pb2.LinkResponse.SerializeToString,
             ),
             'Info': grpc.unary_unary_rpc_method_handler(
                     servicer.Info,
@@ -223,14 +229,17 @@ def add_VerifierServicer_to_server(servicer, server):
  # This class is part of an EXPERIMENTAL API.
 class Verifier:
     """---------------------------------------------------------------------------------------
-    Internal API, served by the verifier: one bidirectional stream per generation,
-    exactly one message each way per step.
+    Internal API, served by the verifier: one long-lived bidirectional `Link` stream per
+    drafter connection. Each LinkRequest carries the entries of one drafter step for many
+    sessions (open / tree / close); the verifier answers every LinkRequest with exactly one
+    LinkResponse, in order, holding a result for each open and tree entry. A session's
+    failure is a per-session Error result; the link and the other sessions carry on.
     ---------------------------------------------------------------------------------------
 
     """
 
     @staticmethod
-    def Session(request_iterator,
+    def Link(request_iterator,
             target,
             options=(),
             channel_credentials=None,
@@ -243,9 +252,9 @@ class Verifier:
         return grpc.experimental.stream_stream(
             request_iterator,
             target,
-            '/ddtree.v1.Verifier/Session',
-            ddtree_dot_v1_dot_ddtree__pb2.DrafterMessage.SerializeToString,
-            ddtree_dot_v1_dot_ddtree__pb2.VerifierMessage.FromString,
+            '/ddtree.v1.Verifier/Link',
+            ddtree_dot_v1_dot_ddtree__pb2.LinkRequest.SerializeToString,
+            ddtree_dot_v1_dot_ddtree__pb2.LinkResponse.FromString,
             options,
             channel_credentials,
             insecure,

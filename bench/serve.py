@@ -1,0 +1,680 @@
+"""Concurrency benchmark of the real services: N streaming clients against a drafter + verifier.
+
+    PYTHONPATH=. python bench/serve.py --models qwen3-8b [--concurrency 1,4,8,16,32,64] [--taus 3,6] \
+        [--max-new-tokens 128] [--out-json serve.json]
+    PYTHONPATH=. python bench/serve.py --models default --device cuda [--accept-probs 0.7,0.9]
+    PYTHONPATH=. python bench/serve.py --models default,qwen3-8b --out-json serve.json   # both setups
+    PYTHONPATH=. python bench/serve.py --models default --device cpu --quick              # CPU smoke run
+    PYTHONPATH=. python bench/serve.py --models qwen3-8b --small --device cpu --quick     # toy sizes, CPU
+
+Both services run as their own processes on loopback (free ports, ready once each prints its
+"listening on" line and answers SERVING on grpc.health.v1), and are stopped with SIGTERM
+(then killed) however the run ends. Model setups (`--models`):
+
+* `default`: the shipped trained pair (`--target`, `--draft`) through the real CLIs,
+  `python -m verifier_svc` and `python -m drafter_svc`; prompts are token windows of the
+  target's held-out standard-library files (`TARGET/corpus.json`).
+* `qwen3-8b`: random weights at Qwen3-8B dimensions (36-layer target, 5-layer block-16 DFlash
+  draft), built in memory by `bench/serve_roles.py`, which runs the same CLIs with only the
+  checkpoint loaders swapped (the target gets a planted greedy successor per token, so that
+  greedy outputs survive bf16 rounding; see there); prompts are random token ids. `--small`:
+  toy dimensions.
+
+Load: N clients at once (one grpc.aio stream each, the public `Generate` API, greedy, prompts
+as token ids, every prompt distinct), each sending one short warm-up request (untimed), then
+`--requests-per-client` requests one after another; a run's wall time is from the first
+timed request to the last answer.
+
+Runs, at every N: plain batched autoregressive decoding of the same target (`tree_budget 0`:
+root-only trees, batched on the verifier like any others) over every prompt of the later
+runs; with the `default` pair, tree mode at its real acceptance; then per `--accept-probs`
+value (default: the p giving tau ~ 3 and ~ 6, tau = 1 + p (1 - p^D) / (1 - p), D = block
+size - 1, found by bisection) the drafter restarted with `--bench-oracle`
+(drafter_svc/oracle.py), fed the AR continuations, and tree mode (`--tree-budget`).
+
+Reported per (setting, N): completion tokens/s over all clients (tokens / wall time), tau
+(mean of the responses' `Stats.mean_acceptance`; `tau_rounds` in the JSON = emitted tokens /
+rounds), time to first token (request sent -> first token arrives, client side) p50 / p99,
+inter-token latency p50 / p99 (per streamed delta after a request's first: the time since the
+previous delta / the tokens it carries, one sample per token, pooled over clients), the
+speed-up over AR at the same N, and `==AR`: the fraction of requests whose tokens equal the AR
+tokens of the same prompt. Greedy decoding is lossless, so that is 1.0 up to rounding: in
+bfloat16 the batch and tree shapes of the two runs round differently and near-ties flip
+(`--dtype float32` checks it exactly).
+"""
+from __future__ import annotations
+
+import os.path
+import sys
+
+# Run as a script, this folder would shadow the repository's packages (bench/kernels.py vs kernels/).
+if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(__file__)):
+    sys.path[0] = os.path.dirname(sys.path[0])
+
+import argparse
+import asyncio
+import ctypes
+import json
+import platform
+import random
+import re
+import signal
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import grpc
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from bench.bench_timing import write_json
+from common.rpc import CHANNEL_OPTIONS, pb, pb_grpc
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_TARGET = "models/default/target"
+DEFAULT_DRAFT = "models/default/draft"
+LISTENING = re.compile(r"listening on \S+?:(\d+)")
+WARMUP_TOKENS = 16  # new tokens of each client's warm-up request
+
+
+def log(message: str) -> None:
+    print(f"[serve] {message}", file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------------------------------
+# Options.
+# ---------------------------------------------------------------------------------------
+
+
+def int_list(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def float_list(text: str) -> list[float]:
+    try:
+        return [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python bench/serve.py", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=__doc__.split("\n\n", 1)[1])
+    p.add_argument("--models", default="qwen3-8b",
+                   help="model setups, comma-separated: default (the shipped trained pair) and/or qwen3-8b "
+                        "(random weights at Qwen3-8B dimensions) (default qwen3-8b)")
+    p.add_argument("--small", action="store_true", help="qwen3-8b setup at toy dimensions (runs on CPU)")
+    p.add_argument("--target", help=f"target checkpoint of the default setup (default {DEFAULT_TARGET})")
+    p.add_argument("--draft", help=f"draft checkpoint of the default setup (default {DEFAULT_DRAFT})")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="torch device of both services (default cuda if available, else cpu)")
+    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
+                   help="model dtype of both services; auto = bfloat16 on CUDA, float32 on CPU (default auto)")
+    p.add_argument("--concurrency", type=int_list, default=None,
+                   help="concurrent clients N, comma-separated (default 1,4,8,16,32,64; 1,4 with --quick)")
+    p.add_argument("--requests-per-client", type=int, default=None,
+                   help="timed requests per client and N, after one warm-up request (default 2; 1 with --quick)")
+    p.add_argument("--prompt-len", type=int, default=None, help="prompt tokens (default 128; 32 with --quick)")
+    p.add_argument("--max-new-tokens", type=int, default=None,
+                   help="new tokens per request (default 128; 32 with --quick); fewer when EOS comes first")
+    p.add_argument("--tree-budget", type=int, default=16, help="drafted nodes per tree in tree mode (default 16)")
+    p.add_argument("--taus", type=float_list, default=[3.0, 6.0],
+                   help="target acceptance lengths for the oracle runs; each becomes an accept probability "
+                        "(default 3,6)")
+    p.add_argument("--accept-probs", type=float_list, default=None,
+                   help="oracle accept probabilities, comma-separated, instead of --taus")
+    p.add_argument("--no-real", action="store_true",
+                   help="default setup: skip tree mode at the pair's real acceptance (no oracle)")
+    p.add_argument("--max-sessions", type=int, default=None,
+                   help="verifier KV slots and drafter --max-concurrent (default max of --concurrency)")
+    p.add_argument("--max-seq-len", type=int, default=None,
+                   help="verifier tokens per session (default prompt + new tokens + tree, rounded up to 64)")
+    p.add_argument("--graph-batches", type=int_list, default=None,
+                   help="verifier --graph-batches (default the --concurrency values: the buckets the run needs)")
+    p.add_argument("--graph-trees", default=None,
+                   help="verifier --graph-trees (default 0,TREE_BUDGET: AR and tree mode)")
+    p.add_argument("--no-cuda-graphs", action="store_true", help="both services without CUDA graphs")
+    p.add_argument("--seed", type=int, default=0, help="prompt and oracle seed (default 0)")
+    p.add_argument("--quick", action="store_true",
+                   help="smoke-run defaults: concurrency 1,4, 1 request per client, 32-token prompts, 32 new tokens")
+    p.add_argument("--startup-timeout", type=float, default=900.0,
+                   help="seconds a service may take to start listening (default 900)")
+    p.add_argument("--request-timeout", type=float, default=600.0, help="deadline of one request in s (default 600)")
+    p.add_argument("--log-dir", default=None,
+                   help="keep the services' logs and the oracle files here (default: a temporary folder, removed)")
+    p.add_argument("--sequential", action="store_true",
+                   help="also run each N > 1's timed requests one after another through one client, and report "
+                        "the concurrent wall time over that sequential one (conc/seq) and whether the outputs match")
+    p.add_argument("--out-json", help="write the results here")
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = build_parser()
+    a = p.parse_args(argv)
+    quick = a.quick
+    a.concurrency = a.concurrency or ([1, 4] if quick else [1, 4, 8, 16, 32, 64])
+    a.requests_per_client = a.requests_per_client or (1 if quick else 2)
+    a.prompt_len = a.prompt_len or (32 if quick else 128)
+    a.max_new_tokens = a.max_new_tokens or (32 if quick else 128)
+    a.models = [m.strip() for m in a.models.split(",") if m.strip()]
+    # The services run in the repository root: the defaults are relative to it, given paths to here.
+    a.target = str(Path(a.target).resolve()) if a.target else DEFAULT_TARGET
+    a.draft = str(Path(a.draft).resolve()) if a.draft else DEFAULT_DRAFT
+    a.max_sessions = a.max_sessions or max(a.concurrency)
+    a.max_seq_len = a.max_seq_len or -(-(a.prompt_len + a.max_new_tokens + a.tree_budget + 1) // 64) * 64
+    a.graph_batches = a.graph_batches or sorted(set(a.concurrency))
+    a.graph_trees = a.graph_trees or f"0,{a.tree_budget}"
+    bad = [m for m in a.models if m not in ("default", "qwen3-8b")]
+    if bad or not a.models:
+        p.error(f"--models takes default and/or qwen3-8b, got {','.join(bad) or 'nothing'}")
+    if a.requests_per_client < 1 or a.prompt_len < 1 or a.max_new_tokens < 1 or a.tree_budget < 1:
+        p.error("--requests-per-client, --prompt-len, --max-new-tokens and --tree-budget must be >= 1")
+    if a.max_sessions < max(a.concurrency):
+        p.error(f"--max-sessions {a.max_sessions} is below the largest concurrency {max(a.concurrency)}")
+    if a.accept_probs is not None and not all(0 <= x <= 1 for x in a.accept_probs):
+        p.error("--accept-probs must be in [0, 1]")
+    return a
+
+
+# ---------------------------------------------------------------------------------------
+# Controlled acceptance.
+# ---------------------------------------------------------------------------------------
+
+
+def tau_of(p: float, depth: int) -> float:
+    """Expected tokens per round of a chain accepting each of `depth` drafted tokens with probability p."""
+    return 1.0 + sum(p ** d for d in range(1, depth + 1))
+
+
+def prob_for_tau(tau: float, depth: int) -> float:
+    """The p with tau_of(p, depth) == tau, by bisection (tau is increasing in p)."""
+    if not 1.0 <= tau <= depth + 1:
+        raise ValueError(f"tau {tau} is outside [1, {depth + 1}] for a block of {depth} drafted tokens")
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if tau_of(mid, depth) < tau else (lo, mid)
+    return (lo + hi) / 2
+
+
+@dataclass
+class Setting:
+    """One drafter configuration of the tree-mode runs."""
+    name: str
+    accept_prob: float | None = None  # None: no oracle (the draft's real acceptance)
+    target_tau: float | None = None
+
+
+def oracle_settings(a: argparse.Namespace, block_size: int) -> list[Setting]:
+    depth = block_size - 1
+    if a.accept_probs is not None:
+        return [Setting(f"p={p:.3f}", p, tau_of(p, depth)) for p in a.accept_probs]
+    settings = []
+    for tau in a.taus:
+        try:
+            p = prob_for_tau(tau, depth)
+        except ValueError as exc:
+            raise SystemExit(f"error: --taus: {exc}") from None
+        log(f"tau {tau:g} with {depth} drafted tokens per block -> accept_prob {p:.4f}")
+        settings.append(Setting(f"tau~{tau:g}", p, tau))
+    return settings
+
+
+def write_oracle(path: Path, accept_prob: float, continuations: dict[tuple[int, ...], list[int]], seed: int) -> None:
+    """The --bench-oracle file (drafter_svc/oracle.py's format)."""
+    rows = [{"prompt_token_ids": list(prompt), "tokens": tokens} for prompt, tokens in continuations.items()]
+    path.write_text(json.dumps({"accept_prob": accept_prob, "seed": seed, "continuations": rows}))
+
+
+# ---------------------------------------------------------------------------------------
+# The services.
+# ---------------------------------------------------------------------------------------
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: get SIGTERM if the benchmark dies without cleaning up (Linux)."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+class Service:
+    """One service process: started on a free port, ready when it prints its port and is SERVING."""
+
+    def __init__(self, name: str, argv: list[str], log_path: Path):
+        self.name, self.argv, self.log_path = name, argv, log_path
+        self.proc: subprocess.Popen | None = None
+        self.port = 0
+        self.startup_s = 0.0
+
+    def start(self, timeout_s: float) -> "Service":
+        log(f"starting {self.name}: {' '.join(self.argv)}")
+        env = dict(os.environ, PYTHONUNBUFFERED="1",
+                   PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+        t0 = time.perf_counter()
+        with open(self.log_path, "w") as out:
+            self.proc = subprocess.Popen(self.argv, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+        self.port = self._wait_listening(t0 + timeout_s, timeout_s)
+        self._wait_serving(t0 + timeout_s)
+        self.startup_s = time.perf_counter() - t0
+        log(f"{self.name} listening on 127.0.0.1:{self.port} after {self.startup_s:.1f} s")
+        return self
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def _wait_listening(self, deadline: float, timeout_s: float) -> int:
+        while time.perf_counter() < deadline:
+            found = LISTENING.search(self.log_path.read_text(errors="replace"))
+            if found:
+                return int(found.group(1))
+            if self.proc.poll() is not None:
+                self.fail(f"exited with code {self.proc.returncode} before listening")
+            time.sleep(0.2)
+        self.fail(f"did not start listening within {timeout_s:.0f} s")
+
+    def _wait_serving(self, deadline: float) -> None:
+        with grpc.insecure_channel(self.address) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            while time.perf_counter() < deadline:
+                try:
+                    reply = stub.Check(health_pb2.HealthCheckRequest(), timeout=5)
+                    if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                        return
+                except grpc.RpcError:
+                    pass
+                time.sleep(0.2)
+        self.fail("did not report SERVING")
+
+    def print_log_tail(self, lines: int = 30) -> None:
+        tail = self.log_path.read_text(errors="replace").splitlines()[-lines:]
+        sys.stderr.write("".join(f"  {self.name}| {line}\n" for line in tail))
+
+    def fail(self, why: str):
+        self.print_log_tail()
+        raise RuntimeError(f"{self.name} {why} (log above)")
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """SIGTERM, then SIGKILL after `timeout_s`."""
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            log(f"{self.name} did not stop within {timeout_s:.0f} s: killing it")
+            self.proc.kill()
+            self.proc.wait()
+        log(f"{self.name} stopped (exit {self.proc.returncode})")
+
+
+@dataclass
+class Setup:
+    """A model setup: how to start its two services, and what its prompts and oracle need."""
+    name: str
+    verifier_argv: list[str]
+    drafter_argv: list[str]  # without --verifier / --bench-oracle
+    block_size: int
+    vocab_size: int
+    real_acceptance: bool  # also run tree mode without the oracle
+    heldout_target: Path | None = None  # prompts from this target's held-out files; None = random ids
+
+
+def common_verifier_flags(a: argparse.Namespace) -> list[str]:
+    flags = ["--host", "127.0.0.1", "--port", "0", "--device", a.device, "--dtype", a.dtype,
+             "--max-sessions", str(a.max_sessions),
+             "--max-seq-len", str(a.max_seq_len), "--max-tree-nodes", str(a.tree_budget + 1),
+             "--graph-batches", ",".join(map(str, a.graph_batches)), "--graph-trees", a.graph_trees]
+    return flags + (["--no-cuda-graphs"] if a.no_cuda_graphs else [])
+
+
+def common_drafter_flags(a: argparse.Namespace) -> list[str]:
+    flags = ["--host", "127.0.0.1", "--port", "0", "--device", a.device, "--dtype", a.dtype,
+             "--tree-budget", str(a.tree_budget),
+             "--max-new-tokens", str(a.max_new_tokens), "--max-concurrent", str(a.max_sessions)]
+    return flags + (["--no-cuda-graphs"] if a.no_cuda_graphs else [])
+
+
+def make_setup(name: str, a: argparse.Namespace) -> Setup:
+    python = sys.executable
+    if name == "default":
+        from common.config import load_draft_config, load_target_config
+
+        pair = ["--target", a.target, "--draft", a.draft]
+        return Setup("default", [python, "-m", "verifier_svc", *pair, *common_verifier_flags(a)],
+                     [python, "-m", "drafter_svc", *pair, *common_drafter_flags(a)],
+                     load_draft_config(ROOT / a.draft).block_size, load_target_config(ROOT / a.target).vocab_size,
+                     real_acceptance=not a.no_real, heldout_target=ROOT / a.target)
+    from bench.serve_roles import block_size
+    from bench.verify import qwen3_8b_config
+
+    roles = [python, "bench/serve_roles.py"]
+    small = ["--small"] if a.small else []
+    return Setup("qwen3-8b" + (" (small)" if a.small else ""),
+                 [*roles, "verifier", *small, *common_verifier_flags(a)],
+                 [*roles, "drafter", *small, *common_drafter_flags(a)],
+                 block_size(a.small), qwen3_8b_config(a.small).vocab_size, real_acceptance=False)
+
+
+# ---------------------------------------------------------------------------------------
+# Prompts: distinct per (N, client, request); request 0 of each client is its warm-up.
+# ---------------------------------------------------------------------------------------
+
+
+def heldout_windows(target_dir: Path, prompt_len: int) -> list[tuple[int, ...]]:
+    """Every distinct `prompt_len`-token window of the target's held-out files, in order."""
+    from common.checkpoint import load_tokenizer
+
+    tokenizer = load_tokenizer(target_dir)
+    heads = json.loads((target_dir / "corpus.json").read_text()).get("heldout_heads") or {}
+    seen: dict[tuple[int, ...], None] = {}
+    for _, text in sorted(heads.items()):
+        ids = tokenizer.encode(text).ids
+        for start in range(len(ids) - prompt_len + 1):
+            seen.setdefault(tuple(ids[start:start + prompt_len]))
+    return list(seen)
+
+
+def make_prompts(setup: Setup, a: argparse.Namespace) -> dict[int, list[list[list[int]]]]:
+    """prompts[N][client][request] (request 0 = warm-up), all distinct."""
+    needed = sum(a.concurrency) * (1 + a.requests_per_client)
+    if setup.heldout_target is not None:
+        pool = heldout_windows(setup.heldout_target, a.prompt_len)
+        if len(pool) < needed:
+            raise SystemExit(f"error: the held-out files give {len(pool)} distinct {a.prompt_len}-token prompts, "
+                             f"{needed} are needed: lower --prompt-len, --requests-per-client or --concurrency")
+        chosen = [list(pool[i * len(pool) // needed]) for i in range(needed)]  # spread over the files
+    else:
+        rng = random.Random(a.seed)
+        chosen = [[rng.randrange(setup.vocab_size) for _ in range(a.prompt_len)] for _ in range(needed)]
+    if len({tuple(c) for c in chosen}) != needed:
+        raise SystemExit("error: prompts repeat; use a longer --prompt-len")
+    it = iter(chosen)
+    return {n: [[next(it) for _ in range(1 + a.requests_per_client)] for _ in range(n)] for n in a.concurrency}
+
+
+# ---------------------------------------------------------------------------------------
+# The load.
+# ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class Request:
+    prompt: list[int]
+    tokens: list[int] = field(default_factory=list)
+    ttft_s: float | None = None
+    itl_s: list[float] = field(default_factory=list)  # one per token after the first delta
+    elapsed_s: float = 0.0
+    finish_reason: str = ""
+    rounds: int = 0
+    mean_acceptance: float = 0.0
+    acceptance_lengths: list[int] = field(default_factory=list)
+    error: str = ""
+
+
+async def generate(stub, prompt: list[int], budget: int, max_new: int, timeout_s: float) -> Request:
+    """One streaming Generate call, timed at the client."""
+    request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), max_new_tokens=max_new, tree_budget=budget)
+    rec = Request(prompt)
+    start = last = time.perf_counter()
+    try:
+        async for reply in stub.Generate(request, timeout=timeout_s):
+            now = time.perf_counter()
+            if reply.HasField("final"):
+                final = reply.final
+                rec.finish_reason, rec.rounds = final.finish_reason, final.stats.rounds
+                rec.mean_acceptance = final.stats.mean_acceptance
+                rec.acceptance_lengths = list(final.stats.acceptance_lengths)
+                continue
+            n = len(reply.delta.token_ids)
+            if n == 0:  # text only (the held-back tail)
+                continue
+            if rec.ttft_s is None:
+                rec.ttft_s = now - start
+            else:
+                rec.itl_s.extend([(now - last) / n] * n)
+            last = now
+            rec.tokens.extend(reply.delta.token_ids)
+    except grpc.aio.AioRpcError as exc:
+        rec.error = f"{exc.code().name}: {exc.details()}"
+    rec.elapsed_s = time.perf_counter() - start
+    return rec
+
+
+async def client(stub, prompts: list[list[int]], budget: int, max_new: int, timeout_s: float) -> list[Request]:
+    return [await generate(stub, p, budget, max_new, timeout_s) for p in prompts]
+
+
+async def run_load(address: str, prompts: list[list[list[int]]], budget: int, max_new: int,
+                   timeout_s: float) -> tuple[list[Request], list[Request], float]:
+    """All clients' warm-up requests at once, then their timed requests: (warm-ups, timed, wall s)."""
+    async with grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
+        stub = pb_grpc.GenerationStub(channel)
+        warm = await asyncio.gather(*(generate(stub, p[0], budget, min(WARMUP_TOKENS, max_new), timeout_s)
+                                      for p in prompts))
+        start = time.perf_counter()
+        timed = await asyncio.gather(*(client(stub, p[1:], budget, max_new, timeout_s) for p in prompts))
+        wall = time.perf_counter() - start
+    return list(warm), [r for per_client in timed for r in per_client], wall
+
+
+async def run_sequential(address: str, prompts: list[list[list[int]]], budget: int, max_new: int,
+                         timeout_s: float) -> tuple[list[Request], float]:
+    """The timed requests of every client, one after another through one client: (requests, wall s)."""
+    async with grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
+        stub = pb_grpc.GenerationStub(channel)
+        start = time.perf_counter()
+        done = await client(stub, [q for p in prompts for q in p[1:]], budget, max_new, timeout_s)
+        return done, time.perf_counter() - start
+
+
+# ---------------------------------------------------------------------------------------
+# Summaries.
+# ---------------------------------------------------------------------------------------
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """Linear interpolation between closest ranks; None for no values."""
+    if not values:
+        return None
+    s = sorted(values)
+    k = (len(s) - 1) * q / 100
+    lo = int(k)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+def ms(value: float | None) -> float | None:
+    return None if value is None else value * 1e3
+
+
+def summarise(mode: str, setting: Setting | None, n: int, timed: list[Request], wall: float,
+              reference: dict[tuple[int, ...], list[int]] | None) -> dict:
+    ok = [r for r in timed if not r.error]
+    tokens = sum(len(r.tokens) for r in ok)
+    ttft = [r.ttft_s for r in ok if r.ttft_s is not None]
+    itl = [x for r in ok for x in r.itl_s]
+    rounds = sum(r.rounds for r in ok)
+    row = {
+        "mode": mode, "setting": setting.name if setting else "ar",
+        "accept_prob": setting.accept_prob if setting else None, "target_tau": setting.target_tau if setting else None,
+        "concurrency": n, "requests": len(ok), "errors": len(timed) - len(ok),
+        "error_examples": sorted({r.error for r in timed if r.error})[:3],
+        "completion_tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall if wall > 0 else 0.0,
+        "tau": sum(r.mean_acceptance for r in ok) / len(ok) if ok else None,
+        "tau_rounds": sum(sum(r.acceptance_lengths) for r in ok) / rounds if rounds else None,
+        "ttft_p50_ms": ms(percentile(ttft, 50)), "ttft_p99_ms": ms(percentile(ttft, 99)),
+        "itl_p50_ms": ms(percentile(itl, 50)), "itl_p99_ms": ms(percentile(itl, 99)),
+        "finish_reasons": {k: sum(r.finish_reason == k for r in ok) for k in sorted({r.finish_reason for r in ok})},
+        "equals_ar": None,
+    }
+    if reference is not None and ok:
+        row["equals_ar"] = sum(reference.get(tuple(r.prompt)) == r.tokens for r in ok) / len(ok)
+    return row
+
+
+def add_speedups(rows: list[dict]) -> None:
+    ar = {r["concurrency"]: r["tokens_per_s"] for r in rows if r["mode"] == "ar"}
+    for r in rows:
+        base = ar.get(r["concurrency"])
+        r["speedup_vs_ar"] = r["tokens_per_s"] / base if base else None
+
+
+def _cell(value, width: int, digits: int = 1) -> str:
+    if value is None:
+        return f"{'-':>{width}}"
+    if isinstance(value, str):
+        return f"{value:>{width}}"
+    if isinstance(value, int):
+        return f"{value:>{width}d}"
+    return f"{value:>{width}.{digits}f}"
+
+
+def print_table(result: dict) -> None:
+    o = result["options"]
+    print(f"\nserve bench: {result['setup']} on {result['device']} ({o['dtype']} dtype, torch {result['torch']}), "
+          f"prompt {o['prompt_len']}, {o['max_new_tokens']} new tokens, tree budget {o['tree_budget']}, "
+          f"{o['requests_per_client']} timed request(s) per client, greedy")
+    print("tok/s = all completion tokens / wall time of the N's run; tau = mean Stats.mean_acceptance; "
+          "TTFT = request sent -> first token (client); ITL = per streamed delta: gap since the previous "
+          "delta / its tokens, one sample per token; ==AR = fraction of requests with the AR tokens; conc/seq "
+          "(--sequential) = wall time of the N concurrent clients / the same requests one after another")
+    head = [("setting", 10), ("mode", 5), ("N", 4), ("reqs", 5), ("err", 4), ("tokens", 7), ("tok/s", 9),
+            ("vs AR", 6), ("tau", 5), ("ttft50", 8), ("ttft99", 8), ("itl50", 7), ("itl99", 7), ("==AR", 5),
+            ("conc/seq", 8)]
+    print(" ".join(f"{h:>{w}}" for h, w in head) + "   (latencies in ms)")
+    for r in result["runs"]:
+        cells = [_cell(r["setting"], 10), _cell(r["mode"], 5), _cell(r["concurrency"], 4), _cell(r["requests"], 5),
+                 _cell(r["errors"], 4), _cell(r["completion_tokens"], 7), _cell(r["tokens_per_s"], 9),
+                 _cell(r.get("speedup_vs_ar"), 6, 2), _cell(r["tau"], 5, 2), _cell(r["ttft_p50_ms"], 8),
+                 _cell(r["ttft_p99_ms"], 8), _cell(r["itl_p50_ms"], 7, 2), _cell(r["itl_p99_ms"], 7, 2),
+                 _cell(r["equals_ar"], 5, 2), _cell(r.get("concurrent_over_sequential"), 8, 2)]
+        print(" ".join(cells))
+
+
+# ---------------------------------------------------------------------------------------
+# One setup end to end.
+# ---------------------------------------------------------------------------------------
+
+
+def run_mode(drafter: Service, mode: str, setting: Setting | None, a: argparse.Namespace,
+             prompts: dict[int, list[list[list[int]]]], reference: dict | None,
+             outputs: dict[tuple[int, ...], list[int]] | None, result: dict, save: Callable[[], None]) -> None:
+    """Every N of one (mode, setting); AR runs fill `outputs` with each prompt's tokens."""
+    budget = 0 if mode == "ar" else a.tree_budget
+    label = mode if setting is None else f"{mode} {setting.name}"
+    for n in a.concurrency:
+        log(f"{label}: N={n}, {n} warm-up + {n * a.requests_per_client} timed requests")
+        warm, timed, wall = asyncio.run(run_load(drafter.address, prompts[n], budget, a.max_new_tokens,
+                                                 a.request_timeout))
+        if outputs is not None:
+            outputs.update({tuple(r.prompt): r.tokens for r in warm + timed if not r.error})
+        row = summarise(mode, setting, n, timed, wall, reference)
+        if a.sequential and n > 1:
+            alone, seq_wall = asyncio.run(run_sequential(drafter.address, prompts[n], budget, a.max_new_tokens,
+                                                         a.request_timeout))
+            mine = {tuple(r.prompt): r.tokens for r in alone if not r.error}
+            row["sequential_wall_s"] = seq_wall
+            row["concurrent_over_sequential"] = wall / seq_wall
+            row["equals_sequential"] = sum(mine.get(tuple(r.prompt)) == r.tokens for r in timed) / max(1, len(timed))
+            log(f"{label}: N={n}: the same requests one after another: {seq_wall:.2f} s, concurrent/sequential "
+                f"{wall / seq_wall:.2f}, same outputs {row['equals_sequential']:.2f}")
+        result["runs"].append(row)
+        add_speedups(result["runs"])
+        save()  # keep what is done even if the run is cut short
+        errors = f", {row['errors']} errors: {row['error_examples']}" if row["errors"] else ""
+        tau = f"{row['tau']:.2f}" if row["tau"] is not None else "-"
+        log(f"{label}: N={n}: {row['completion_tokens']} tokens in {wall:.2f} s = {row['tokens_per_s']:.1f} tok/s, "
+            f"tau {tau}{errors}")
+        if row["errors"]:
+            drafter.print_log_tail(12)
+
+
+def run_setup(name: str, a: argparse.Namespace, work: Path, result: dict, save: Callable[[], None]) -> None:
+    """Start the verifier once, then a drafter per setting; run every mode at every N into `result`."""
+    setup = make_setup(name, a)
+    prompts = make_prompts(setup, a)
+    settings = ([Setting("real")] if setup.real_acceptance else []) + oracle_settings(a, setup.block_size)
+    result.update({"setup": setup.name, "device": device_name(a.device), "torch": torch.__version__,
+                   "python": platform.python_version(), "options": vars(a), "block_size": setup.block_size,
+                   "commands": {"verifier": setup.verifier_argv, "drafters": []}, "startup_s": {},
+                   "settings": [asdict(x) for x in settings], "runs": []})
+    services: list[Service] = []
+    try:
+        verifier = Service("verifier", setup.verifier_argv, work / f"{name}-verifier.log")
+        services.append(verifier)
+        verifier.start(a.startup_timeout)
+        result["startup_s"]["verifier"] = verifier.startup_s
+
+        def start_drafter(tag: str, oracle: Path | None) -> Service:
+            argv = setup.drafter_argv + ["--verifier", verifier.address]
+            argv += ["--bench-oracle", str(oracle)] if oracle else []
+            result["commands"]["drafters"].append(argv)
+            drafter = Service("drafter", argv, work / f"{name}-drafter-{tag}.log")
+            services.append(drafter)
+            drafter.start(a.startup_timeout)
+            result["startup_s"][f"drafter {tag}"] = drafter.startup_s
+            return drafter
+
+        drafter = start_drafter("plain", None)
+        ar_tokens: dict[tuple[int, ...], list[int]] = {}
+        run_mode(drafter, "ar", None, a, prompts, None, ar_tokens, result, save)
+        for i, setting in enumerate(settings):
+            if setting.accept_prob is not None:  # the oracle's runs need a drafter of their own
+                drafter.stop()
+                oracle = work / f"{name}-oracle-{i}.json"
+                write_oracle(oracle, setting.accept_prob, ar_tokens, a.seed)
+                drafter = start_drafter(f"oracle-{i}", oracle)
+            run_mode(drafter, "tree", setting, a, prompts, ar_tokens, None, result, save)
+    finally:
+        for service in reversed(services):
+            service.stop()
+
+
+def device_name(device: str) -> str:
+    if device.startswith("cuda") and torch.cuda.is_available():
+        return torch.cuda.get_device_name(torch.device(device))
+    return platform.processor() or platform.machine() or "cpu"
+
+
+def main(argv: list[str] | None = None) -> dict:
+    a = parse_args(argv)
+    # SIGTERM ends the run like Ctrl-C: the finally blocks stop the services.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    all_results = {"bench": "serve", "argv": [sys.argv[0], *(sys.argv[1:] if argv is None else argv)],
+                   "device": device_name(a.device), "torch": torch.__version__, "setups": []}
+    with tempfile.TemporaryDirectory(prefix="serve-bench-") as tmp:
+        work = Path(a.log_dir) if a.log_dir else Path(tmp)
+        work.mkdir(parents=True, exist_ok=True)
+        for name in a.models:
+            result: dict = {}
+            all_results["setups"].append(result)
+            run_setup(name, a, work, result, lambda: write_json(a.out_json, all_results))
+            print_table(result)
+            write_json(a.out_json, all_results)
+    return all_results
+
+
+def failed_requests(results: dict) -> int:
+    return sum(r["errors"] for setup in results["setups"] for r in setup.get("runs", []))
+
+
+if __name__ == "__main__":
+    failed = failed_requests(main(sys.argv[1:]))
+    if failed:
+        log(f"{failed} requests failed (see the errors column and the drafter logs)")
+    sys.exit(1 if failed else 0)

@@ -1,0 +1,155 @@
+"""The two services with random weights at Qwen3-8B dimensions, for bench/serve.py.
+
+    PYTHONPATH=. python bench/serve_roles.py verifier [--small] [--seed 0] [python -m verifier_svc flags...]
+    PYTHONPATH=. python bench/serve_roles.py drafter [--small] [--seed 1] [python -m drafter_svc flags...]
+
+Each role is the real service CLI (`verifier_svc.__main__.main`, `drafter_svc.__main__.main`:
+flags, environment fallbacks, the real servers, scheduler, link, CUDA graphs, "listening
+on" line and SIGTERM handling) with only the checkpoint loaders replaced by builders of
+random weights in memory (bfloat16 on CUDA, float32 on CPU; nothing is read from or written
+to disk):
+
+* target: 36 layers, hidden 4096, 32 / 8 heads x 128, MLP 12288, vocab 151,936, features
+  of layers 1, 9, 17, 25, 33 (`bench/verify.py`'s `qwen3_8b_config`), with a planted
+  successor (`plant_successor_`) so that its greedy next token wins by a wide margin;
+* draft: the published DFlash Qwen3-8B shape, 5 layers, block 16, the same target layers
+  (`bench/verify.py`'s `draft_config`); the drafter's copies of the target's embedding and
+  head are random too (their own seed);
+* tokenizer: a stand-in that decodes ids to "<id>" text (prompts must be token ids).
+
+Why the planted successor: with plain random weights every logit is a near-tie, so bf16
+rounding, which differs between batch and tree shapes, flips the greedy token within a few
+steps; tree-mode outputs then leave the AR continuation that the `--bench-oracle` file holds,
+and the oracle stops helping (seen on an H200: tau ~ 1.05, no request equal to AR). The
+compute is that of any weights of these shapes.
+
+`--small` gives toy dimensions (3-layer target, vocab 4096, 2-layer draft, block 8) that
+run on a CPU. Do not pass --target or --draft: the role sets them to a label.
+"""
+from __future__ import annotations
+
+import os.path
+import sys
+
+# Run as a script, this folder would shadow the repository's packages (bench/kernels.py vs kernels/).
+if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(__file__)):
+    sys.path[0] = os.path.dirname(sys.path[0])
+
+import argparse
+
+import torch
+
+from bench.verify import draft_config
+from bench.verify import feature_layers, qwen3_8b_config, random_module_, random_target
+from common.config import TargetConfig
+from common.layers import RotaryEmbedding
+
+RANDOM_LABEL = "(random weights in memory)"
+
+
+def block_size(small: bool) -> int:
+    return draft_config(small, qwen3_8b_config(small)).block_size
+
+
+class PlaceholderTokenizer:
+    """What `TextStream` needs of a tokenizer: `decode(ids) -> str`. Random models have no vocabulary."""
+
+    def decode(self, ids) -> str:
+        return "".join(f"<{int(i)}>" for i in ids)
+
+    def encode(self, text: str):
+        raise ValueError("the random-weight models have no tokenizer: send the prompt as token_ids")
+
+
+EMBED_STD = 32.0  # >> what the 36 random layers add to the residual stream (a few units per element)
+
+
+@torch.no_grad()
+def plant_successor_(model, seed: int) -> None:
+    """Make token x's greedy successor perm^-1[x], by a wide margin: large random embeddings keep the
+    final hidden state close to the last token's embedding, and head row v is the embedding of
+    token perm[v]. EOS gets a zero head row, so generations run to their length."""
+    embed, head = model.embed_tokens.weight, model.lm_head.weight
+    gen = torch.Generator(device=embed.device).manual_seed(seed + 7)
+    embed.normal_(0.0, EMBED_STD, generator=gen)
+    perm = torch.randperm(embed.shape[0], generator=gen, device=embed.device)
+    head.copy_(embed[perm] * (0.02 / EMBED_STD))
+    for eos in model.cfg.eos_token_ids:
+        head[eos] = 0
+
+
+def planted_target(cfg: TargetConfig, layer_ids, device, dtype, seed: int):
+    model = random_target(cfg, layer_ids, device, dtype, seed=seed)
+    plant_successor_(model, seed)
+    return model
+
+
+def random_draft(small: bool, device, dtype, seed: int):
+    """(draft model, embed_tokens, lm_head) with random weights on `device`."""
+    from drafter_svc.draft_model import DFlashDraftModel
+
+    target = qwen3_8b_config(small)
+    cfg = draft_config(small, target)
+    with torch.device("meta"):
+        draft = DFlashDraftModel(cfg)
+    random_module_(draft, device, dtype, seed=seed)
+    draft.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta).to(device)
+    draft.eval().requires_grad_(False)
+    gen = torch.Generator(device=device).manual_seed(seed + 1)
+    embed = torch.empty(target.vocab_size, target.hidden_size, device=device, dtype=dtype).normal_(0, 0.02, generator=gen)
+    head = torch.empty_like(embed).normal_(0, 0.02, generator=gen)
+    return draft, embed, head
+
+
+def run_verifier(small: bool, seed: int, argv: list[str]) -> None:
+    """`python -m verifier_svc` over a random-weight target."""
+    import verifier_svc.__main__ as cli
+    import verifier_svc.server as server
+
+    cfg = qwen3_8b_config(small)
+    # load_verifier reads the config, then the weights, through these two names.
+    server.load_target_config = lambda folder: cfg
+    server.TargetModel.from_pretrained = classmethod(
+        lambda cls, folder, feature_layer_ids=(), device="cpu", dtype=torch.float32:
+        planted_target(cfg, tuple(feature_layer_ids), torch.device(device), dtype, seed))
+    layers = ",".join(str(i) for i in feature_layers(cfg))
+    cli.main(["--target", RANDOM_LABEL, "--feature-layers", layers, *argv])
+
+
+def run_drafter(small: bool, seed: int, argv: list[str]) -> None:
+    """`python -m drafter_svc` over a random-weight draft (and random target embedding / head)."""
+    import drafter_svc.__main__ as cli
+    import drafter_svc.server as server
+
+    target = qwen3_8b_config(small)
+    draft = draft_config(small, target)
+    # DrafterEngine.start reads configs, tokenizer and weights through these names.
+    server.load_target_config = lambda folder: target
+    server.load_draft_config = lambda folder: draft
+    server.load_tokenizer = lambda folder: PlaceholderTokenizer()
+    proposer_cls = server.DFlashProposer
+
+    def from_pretrained(cls, draft_dir, target_dir, device="cpu", dtype=torch.float32, max_seq_len=2048, slots=8,
+                        cuda_graphs=True, graph_config=None):
+        model, embed, head = random_draft(small, torch.device(device), dtype, seed)
+        return proposer_cls(model, embed, head, max_seq_len, slots, cuda_graphs, graph_config)
+
+    proposer_cls.from_pretrained = classmethod(from_pretrained)
+    cli.main(["--target", RANDOM_LABEL, "--draft", RANDOM_LABEL, *argv])
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=__doc__.split("\n\n", 1)[1], allow_abbrev=False)
+    p.add_argument("role", choices=("verifier", "drafter"))
+    p.add_argument("--small", action="store_true", help="toy dimensions (runs on CPU)")
+    p.add_argument("--seed", type=int, default=None, help="weights seed (default 0 for the verifier, 1 for the drafter)")
+    a, rest = p.parse_known_args(argv)
+    if a.role == "verifier":
+        run_verifier(a.small, 0 if a.seed is None else a.seed, rest)
+    else:
+        run_drafter(a.small, 1 if a.seed is None else a.seed, rest)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,151 @@
+"""The drafter's side of the verifier link: one call per step, entries up, results down.
+
+`GrpcLink` is one long-lived bidirectional `Link` stream to a verifier, driven from the
+scheduler's thread: `step` sends one LinkRequest and reads its LinkResponse. It checks
+what comes back before any of it reaches the draft model: one result per open and tree
+entry, in order, for the same sessions; token ids inside the vocabulary; feature rows that
+add up, of the draft's width. A broken stream raises `StatusError` (every session on it is
+lost); the next step opens a new stream. `LocalLink` is the in-process twin over a
+`TreeVerifier`, for the local engine and tests. `check_verifier` is the start-up check.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Sequence
+from typing import Protocol
+
+import grpc
+
+from common.config import DraftConfig, TargetConfig
+from common.protocol import CloseEntry, Entry, StatusError, StepResult, TreeEntry, Verified
+from common.rpc import CHANNEL_OPTIONS, pb, pb_grpc
+from common.wire import WireError, decode_link_response, encode_link_request
+
+_END = object()
+
+
+class VerifierLink(Protocol):
+    """One verifier, one call per drafter step. Raises StatusError when the link itself fails."""
+
+    def step(self, entries: Sequence[Entry]) -> list[StepResult]: ...
+
+    def close(self) -> None: ...
+
+
+def open_channel(address: str) -> grpc.Channel:
+    return grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+
+
+def status_error(exc: grpc.RpcError) -> StatusError:
+    code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
+    details = exc.details() if hasattr(exc, "details") else str(exc)
+    return StatusError(code.name, f"verifier: {details}")
+
+
+def check_results(entries: Sequence[Entry], results: Sequence[StepResult]) -> None:
+    """Raise StatusError(INTERNAL) unless `results` answer the open and tree entries one by one,
+    and every Verified fits the tree it answers."""
+    asked = [e for e in entries if not isinstance(e, CloseEntry)]
+    if [r.session_id for r in results] != [e.session_id for e in asked]:
+        raise StatusError("INTERNAL", f"verifier answered sessions {[r.session_id for r in results][:8]}, "
+                                      f"expected {[e.session_id for e in asked][:8]}")
+    for e, r in zip(asked, results):
+        if isinstance(r.outcome, Verified):
+            if not isinstance(e, TreeEntry) or r.outcome.round != e.round:
+                raise StatusError("INTERNAL", f"verifier sent a Verified that answers no tree of session {e.session_id}")
+            if len(r.outcome.accepted_tokens) >= e.tree.num_nodes:
+                raise StatusError("INTERNAL", f"verifier accepted {len(r.outcome.accepted_tokens)} tokens of a "
+                                              f"{e.tree.num_nodes}-node tree")
+
+
+class GrpcLink:
+    """A verifier behind gRPC (implements `VerifierLink`)."""
+
+    def __init__(self, stub: pb_grpc.VerifierStub, *, vocab_size: int, feature_dim: int, max_seq_len: int):
+        self.stub = stub
+        self.vocab_size, self.feature_dim, self.max_seq_len = vocab_size, feature_dim, max_seq_len
+        self._requests: queue.SimpleQueue | None = None
+        self._call = None
+        self._replies = None
+        self._steps = 0
+        self._lock = threading.Lock()
+        self.bytes_sent = self.bytes_received = 0
+
+    def _connect(self) -> None:
+        self._requests = queue.SimpleQueue()
+        self._call = self.stub.Link(iter(self._requests.get, _END))
+        self._replies = iter(self._call)
+
+    def step(self, entries: Sequence[Entry]) -> list[StepResult]:
+        with self._lock:
+            if self._call is None:
+                self._connect()
+            self._steps += 1
+            message = encode_link_request(self._steps, entries)
+            self.bytes_sent += message.ByteSize()
+            self._requests.put(message)
+            try:
+                reply = next(self._replies)
+            except grpc.RpcError as exc:
+                self._drop()
+                raise status_error(exc) from None
+            except StopIteration:
+                self._drop()
+                raise StatusError("UNAVAILABLE", "verifier closed the link") from None
+        self.bytes_received += reply.ByteSize()
+        try:
+            if reply.step != self._steps:
+                raise WireError(f"reply to step {reply.step}, expected {self._steps}")
+            results = decode_link_response(reply, vocab_size=self.vocab_size, feature_dim=self.feature_dim,
+                                           max_feature_rows=(len(entries) + 1) * self.max_seq_len)
+            check_results(entries, results)
+        except (WireError, StatusError) as exc:
+            self.close()
+            raise StatusError("INTERNAL", f"bad reply from the verifier: {exc}") from None
+        return results
+
+    def _drop(self) -> None:
+        call, self._call = self._call, None
+        if call is not None:
+            call.cancel()
+
+    def close(self) -> None:
+        """End the stream (the verifier closes every session on it); safe to call more than once."""
+        with self._lock:
+            if self._call is not None:
+                self._requests.put(_END)
+                self._drop()
+
+
+class LocalLink:
+    """The in-process verifier: calls a `TreeVerifier` directly (implements `VerifierLink`)."""
+
+    OWNER = "local"
+
+    def __init__(self, verifier):
+        self.verifier = verifier
+
+    def step(self, entries: Sequence[Entry]) -> list[StepResult]:
+        results = self.verifier.step([(self.OWNER, e) for e in entries])
+        return [r for r in results if r is not None]
+
+    def close(self) -> None:
+        self.verifier.close_owner(self.OWNER)
+
+
+def check_verifier(info: pb.InfoResponse, target: TargetConfig, draft: DraftConfig | None) -> None:
+    """Raise StatusError(FAILED_PRECONDITION) when the verifier does not serve our target."""
+    problems = []
+    if info.config_fingerprint != target.fingerprint():
+        problems.append(
+            f"target mismatch: verifier serves {info.architecture} (vocab {info.vocab_size}, hidden "
+            f"{info.hidden_size}, {info.num_layers} layers, fingerprint {info.config_fingerprint}), the drafter "
+            f"expects {target.architecture} (vocab {target.vocab_size}, hidden {target.hidden_size}, "
+            f"{target.num_layers} layers, fingerprint {target.fingerprint()})"
+        )
+    if draft is not None and tuple(info.feature_layer_ids) != draft.target_layer_ids:
+        problems.append(f"verifier returns features of layers {list(info.feature_layer_ids)}, "
+                        f"the draft needs {list(draft.target_layer_ids)}")
+    if problems:
+        raise StatusError("FAILED_PRECONDITION", "; ".join(problems))

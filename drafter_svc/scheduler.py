@@ -1,0 +1,448 @@
+"""The drafter's scheduler: one loop owns the draft model and the verifier link.
+
+Request handlers only feed it (`submit`, `cancel`, from any thread) and read what it
+delivers (a callback per session, called on the scheduler's thread). Each step:
+
+1. takes new requests and cancellations;
+2. closes the sessions that ended (Close entries; their draft slots go back);
+3. admits waiting requests while draft slots are free (Open entries);
+4. drafts every running session in one batched draft step and builds all their trees in one
+   batched call (`DFlashProposer.propose`, `drafter.build_trees`);
+5. sends everything as one link message and waits for its one reply (`VerifierLink.step`);
+6. hands each session its new tokens, and finishes those that reached a stop token, their
+   length limit or the verifier's capacity.
+
+An open the verifier refuses for capacity (RESOURCE_EXHAUSTED) goes back to the queue and
+is retried until `queue_timeout_s`. A failed session gets its error; if the link itself
+fails, every session on it does. Sampling coins live on the verifier, per session, so a
+seeded request gives the same tokens whatever else is batched with it.
+
+Tracing: a `generate` span per request; per step a `draft_step` span with `draft`,
+`tree_build` and `verify_rpc` children, and per session a `round` span under its `generate`
+span, linked to the step; the round's traceparent rides on its tree, so the verifier's
+`verify` span for it lands in the request's trace.
+"""
+from __future__ import annotations
+
+import collections
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from opentelemetry import trace
+from torch import Tensor
+
+from common.protocol import (CloseEntry, Entry, OpenEntry, Prefilled, SamplingParams, StatusError, StepResult,
+                             TreeEntry, Verified)
+from common.tracing import traceparent_of, tracer
+from drafter_svc.drafter import BlockProposer, DraftMode, build_trees, root_only
+from drafter_svc.link import VerifierLink
+
+log = logging.getLogger(__name__)
+_tracer = tracer("drafter_svc.scheduler")
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    max_new_tokens: int = 64
+    sampling: SamplingParams = SamplingParams()
+    stop_token_ids: tuple[int, ...] = ()
+    mode: DraftMode = DraftMode()
+
+    def check(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        self.sampling.check()
+
+
+@dataclass
+class RoundUpdate:
+    """Tokens emitted by one step (the prefill's first token counts as round 0)."""
+    round: int
+    tokens: list[int]
+    tree_nodes: int = 0
+
+
+@dataclass
+class GenerationResult:
+    tokens: list[int] = field(default_factory=list)
+    acceptance_lengths: list[int] = field(default_factory=list)  # tokens emitted per round, bonus included
+    finish_reason: str = ""
+    elapsed_s: float = 0.0
+    time_to_first_token_s: float = 0.0
+
+    @property
+    def rounds(self) -> int:
+        return len(self.acceptance_lengths)
+
+    @property
+    def mean_acceptance(self) -> float:
+        return sum(self.acceptance_lengths) / max(1, self.rounds)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return len(self.tokens) / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+
+# What a session's callback receives: updates, then exactly one GenerationResult or StatusError.
+Delivery = RoundUpdate | GenerationResult | StatusError
+
+# Benchmarks only (`drafter_svc.oracle`): edits the block logits [S, D, V] of the drafted
+# sessions in place, given their prompts and the tokens they have emitted so far.
+LogitsHook = Callable[[Sequence[list[int]], Sequence[list[int]], Tensor], None]
+
+
+class _Session:
+    """One request as the scheduler tracks it."""
+
+    def __init__(self, sid: int, prompt_ids: list[int], config: GenerationConfig, stop_ids: frozenset[int],
+                 deliver: Callable[[Delivery], None], admission_deadline: float):
+        self.sid, self.prompt_ids, self.config, self.stop_ids = sid, prompt_ids, config, stop_ids
+        self.deliver = deliver
+        self.admission_deadline = admission_deadline
+        self.result = GenerationResult()
+        self.start = time.perf_counter()
+        self.open_on_verifier = False
+        self.draft_state: object | None = None
+        self.max_seq_len = 0
+        self.length = 0  # tokens committed on the verifier
+        self.root = -1
+        self.new_tokens: list[int] = []
+        self.new_features = None
+        self.rounds = 0
+        self.tree = None  # the tree in flight
+        self.span = _tracer.start_span("generate", attributes={
+            "prompt.tokens": len(prompt_ids), "mode": config.mode.kind, "tree.budget": config.mode.budget})
+
+    @property
+    def drafts(self) -> bool:
+        mode = self.config.mode
+        return mode.kind == "chain" or (mode.kind == "tree" and mode.budget > 0)
+
+    def room(self) -> int:
+        """Drafted nodes the next tree may hold: the verifier's capacity and the tokens still wanted."""
+        return min(self.max_seq_len - self.length - 1, self.config.max_new_tokens - len(self.result.tokens) - 1)
+
+    def emit(self, tokens: list[int]) -> list[int]:
+        """Append tokens up to the first stop token or the length limit; sets finish_reason."""
+        room = self.config.max_new_tokens - len(self.result.tokens)
+        out = []
+        for tok in tokens[:room]:
+            out.append(tok)
+            if tok in self.stop_ids:
+                self.result.finish_reason = "stop"
+                break
+        self.result.tokens.extend(out)
+        if not self.result.finish_reason and len(self.result.tokens) >= self.config.max_new_tokens:
+            self.result.finish_reason = "length"
+        return out
+
+
+class DraftScheduler:
+    """Continuous batching on the drafter: `start()` runs it on its own thread, `run_until_idle()`
+    in the caller's (the local engine)."""
+
+    def __init__(self, link: VerifierLink, proposer: BlockProposer | None, *, max_sessions: int,
+                 feature_layer_ids: tuple[int, ...] = (), eos_token_ids: tuple[int, ...] = (),
+                 queue_timeout_s: float = 30.0, logits_hook: LogitsHook | None = None):
+        self.link, self.proposer = link, proposer
+        self.logits_hook = logits_hook
+        self.max_sessions = max_sessions
+        self.feature_layer_ids = tuple(feature_layer_ids)
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.queue_timeout_s = queue_timeout_s
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._ids = itertools.count(1)
+        self._waiting: collections.deque[_Session] = collections.deque()
+        self._running: dict[int, _Session] = {}  # open or opening on the verifier
+        self._ending: list[int] = []  # ended sessions still open on the verifier: Close in the next step
+        self._thread: threading.Thread | None = None
+        self._stopped = threading.Event()
+        self.steps = 0
+
+    # -- called from any thread --------------------------------------------------------------
+
+    def submit(self, prompt_ids: list[int], config: GenerationConfig, deliver: Callable[[Delivery], None]) -> int:
+        """Queue a request; returns its session id. `deliver` is called on the scheduler's thread."""
+        config.check()
+        if config.mode.kind != "ar" and self.proposer is None:
+            raise ValueError(f"draft mode {config.mode.kind!r} needs a draft model")
+        sid = next(self._ids)
+        stop_ids = frozenset(config.stop_token_ids) | self.eos_token_ids
+        session = _Session(sid, list(prompt_ids), config, stop_ids, deliver,
+                           time.monotonic() + self.queue_timeout_s)
+        self._commands.put(("submit", session))
+        return sid
+
+    def cancel(self, sid: int, reason: str = "cancelled") -> None:
+        """End a session after its current step; it is delivered its result with `reason` as the
+        finish reason ("stop" for a stop string, else nobody is listening any more)."""
+        self._commands.put(("cancel", sid, reason))
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="draft-scheduler", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float | None = 10.0) -> None:
+        """Stop the loop; sessions still running get UNAVAILABLE, and the link is closed."""
+        self._stopped.set()
+        self._commands.put(("wake",))
+        if self._thread is not None:
+            self._thread.join(timeout)
+        self._take_commands()
+        error = StatusError("UNAVAILABLE", "the drafter is shutting down")
+        for s in list(self._waiting) + list(self._running.values()):
+            self._fail(s, error)
+        self._waiting.clear()
+        self._running.clear()
+        self.link.close()
+
+    # -- the loop ---------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        delay = 0.0
+        while not self._stopped.is_set():
+            if not (self._waiting or self._running or self._ending):
+                self._take_commands(block=True)
+                continue
+            try:
+                progressed = self.step()
+            except Exception:  # a bug: fail what is in flight rather than die silently
+                log.exception("drafter step failed")
+                self._fail_all(StatusError("INTERNAL", "internal error in the drafter; see its log"), link_lost=False)
+                progressed = True
+            if progressed:
+                delay = 0.0
+            else:  # only refused opens: wait for the verifier to free capacity
+                delay = min(max(2 * delay, 0.005), 0.25)
+                self._take_commands(block=True, timeout=delay)
+
+    def run_until_idle(self) -> None:
+        """Run steps in this thread until every submitted session has been delivered its end."""
+        while True:
+            self._take_commands()
+            if not (self._waiting or self._running or self._ending):
+                return
+            if not self.step():
+                time.sleep(0.01)
+
+    def _take_commands(self, block: bool = False, timeout: float | None = None) -> None:
+        while True:
+            try:
+                command = self._commands.get(block=block, timeout=timeout)
+            except queue.Empty:
+                return
+            block = False
+            if command[0] == "submit":
+                self._waiting.append(command[1])
+            elif command[0] == "cancel":
+                self._cancel(command[1], command[2])
+
+    def _cancel(self, sid: int, reason: str) -> None:
+        for s in self._waiting:
+            if s.sid == sid:
+                self._waiting.remove(s)
+                s.result.finish_reason = reason
+                self._finish(s)
+                return
+        s = self._running.get(sid)
+        if s is not None and not s.result.finish_reason:
+            s.result.finish_reason = reason
+
+    # -- one step ---------------------------------------------------------------------------
+
+    def step(self) -> bool:
+        """One link message and its reply; returns False when nothing could be sent."""
+        self._take_commands()
+        for s in [s for s in self._running.values() if s.result.finish_reason]:  # cancelled meanwhile
+            self._finish(s)
+        entries: list[Entry] = [CloseEntry(sid) for sid in self._ending]
+        self._ending = []
+        self._expire_waiting()
+        opening = self._admit()
+        entries += [OpenEntry(s.sid, s.prompt_ids, s.config.sampling, traceparent_of(s.span),
+                              self.feature_layer_ids if s.drafts else ())  # plain decoding needs no features
+                    for s in opening]
+        drafting = [s for s in self._running.values() if s.open_on_verifier]
+        if not entries and not drafting:
+            return False
+        with _tracer.start_as_current_span("draft_step", attributes={"sessions": len(drafting)}) as step_span:
+            rounds = self._round_spans(drafting, step_span)
+            entries += self._trees(drafting, rounds)
+            try:
+                with _tracer.start_as_current_span("verify_rpc"):
+                    results = self.link.step(entries)
+            except StatusError as exc:
+                for span in rounds.values():
+                    span.end()
+                log.warning("verifier link failed: %s: %s", exc.status, exc.message)
+                self._fail_all(exc)
+                return True
+            self.steps += 1
+            self._apply(results, rounds)
+        return True
+
+    def _admit(self) -> list[_Session]:
+        """Waiting sessions to open now: as many as free draft slots and the session limit allow."""
+        opening = []
+        free = self.max_sessions - len(self._running)
+        if self.proposer is not None:
+            free = min(free, self.proposer.free_slots - sum(1 for s in self._running.values() if s.draft_state is None
+                                                          and s.drafts))
+        while self._waiting and free > 0:
+            s = self._waiting.popleft()
+            self._running[s.sid] = s
+            opening.append(s)
+            free -= 1
+        return opening
+
+    def _expire_waiting(self) -> None:
+        now = time.monotonic()
+        while self._waiting and self._waiting[0].admission_deadline < now:
+            s = self._waiting.popleft()
+            self._fail(s, StatusError("RESOURCE_EXHAUSTED",
+                                      f"no verifier capacity within {self.queue_timeout_s:g} s"))
+
+    def _round_spans(self, drafting: Sequence[_Session], step_span) -> dict[int, trace.Span]:
+        if not step_span.is_recording():
+            return {}
+        link = [trace.Link(step_span.get_span_context())]
+        return {s.sid: _tracer.start_span("round", context=trace.set_span_in_context(s.span), links=link,
+                                          attributes={"round": s.rounds + 1})
+                for s in drafting if s.span.is_recording()}
+
+    def _trees(self, drafting: Sequence[_Session], rounds: dict[int, trace.Span]) -> list[TreeEntry]:
+        """Draft every session that drafts and has room, in one batched step; build all trees."""
+        if not drafting:
+            return []
+        rooms = [s.room() for s in drafting]
+        busy = [i for i, s in enumerate(drafting) if s.drafts and rooms[i] > 0]
+        trees = [root_only(s.root) for s in drafting]
+        if busy:
+            sessions = [drafting[i] for i in busy]
+            with _tracer.start_as_current_span("draft"):
+                block = self.proposer.propose([s.draft_state for s in sessions], [s.root for s in sessions],
+                                              [s.new_tokens for s in sessions], [s.new_features for s in sessions])
+                if self.logits_hook is not None:
+                    self.logits_hook([s.prompt_ids for s in sessions], [s.result.tokens for s in sessions], block)
+            for s in sessions:
+                s.new_features = s.new_features[:0]
+            with _tracer.start_as_current_span("tree_build"):
+                built = build_trees([s.config.mode for s in sessions], block, [s.root for s in sessions],
+                                    [rooms[i] for i in busy])
+            for i, tree in zip(busy, built):
+                trees[i] = tree
+        entries = []
+        for s, tree in zip(drafting, trees):
+            s.tree = tree
+            span = rounds.get(s.sid)
+            entries.append(TreeEntry(s.sid, s.rounds + 1, tree, traceparent_of(span) if span else ""))
+        return entries
+
+    def _apply(self, results: Sequence[StepResult], rounds: dict[int, trace.Span]) -> None:
+        for r in results:
+            s = self._running.get(r.session_id)
+            span = rounds.pop(r.session_id, None)
+            if s is None:
+                continue
+            o = r.outcome
+            if isinstance(o, StatusError):
+                s.open_on_verifier = False
+                if o.status == "RESOURCE_EXHAUSTED" and s.rounds == 0 and not s.result.tokens \
+                        and time.monotonic() < s.admission_deadline:
+                    del self._running[s.sid]  # the verifier is full: retry the open later
+                    self._waiting.appendleft(s)
+                else:
+                    self._fail(s, o)
+            elif isinstance(o, Prefilled):
+                self._prefilled(s, o)
+            else:
+                self._verified(s, o, span)
+            if span is not None:
+                span.end()
+        for span in rounds.values():
+            span.end()
+
+    def _prefilled(self, s: _Session, p: Prefilled) -> None:
+        s.open_on_verifier = True
+        if s.drafts and p.features.shape[0] != len(s.prompt_ids):
+            self._fail(s, StatusError("INTERNAL", f"verifier sent {p.features.shape[0]} feature rows for a "
+                                                  f"{len(s.prompt_ids)}-token prompt"))
+            return
+        s.result.time_to_first_token_s = time.perf_counter() - s.start
+        s.max_seq_len, s.length, s.root = p.max_seq_len, len(s.prompt_ids), p.token
+        if s.drafts and not s.result.finish_reason:
+            try:
+                s.draft_state = self.proposer.start(s.prompt_ids, p.features)
+            except (StatusError, ValueError) as exc:
+                self._fail(s, exc if isinstance(exc, StatusError) else StatusError("INVALID_ARGUMENT", str(exc)))
+                return
+            s.new_tokens, s.new_features = [p.token], p.features[:0]
+        self._deliver(s, RoundUpdate(0, s.emit([p.token])))
+
+    def _verified(self, s: _Session, v: Verified, span: trace.Span | None) -> None:
+        emitted = v.accepted_tokens + [v.next_token]
+        if s.drafts and v.features.shape[0] != len(emitted):
+            self._fail(s, StatusError("INTERNAL", f"verifier sent {v.features.shape[0]} feature rows for "
+                                                  f"{len(emitted)} tokens"))
+            return
+        s.rounds += 1
+        s.length += len(emitted)
+        s.result.acceptance_lengths.append(len(emitted))
+        s.root, s.new_tokens, s.new_features = v.next_token, emitted, v.features
+        if span is not None:
+            span.set_attributes({"tree.nodes": s.tree.num_nodes, "accepted": len(v.accepted_tokens)})
+        cancelled = bool(s.result.finish_reason)  # ended while this step was in flight: drop its tokens
+        if not cancelled:
+            self._deliver(s, RoundUpdate(s.rounds, s.emit(emitted), s.tree.num_nodes))
+        if not s.result.finish_reason and s.max_seq_len - s.length - 1 < 0:
+            s.result.finish_reason = "length"
+
+    def _deliver(self, s: _Session, update: RoundUpdate) -> None:
+        s.deliver(update)
+        if s.result.finish_reason:
+            self._finish(s)
+
+    # -- endings ----------------------------------------------------------------------------
+
+    def _end(self, s: _Session) -> None:
+        """Take an ended session off the running set, free its draft slot, queue its Close."""
+        self._running.pop(s.sid, None)
+        if s.draft_state is not None:
+            state, s.draft_state = s.draft_state, None
+            self.proposer.finish(state)
+        if s.open_on_verifier:
+            s.open_on_verifier = False
+            self._ending.append(s.sid)
+        s.result.elapsed_s = time.perf_counter() - s.start
+
+    def _finish(self, s: _Session) -> None:
+        """Deliver the result of a session that ended normally (or was cancelled)."""
+        self._end(s)
+        s.span.set_attributes({"completion.tokens": len(s.result.tokens), "rounds": s.result.rounds,
+                               "mean_acceptance": s.result.mean_acceptance, "finish_reason": s.result.finish_reason})
+        s.span.end()
+        s.deliver(s.result)
+
+    def _fail(self, s: _Session, error: StatusError) -> None:
+        """Deliver an error; a session the verifier still holds is closed there."""
+        self._end(s)
+        s.span.record_exception(error)
+        s.span.set_status(trace.Status(trace.StatusCode.ERROR, error.message))
+        s.span.end()
+        s.deliver(error)
+
+    def _fail_all(self, error: StatusError, link_lost: bool = True) -> None:
+        """Fail every running session. When the link failed they are gone on the verifier too;
+        otherwise their Close entries go in the next step."""
+        for s in list(self._running.values()):
+            if link_lost:
+                s.open_on_verifier = False
+            self._fail(s, error)
+        self._running.clear()
+        if link_lost:
+            self._ending = []
