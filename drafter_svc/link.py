@@ -18,7 +18,7 @@ from typing import Protocol
 import grpc
 
 from common.config import DraftConfig, TargetConfig
-from common.protocol import CloseEntry, Entry, StatusError, StepResult, TreeEntry, Verified
+from common.protocol import CloseEntry, Entry, OpenEntry, Prefilled, StatusError, StepResult, TreeEntry, Verified
 from common.rpc import CHANNEL_OPTIONS, pb, pb_grpc
 from common.wire import WireError, decode_link_response, encode_link_request
 
@@ -51,6 +51,8 @@ def check_results(entries: Sequence[Entry], results: Sequence[StepResult]) -> No
         raise StatusError("INTERNAL", f"verifier answered sessions {[r.session_id for r in results][:8]}, "
                                       f"expected {[e.session_id for e in asked][:8]}")
     for e, r in zip(asked, results):
+        if isinstance(r.outcome, Prefilled) and not isinstance(e, OpenEntry):
+            raise StatusError("INTERNAL", f"verifier sent a Prefilled that answers no open of session {e.session_id}")
         if isinstance(r.outcome, Verified):
             if not isinstance(e, TreeEntry) or r.outcome.round != e.round:
                 raise StatusError("INTERNAL", f"verifier sent a Verified that answers no tree of session {e.session_id}")

@@ -1,0 +1,90 @@
+"""The drafter's checks of what the verifier sends back (common.wire, drafter_svc.link), and
+the link codec's round trip: nothing from the wire reaches the draft model unchecked."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from common.protocol import CloseEntry, OpenEntry, Prefilled, SamplingParams, StatusError, StepResult, TreeEntry, Verified
+from common.tree import DraftTree
+from common.wire import (LinkLimits, WireError, decode_link_request, decode_link_response, encode_link_request,
+                         encode_link_response)
+from drafter_svc.link import check_results
+
+VOCAB, WIDTH = 50, 6
+
+
+def chain(tokens: list[int]) -> DraftTree:
+    return DraftTree.from_parents(tokens, list(range(-1, len(tokens) - 1)))
+
+
+def features(rows: int, seed: int) -> torch.Tensor:
+    return torch.randn(rows, WIDTH, generator=torch.Generator().manual_seed(seed))
+
+
+def test_request_round_trip():
+    entries = [OpenEntry(3, [1, 2, 3], SamplingParams(0.5, 4, 0.9, 7), "tp", (0, 2)), TreeEntry(1, 2, chain([4, 5, 6])),
+               CloseEntry(9), TreeEntry(2, 1, chain([7]))]
+    got = decode_link_request(encode_link_request(11, entries), LinkLimits(max_entries=8, max_tree_nodes=4))
+    assert [type(e) for e in got] == [OpenEntry, TreeEntry, CloseEntry, TreeEntry]
+    assert got[0] == entries[0]
+    for e, g in ((entries[1], got[1]), (entries[3], got[3])):
+        assert (g.session_id, g.round) == (e.session_id, e.round)
+        for field in ("tokens", "next_token", "next_sibling"):
+            assert torch.equal(getattr(g.tree, field), getattr(e.tree, field))
+
+
+def test_response_round_trip_keeps_each_sessions_rows():
+    rows = features(7, 0)
+    results = [StepResult(1, Verified([4, 5], 6, rows[:3], 2)), StepResult(2, StatusError("NOT_FOUND", "gone")),
+               StepResult(3, Prefilled(8, rows[3:7], 64)), StepResult(4, Verified([], 9, rows[:0], 1))]
+    got = decode_link_response(encode_link_response(5, results, WIDTH, torch.float32), vocab_size=VOCAB,
+                               feature_dim=WIDTH, max_feature_rows=100)
+    assert [r.session_id for r in got] == [1, 2, 3, 4]
+    assert got[0].outcome.accepted_tokens == [4, 5] and torch.equal(got[0].outcome.features, rows[:3])
+    assert (got[1].outcome.status, got[1].outcome.message) == ("NOT_FOUND", "gone")
+    assert got[2].outcome.token == 8 and torch.equal(got[2].outcome.features, rows[3:7])
+    assert got[3].outcome.features.shape == (0, WIDTH)
+
+
+def _response(results, width=WIDTH):
+    return encode_link_response(1, results, width, torch.float32)
+
+
+@pytest.mark.parametrize("results, needle", [
+    ([StepResult(1, Verified([VOCAB], 1, features(2, 1), 1))], "outside the vocabulary"),
+    ([StepResult(1, Verified([1], -1, features(2, 1), 1))], "outside the vocabulary"),
+    ([StepResult(1, Prefilled(VOCAB + 3, features(2, 1), 8))], "outside the vocabulary"),
+    ([StepResult(1, Verified([1, 2], 3, features(2, 1), 1))], "feature rows"),
+])
+def test_bad_replies_are_refused(results, needle):
+    with pytest.raises(WireError, match=needle):
+        decode_link_response(_response(results), vocab_size=VOCAB, feature_dim=WIDTH, max_feature_rows=100)
+
+
+def test_feature_width_and_row_count_are_checked():
+    reply = _response([StepResult(1, Verified([1], 2, features(2, 0), 1))])
+    with pytest.raises(WireError, match="expected"):
+        decode_link_response(reply, vocab_size=VOCAB, feature_dim=WIDTH + 1, max_feature_rows=100)
+    reply.features.shape[:] = [3, WIDTH]  # more rows claimed than the data holds
+    with pytest.raises(WireError):
+        decode_link_response(reply, vocab_size=VOCAB, feature_dim=WIDTH, max_feature_rows=100)
+
+
+def test_check_results_matches_replies_to_entries():
+    tree = chain([4, 5, 6])
+    entries = [OpenEntry(1, [1], SamplingParams()), TreeEntry(2, 3, tree), CloseEntry(5)]
+    good = [StepResult(1, Prefilled(3, features(1, 0), 16)), StepResult(2, Verified([5, 6], 7, features(3, 0), 3))]
+    check_results(entries, good)
+    bad_cases = [
+        good[:1],  # a result missing
+        [good[1], good[0]],  # out of order
+        [good[0], StepResult(2, Verified([5], 6, features(2, 0), 2))],  # answers another round
+        [good[0], StepResult(2, Verified([5, 6, 7], 8, features(4, 0), 3))],  # more accepted than the tree holds
+        [StepResult(1, Verified([], 3, features(1, 0), 1)), good[1]],  # a Verified for an open
+        [good[0], StepResult(2, Prefilled(3, features(1, 0), 16))],  # a Prefilled for a tree
+    ]
+    for results in bad_cases:
+        with pytest.raises(StatusError) as err:
+            check_results(entries, results)
+        assert err.value.status == "INTERNAL"
