@@ -18,7 +18,7 @@ for step in $steps; do
         verify) cmd=(python3 bench/verify.py --out-json "$out/verify.json") ;;
         kernels) cmd=(python3 bench/kernels.py --batches 1,4,16,32 --trees 16,64,128 --out-json "$out/kernels.json") ;;
         draft) cmd=(python3 bench/draft_step.py --out-json "$out/draft.json") ;;
-        round) cmd=(python3 bench/round.py --out-json "$out/round.json") ;;
+        round) cmd=(python3 bench/round.py --sessions 1,8,32 --out-json "$out/round.json") ;;
         transport) cmd=(python3 bench/transport.py --out-json "$out/transport.json") ;;
         serve) cmd=(python3 bench/serve.py --models qwen3-8b,default --concurrency 1,4,8,16,32,64 --max-new-tokens 128
                     --taus 3,6 --log-dir "$out/serve_logs" --out-json "$out/serve.json") ;;

@@ -9,7 +9,9 @@ model. Stop strings are cut here (`TextStream`); the session is then cancelled.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
+import threading
 import time
 from dataclasses import dataclass
 from typing import AsyncIterator
@@ -136,9 +138,39 @@ class DrafterEngine:
         return _Request(prompt_ids, config, list(request.stop))
 
 
+class _Mailbox:
+    """Hands the scheduler's deliveries to the handlers' asyncio queues with one event-loop
+    wake-up per batch of them (a step delivers to every session at once), not one per session."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self._pending: list[tuple[asyncio.Queue, object]] = []
+        self._lock = threading.Lock()
+        self._scheduled = False
+
+    def put(self, queue: asyncio.Queue, item) -> None:
+        """Called on the scheduler's thread."""
+        with self._lock:
+            self._pending.append((queue, item))
+            if self._scheduled:
+                return
+            self._scheduled = True
+        try:
+            self.loop.call_soon_threadsafe(self._flush)
+        except RuntimeError:  # the loop is closed: nobody is listening
+            pass
+
+    def _flush(self) -> None:
+        with self._lock:
+            items, self._pending, self._scheduled = self._pending, [], False
+        for queue, item in items:
+            queue.put_nowait(item)
+
+
 class GenerationServicer(pb_grpc.GenerationServicer):
     def __init__(self, engine: DrafterEngine):
         self.engine = engine
+        self._mailbox: _Mailbox | None = None
 
     async def _parse(self, request, context) -> _Request:
         try:
@@ -148,17 +180,11 @@ class GenerationServicer(pb_grpc.GenerationServicer):
 
     async def _run(self, req: _Request) -> AsyncIterator[tuple[list[int], str, int] | GenerationResult]:
         """Yield (tokens, text delta, round) per round, then the GenerationResult."""
-        loop = asyncio.get_running_loop()
+        if self._mailbox is None:
+            self._mailbox = _Mailbox(asyncio.get_running_loop())
         updates: asyncio.Queue = asyncio.Queue()
-
-        def deliver(item) -> None:  # on the scheduler's thread
-            try:
-                loop.call_soon_threadsafe(updates.put_nowait, item)
-            except RuntimeError:  # the loop is closed: nobody is listening
-                pass
-
         scheduler = self.engine.scheduler
-        sid = scheduler.submit(req.prompt_ids, req.config, deliver)
+        sid = scheduler.submit(req.prompt_ids, req.config, functools.partial(self._mailbox.put, updates))
         text = TextStream(self.engine.tokenizer, req.stop)
         finished = stopped = False
         try:
