@@ -119,3 +119,70 @@ def test_more_requests_than_slots_queue_and_complete(engine):
     for (prompt, config), out in zip(requests, batched):
         assert out.tokens == greedy(engine, prompt, DraftMode("ar", 0), n=8).tokens
     assert engine.verifier.free_capacity == limit
+
+
+def _scheduler(engine, proposer, **kwargs):
+    from drafter_svc.link import LocalLink
+    from drafter_svc.scheduler import DraftScheduler
+
+    return DraftScheduler(LocalLink(engine.verifier), proposer, max_sessions=engine.verifier.limits.max_sessions,
+                          feature_layer_ids=engine.verifier.feature_layer_ids, **kwargs)
+
+
+def _ends(scheduler, requests):
+    ends = [{} for _ in requests]
+    for end, (prompt, config) in zip(ends, requests):
+        scheduler.submit(prompt, config, lambda item, end=end: end.setdefault("items", []).append(item))
+    return ends
+
+
+def test_a_failing_draft_step_fails_its_sessions_and_frees_their_slots(engine):
+    """A bug in a step (here the draft forward raising) fails that step's sessions with INTERNAL;
+    the scheduler still closes them on the verifier, so its capacity comes back."""
+    import time
+
+    from common.protocol import StatusError
+
+    class Broken(OracleProposer):
+        def propose(self, *args):
+            raise RuntimeError("boom")
+
+    scheduler = _scheduler(engine, Broken(engine.verifier.runner.model, block_size=8))
+    ends = _ends(scheduler, [(p, GenerationConfig(8, mode=DraftMode("tree", 4))) for p in PROMPTS])
+    scheduler.start()
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not (all("items" in e and isinstance(e["items"][-1], StatusError)
+                                                       for e in ends)
+                                                   and engine.verifier.free_capacity == engine.verifier.limits.max_sessions):
+            time.sleep(0.02)
+    finally:
+        scheduler.stop()
+    assert all(e["items"][-1].status == "INTERNAL" for e in ends)
+    assert engine.verifier.free_capacity == engine.verifier.limits.max_sessions
+
+
+@pytest.mark.parametrize("accept_prob", [0.0, 0.7, 1.0])
+def test_controlled_acceptance_sets_tau_and_keeps_outputs(engine, accept_prob):
+    """The benchmark-only oracle: the real draft runs, then its trees hold the target's greedy
+    continuation up to a random depth (each depth with `accept_prob`). Outputs stay exactly AR;
+    tau is 1 at p = 0, block_size at p = 1, in between otherwise."""
+    from drafter_svc.oracle import ControlledAcceptance
+
+    n = 40
+    ar = {tuple(p): greedy(engine, p, DraftMode("ar", 0), n=n).tokens for p in PROMPTS}
+    hook = ControlledAcceptance(accept_prob, ar, seed=3)
+    scheduler = _scheduler(engine, engine.proposer, logits_hook=hook)
+    ends = _ends(scheduler, [(p, GenerationConfig(n, mode=DraftMode("tree", 16))) for p in PROMPTS])
+    scheduler.run_until_idle()
+    results = [e["items"][-1] for e in ends]
+    assert [r.tokens for r in results] == [ar[tuple(p)] for p in PROMPTS]
+    block = engine.proposer.block_size
+    full = [a for r in results for a in r.acceptance_lengths[:-1]]  # the last round is cut by the length limit
+    tau = sum(full) / len(full)
+    if accept_prob == 0.0:
+        assert tau == 1.0
+    elif accept_prob == 1.0:
+        assert tau == block
+    else:
+        assert 1.5 < tau < block - 1
