@@ -97,7 +97,7 @@ def _verifier_process(port_out, rows: int, trace: bool, sessions: int, seq_len: 
         logits, _ = real_prefill(slots, prompts)
         return logits, [torch.zeros(p.shape[0], FEATURE_DIM, dtype=torch.bfloat16) for p in prompts]
 
-    def verify_batch(batch_rows, masks):
+    def verify_batch(batch_rows, masks, with_features=None):
         return VerifiedBatch(paths=[path] * len(batch_rows), bonus=[int(r.tree.tokens[0]) for r in batch_rows],
                              features=features[: len(batch_rows) * rows])
 

@@ -43,6 +43,11 @@ class DraftTree:
         return self.tokens.shape[0]
 
     @classmethod
+    def root_only(cls, root: int) -> DraftTree:
+        """The tree of a round that drafts nothing: plain decoding of one token."""
+        return cls(torch.tensor([int(root)]), torch.tensor([-1]), torch.tensor([-1]))
+
+    @classmethod
     def from_parents(cls, tokens: Sequence[int], parents: Sequence[int]) -> DraftTree:
         """Compile a parent array (parents[0] = -1, parents[i] < i) into retrieve buffers.
 

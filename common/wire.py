@@ -12,6 +12,7 @@ import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import grpc
 import torch
 
 from common.protocol import (CloseEntry, Entry, OpenEntry, Prefilled, SamplingParams, StatusError, StepResult,
@@ -277,18 +278,11 @@ def decode_link_response(msg: pb.LinkResponse, *, vocab_size: int, feature_dim: 
 
 def status_code(name: str) -> int:
     """The numeric gRPC status code of a status name (UNKNOWN for an unknown name)."""
-    return _STATUS_CODES.get(name, 2)
+    return grpc.StatusCode.__members__.get(name, grpc.StatusCode.UNKNOWN).value[0]
 
 
 def status_name(code: int) -> str:
-    return next((n for n, c in _STATUS_CODES.items() if c == code), "UNKNOWN")
-
-
-# grpc.StatusCode values, without importing grpc here.
-_STATUS_CODES = {"OK": 0, "CANCELLED": 1, "UNKNOWN": 2, "INVALID_ARGUMENT": 3, "DEADLINE_EXCEEDED": 4,
-                 "NOT_FOUND": 5, "ALREADY_EXISTS": 6, "PERMISSION_DENIED": 7, "RESOURCE_EXHAUSTED": 8,
-                 "FAILED_PRECONDITION": 9, "ABORTED": 10, "OUT_OF_RANGE": 11, "UNIMPLEMENTED": 12,
-                 "INTERNAL": 13, "UNAVAILABLE": 14, "DATA_LOSS": 15, "UNAUTHENTICATED": 16}
+    return next((c.name for c in grpc.StatusCode if c.value[0] == code), "UNKNOWN")
 
 
 def encode_sampling(s: SamplingParams) -> pb.SamplingParams:

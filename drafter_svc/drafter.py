@@ -57,11 +57,6 @@ class BlockProposer(Protocol):
     def finish(self, state: object) -> None: ...
 
 
-def root_only(root: int) -> DraftTree:
-    """The tree of a round that drafts nothing: plain decoding of one token."""
-    return DraftTree(torch.tensor([root]), torch.tensor([-1]), torch.tensor([-1]))
-
-
 def build_trees(modes: Sequence[DraftMode], block_logits: torch.Tensor, roots: Sequence[int],
                 rooms: Sequence[int]) -> list[DraftTree]:
     """Each drafted session's tree under its mode, with at most `rooms[i]` nodes besides the root.
@@ -72,7 +67,7 @@ def build_trees(modes: Sequence[DraftMode], block_logits: torch.Tensor, roots: S
     tree_rows, chain_rows = [], []
     for i, (mode, root, room) in enumerate(zip(modes, roots, rooms)):
         if mode.kind == "ar" or room <= 0 or (mode.kind == "tree" and mode.budget == 0):
-            trees[i] = root_only(root)
+            trees[i] = DraftTree.root_only(root)
         else:
             (chain_rows if mode.kind == "chain" else tree_rows).append(i)
     if chain_rows:

@@ -39,7 +39,8 @@ from torch import Tensor
 from common.protocol import (CloseEntry, Entry, OpenEntry, Prefilled, SamplingParams, StatusError, StepResult,
                              TreeEntry, Verified)
 from common.tracing import traceparent_of, tracer
-from drafter_svc.drafter import BlockProposer, DraftMode, build_trees, root_only
+from common.tree import DraftTree
+from drafter_svc.drafter import BlockProposer, DraftMode, build_trees
 from drafter_svc.link import VerifierLink
 
 log = logging.getLogger(__name__)
@@ -321,7 +322,7 @@ class DraftScheduler:
             return []
         rooms = [s.room() for s in drafting]
         busy = [i for i, s in enumerate(drafting) if s.drafts and rooms[i] > 0]
-        trees = [root_only(s.root) for s in drafting]
+        trees = [DraftTree.root_only(s.root) for s in drafting]
         if busy:
             sessions = [drafting[i] for i in busy]
             with _tracer.start_as_current_span("draft"):

@@ -538,9 +538,9 @@ def test_worker_batches_messages_of_all_links_into_one_step(server, stub, local,
         rows = []
         real_verify = worker.verifier.runner.verify_batch
 
-        def counting_verify(batch_rows, masks):
+        def counting_verify(batch_rows, *args):
             rows.append(len(batch_rows))
-            return real_verify(batch_rows, masks)
+            return real_verify(batch_rows, *args)
 
         monkeypatch.setattr(worker.verifier.runner, "verify_batch", counting_verify)
         blocker = worker_gate.hold(a)

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -109,15 +110,12 @@ class _Fields:
     def __init__(self, flat: Tensor, layout: Sequence[tuple[str, tuple[int, ...]]]):
         offset = 0
         for name, shape in layout:
-            size = 1
-            for d in shape:
-                size *= d
-            setattr(self, name, flat[offset: offset + size].view(shape))
-            offset += size
+            setattr(self, name, flat[offset: offset + math.prod(shape)].view(shape))
+            offset += math.prod(shape)
 
 
 def _layout_size(layout: Sequence[tuple[str, tuple[int, ...]]]) -> int:
-    return sum(torch.Size(shape).numel() for _, shape in layout)
+    return sum(math.prod(shape) for _, shape in layout)
 
 
 class BatchInputs:

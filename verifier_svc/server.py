@@ -113,10 +113,6 @@ def load_verifier(config: VerifierConfig) -> TreeVerifier:
     return TreeVerifier(runner, config.limits())
 
 
-def _status_code(name: str) -> grpc.StatusCode:
-    return grpc.StatusCode.__members__.get(name, grpc.StatusCode.UNKNOWN)
-
-
 class _Link:
     """One `Link` RPC: reads messages, hands each to the worker, writes the replies in order.
 
@@ -220,7 +216,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         except Exception as exc:
             error = exc if isinstance(exc, VerifierError) else self._internal(exc)
             reason = f"{error.status}: {error.message}"
-            await context.abort(_status_code(error.status), error.message)
+            await context.abort(grpc.StatusCode.__members__.get(error.status, grpc.StatusCode.UNKNOWN), error.message)
         finally:
             self.worker.close_owner(link.owner)
             log.info("link %d closed after %d messages: %s", link.owner, link.messages, reason)

@@ -30,7 +30,7 @@ class VerifiedBatch:
 
     paths: list[list[int]]  # node indices, root first
     bonus: list[int]
-    features: Tensor  # [sum of path lengths, F] on the CPU: the path rows of every row, in row order
+    features: Tensor  # [sum of path lengths, F] on the CPU: the path rows of the rows asked for, in row order
 
 
 class TargetRunner:
@@ -87,11 +87,13 @@ class TargetRunner:
         with torch.inference_mode():
             return verify_step(self.model, self.cache, inp, length, "forward")
 
-    def verify_batch(self, rows: Sequence[VerifyRow], masks: Tensor) -> VerifiedBatch:
+    def verify_batch(self, rows: Sequence[VerifyRow], masks: Tensor,
+                     with_features: Sequence[bool] | None = None) -> VerifiedBatch:
         """Verify every row's tree (masks: bool [B, >= n, >= n], see `common.tree.ancestor_masks`),
         accept, and compact each row's accepted K/V to [past, past + len(path)).
 
-        Two device-to-host copies: the per-row results, then the accepted rows' features.
+        Two device-to-host copies: the per-row results, then the features of the accepted rows
+        of the rows `with_features` marks (default: all).
         """
         mode = "greedy" if all(r.sampling.greedy for r in rows) else "sample"
         outputs = self.graphs.run(mode, rows, masks) if self.graphs is not None else None
@@ -102,8 +104,9 @@ class TargetRunner:
         result, features = outputs
         values = result[: len(rows)].cpu().tolist()
         paths = [v[2: 3 + v[0]] for v in values]
+        wanted = with_features if with_features is not None else [True] * len(rows)
         b, t, f = features.shape
-        index = torch.tensor([i * t + j for i, path in enumerate(paths) for j in range(len(path))],
-                             device=features.device)
+        index = torch.tensor([i * t + j for i, path in enumerate(paths) if wanted[i] for j in range(len(path))],
+                             dtype=torch.int64, device=features.device)
         picked = features.reshape(b * t, f).index_select(0, index).cpu()
         return VerifiedBatch(paths=paths, bonus=[v[1] for v in values], features=picked)

@@ -181,7 +181,7 @@ class TreeVerifier:
                 with stage("forward"):
                     logits, features = self.runner.prefill([s.slot for s in sessions], [p for *_, p in group])
                 with stage("sample"):
-                    roots = [DraftTree(p[-1:], torch.tensor([-1]), torch.tensor([-1])) for *_, p in group]
+                    roots = [DraftTree.root_only(p[-1]) for *_, p in group]
                     coins = [None if s.sampling.greedy else draw_coins(s.generator, 1) for s in sessions]
                     bonus = accept_roots(roots, logits, [s.sampling for s in sessions], coins)
                     rows = [(f if s.features else f[:0]).cpu() for s, f in zip(sessions, features)]
@@ -229,8 +229,9 @@ class TreeVerifier:
                 coins = None if s.sampling.greedy else draw_coins(s.generator, e.tree.num_nodes)
                 rows.append(VerifyRow(s.slot, s.length, e.tree, layouts[i].depths, s.sampling, coins))
             masks = ancestor_masks([layouts[i] for i in good], max(r.tree.num_nodes for r in rows))
+            with_features = [self._sessions[items[i][0]].features for i in good]
             with stage("forward"):
-                batch = self.runner.verify_batch(rows, masks)
+                batch = self.runner.verify_batch(rows, masks, with_features)
             with stage("commit"):
                 offset = 0
                 for j, i in enumerate(good):
@@ -241,10 +242,10 @@ class TreeVerifier:
                     s.next_token = batch.bonus[j]
                     s.rounds += 1
                     accepted = e.tree.tokens[path[1:]].tolist()
-                    rows = batch.features[offset: offset + len(path)]
+                    taken = len(path) if s.features else 0
                     outcomes[i] = Verified(accepted_tokens=accepted, next_token=batch.bonus[j],
-                                           features=rows if s.features else rows[:0], round=e.round)
-                    offset += len(path)
+                                           features=batch.features[offset: offset + taken], round=e.round)
+                    offset += taken
         return outcomes
 
     def _check(self, key: Key, e: TreeEntry, layout: TreeLayout | TreeError) -> None:

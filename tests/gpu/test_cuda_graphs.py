@@ -369,6 +369,30 @@ def test_forward_batch_rows_match_one_session_reference(tiny_pair, attention, ca
             assert rel_err(out.features[i, :n], want_features) < 1e-5, (i, n)
 
 
+def test_batched_prefill_matches_each_prompt_alone(tiny_pair):
+    """TargetRunner.prefill of prompts of different lengths in one forward (right-aligned, padding
+    columns past each prompt) gives each prompt's last logits, features and committed K/V as a
+    plain causal forward of that prompt alone, and writes no other slot."""
+    model = load_model(tiny_pair)
+    runner = TargetRunner(model, 4, 64, 9, cuda_graphs=False)
+    rng = np.random.default_rng(7)
+    prompts = [torch.tensor(rng.integers(0, model.cfg.vocab_size, n), dtype=torch.int64) for n in (1, 13, 6)]
+    slots = [2, 0, 3]
+    before = snapshot(runner)
+    TOL = dict(rtol=1e-4, atol=1e-4)  # float32; the batch's GEMM shapes differ from one prompt's
+    logits, features = runner.prefill(slots, prompts)
+    for slot, prompt, row_logits, row_features in zip(slots, prompts, logits, features):
+        n = prompt.shape[0]
+        ref_logits, ref_features, ref_cache = reference_forward(model, [], prompt.tolist(), list(range(-1, n - 1)))
+        torch.testing.assert_close(row_logits, ref_logits[-1], **TOL)
+        torch.testing.assert_close(row_features, ref_features, **TOL)
+        torch.testing.assert_close(runner.cache.k[:, slot, :, :n], ref_cache.k[:, 0, :, :n], **TOL)
+        torch.testing.assert_close(runner.cache.v[:, slot, :, :n], ref_cache.v[:, 0, :, :n], **TOL)
+    untouched = [s for s in range(runner.cache.num_slots) if s not in slots]
+    assert torch.equal(runner.cache.k[:, untouched], before[0][:, untouched])
+    assert torch.equal(runner.cache.v[:, untouched], before[1][:, untouched])
+
+
 def _verify_rounds(model, runner: TargetRunner, rounds, rng, *, static: bool) -> None:
     """Drive sessions through batched steps; per step check each row against the references
     and the KV cache against the compaction it must do."""
