@@ -7,7 +7,8 @@ here with a clear message rather than deep inside a forward pass.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+import math
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 
@@ -17,6 +18,24 @@ class CheckpointError(ValueError):
 
 TARGET_ARCHITECTURES = ("Qwen3ForCausalLM", "LlamaForCausalLM")
 DRAFT_ARCHITECTURES = ("DFlashDraftModel",)
+DEFAULT_ROPE_THETA = 10000.0  # transformers' default when a config names none
+DEFAULT_MAX_POSITIONS = 4096
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """A RoPE variant other than plain RoPE, its parameters resolved as transformers resolves
+    them (`modeling_rope_utils`). `common.layers.rope_inv_freq` builds the inverse frequencies
+    from it, and cos/sin are multiplied by `attention_factor` (YaRN's mscale)."""
+    rope_type: str                             # "linear", "llama3" or "yarn"
+    factor: float
+    original_max_position_embeddings: int = 0  # llama3, yarn: the pretraining context
+    low_freq_factor: float = 1.0               # llama3
+    high_freq_factor: float = 4.0              # llama3
+    beta_fast: float = 32.0                    # yarn
+    beta_slow: float = 1.0                     # yarn
+    truncate: bool = True                      # yarn: round the correction range outwards
+    attention_factor: float = 1.0              # yarn: cos/sin multiplier; 1 for the others
 
 
 @dataclass(frozen=True)
@@ -34,6 +53,7 @@ class TargetConfig:
     tie_word_embeddings: bool
     max_position_embeddings: int
     eos_token_ids: tuple[int, ...]
+    rope_scaling: RopeScaling | None = None  # None = plain RoPE with rope_theta
 
     @property
     def qk_norm(self) -> bool:
@@ -44,7 +64,7 @@ class TargetConfig:
         """A short, stable identity of the architecture, for mismatch checks."""
         import hashlib
 
-        text = json.dumps(self.__dict__, sort_keys=True, default=list)
+        text = json.dumps(asdict(self), sort_keys=True)
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
@@ -63,6 +83,7 @@ class DraftConfig:
     target_layer_ids: tuple[int, ...]
     mask_token_id: int
     num_target_layers: int | None
+    rope_scaling: RopeScaling | None = None  # None = plain RoPE with rope_theta
 
 
 def read_config_json(folder: str | Path) -> dict:
@@ -84,15 +105,78 @@ def _require(raw: dict, key: str, where: str):
     return raw[key]
 
 
-def _rope_theta(raw: dict) -> float:
-    # transformers 5 moved rope_theta under rope_parameters; older configs keep it at the top.
-    if "rope_theta" in raw:
-        return float(raw["rope_theta"])
-    params = raw.get("rope_parameters") or {}
-    scaling = raw.get("rope_scaling") or params
-    if scaling.get("rope_type", "default") not in ("default", None):
-        raise CheckpointError(f"unsupported rope_type {scaling.get('rope_type')!r} (only 'default')")
-    return float(params.get("rope_theta", 10000.0))
+def _rope(raw: dict, where: str) -> tuple[float, RopeScaling | None]:
+    """(rope_theta, scaling) from either layout: the hub's (`rope_theta` at the top, a
+    `rope_scaling` dict beside it, its type under `rope_type` or the legacy `type`) or
+    transformers 5's (`rope_parameters` holding both). Variants the engine cannot compute
+    exactly as transformers does are refused."""
+    params = raw.get("rope_scaling") or raw.get("rope_parameters") or {}
+    if not isinstance(params, dict) or any(isinstance(v, dict) for v in params.values()):
+        raise CheckpointError(f"{where}: per-layer-type RoPE parameters are not supported")
+    theta = float(params.get("rope_theta", raw.get("rope_theta", DEFAULT_ROPE_THETA)))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if float(params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))) != 1.0:
+        raise CheckpointError(f"{where}: partial_rotary_factor != 1 is not supported")
+    if rope_type == "default":
+        return theta, None
+    if rope_type == "dynamic":
+        raise CheckpointError(f"{where}: rope_type 'dynamic' is not supported (its frequencies change with "
+                              "the length of each forward pass, which a cached, batched engine cannot follow)")
+    if rope_type not in ("linear", "llama3", "yarn"):
+        raise CheckpointError(f"{where}: unsupported rope_type {rope_type!r} "
+                              "(supported: default, linear, llama3, yarn)")
+
+    def need(key: str):
+        if params.get(key) is None:
+            raise CheckpointError(f"{where}: rope_type {rope_type!r} needs '{key}' in its RoPE parameters")
+        return params[key]
+
+    if rope_type == "linear":
+        return theta, RopeScaling("linear", float(need("factor")))
+    # transformers lets a top-level original_max_position_embeddings win, then the dict's,
+    # then max_position_embeddings.
+    max_positions = int(raw.get("max_position_embeddings", DEFAULT_MAX_POSITIONS))
+    original = int(raw.get("original_max_position_embeddings")
+                   or params.get("original_max_position_embeddings") or max_positions)
+    if rope_type == "llama3":
+        return theta, RopeScaling("llama3", float(need("factor")), original, float(need("low_freq_factor")),
+                                  float(need("high_freq_factor")))
+    factor = float(params["factor"]) if params.get("factor") is not None else max_positions / original
+    attention_factor = params.get("attention_factor")
+    if attention_factor is None:
+        mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
+        if mscale and mscale_all_dim:
+            attention_factor = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
+        else:
+            attention_factor = _yarn_mscale(factor)
+    return theta, RopeScaling("yarn", factor, original, beta_fast=float(params.get("beta_fast") or 32),
+                              beta_slow=float(params.get("beta_slow") or 1),
+                              truncate=bool(params.get("truncate", True)), attention_factor=float(attention_factor))
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature for a context scale (transformers' `get_mscale`)."""
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _check_full_attention(raw: dict, where: str) -> None:
+    """Refuse sliding-window layers (the engine attends over the whole context). The fields
+    are read as transformers' Qwen3Config reads them: the window counts only with
+    use_sliding_window, and layer_types, when absent, follow from it and max_window_layers."""
+    layers = int(_require(raw, "num_hidden_layers", where))
+    window = raw.get("sliding_window") if raw.get("use_sliding_window") else None
+    types = raw.get("layer_types")
+    if types is None:
+        start = 28 if raw.get("max_window_layers") is None else int(raw["max_window_layers"])  # Qwen3Config's default
+        types = ["sliding_attention" if window is not None and i >= start else "full_attention" for i in range(layers)]
+    if not isinstance(types, list) or len(types) != layers:
+        raise CheckpointError(f"{where}: layer_types must list one type per layer ({layers})")
+    unknown = sorted({t for t in types if t not in ("full_attention", "sliding_attention")})
+    if unknown:
+        raise CheckpointError(f"{where}: unsupported layer_types {unknown} (only full_attention is supported)")
+    if window is not None and "sliding_attention" in types:
+        raise CheckpointError(f"{where}: sliding-window attention (sliding_window={window} on "
+                              f"{types.count('sliding_attention')} layers) is not supported")
 
 
 def _head_dim(raw: dict, where: str) -> int:
@@ -107,6 +191,18 @@ def _eos_ids(raw: dict) -> tuple[int, ...]:
     return tuple(int(e) for e in (eos if isinstance(eos, list) else [eos]))
 
 
+def _generation_eos_ids(folder: str | Path) -> tuple[int, ...]:
+    """`eos_token_id` of generation_config.json beside config.json, where instruct models list
+    their end-of-turn ids; () when there is no such file."""
+    path = Path(folder) / "generation_config.json"
+    if not path.is_file():
+        return ()
+    try:
+        return _eos_ids(json.loads(path.read_text()))
+    except (json.JSONDecodeError, TypeError, ValueError) as exc:
+        raise CheckpointError(f"{path} is not valid: {exc}") from None
+
+
 def load_target_config(folder: str | Path) -> TargetConfig:
     raw = read_config_json(folder)
     where = f"target {folder}"
@@ -119,6 +215,8 @@ def load_target_config(folder: str | Path) -> TargetConfig:
         )
     if raw.get("attention_bias"):
         raise CheckpointError(f"{where}: attention_bias=true is not supported")
+    _check_full_attention(raw, where)
+    rope_theta, rope_scaling = _rope(raw, where)
     return TargetConfig(
         architecture=arch,
         vocab_size=int(_require(raw, "vocab_size", where)),
@@ -129,10 +227,11 @@ def load_target_config(folder: str | Path) -> TargetConfig:
         head_dim=_head_dim(raw, where),
         intermediate_size=int(_require(raw, "intermediate_size", where)),
         rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-        rope_theta=_rope_theta(raw),
+        rope_theta=rope_theta,
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
-        eos_token_ids=_eos_ids(raw),
+        max_position_embeddings=int(raw.get("max_position_embeddings", DEFAULT_MAX_POSITIONS)),
+        eos_token_ids=tuple(dict.fromkeys(_eos_ids(raw) + _generation_eos_ids(folder))),
+        rope_scaling=rope_scaling,
     )
 
 
@@ -153,6 +252,8 @@ def load_draft_config(folder: str | Path) -> DraftConfig:
     if block_size is None or int(block_size) < 2:
         raise CheckpointError(f"{where}: block_size must be >= 2, got {block_size}")
     num_target_layers = raw.get("num_target_layers")
+    _check_full_attention(raw, where)
+    rope_theta, rope_scaling = _rope(raw, where)
     return DraftConfig(
         vocab_size=int(_require(raw, "vocab_size", where)),
         hidden_size=int(_require(raw, "hidden_size", where)),
@@ -162,11 +263,12 @@ def load_draft_config(folder: str | Path) -> DraftConfig:
         head_dim=_head_dim(raw, where),
         intermediate_size=int(_require(raw, "intermediate_size", where)),
         rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-        rope_theta=_rope_theta(raw),
+        rope_theta=rope_theta,
         block_size=int(block_size),
         target_layer_ids=tuple(int(i) for i in dflash["target_layer_ids"]),
         mask_token_id=int(dflash["mask_token_id"]),
         num_target_layers=None if num_target_layers is None else int(num_target_layers),
+        rope_scaling=rope_scaling,
     )
 
 

@@ -6,11 +6,14 @@ rotate-half RoPE) so logits agree to float32 precision.
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from common.config import RopeScaling
 
 
 class RMSNorm(nn.Module):
@@ -32,17 +35,68 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    """cos/sin tables computed on the fly for arbitrary (per-token) positions."""
+    """cos/sin tables computed on the fly for arbitrary (per-token) positions; `scaling`
+    selects a RoPE variant (None = plain RoPE), whose attention factor scales cos and sin."""
 
-    def __init__(self, head_dim: int, theta: float):
+    def __init__(self, head_dim: int, theta: float, scaling: RopeScaling | None = None):
         super().__init__()
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.register_buffer("inv_freq", rope_inv_freq(head_dim, theta, scaling), persistent=False)
+        self.attention_factor = 1.0 if scaling is None else scaling.attention_factor
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions[..., None].float() * self.inv_freq
         emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        cos, sin = emb.cos(), emb.sin()
+        if self.attention_factor != 1.0:
+            cos, sin = cos * self.attention_factor, sin * self.attention_factor
+        return cos.to(dtype), sin.to(dtype)
+
+
+def rope_inv_freq(dim: int, theta: float, scaling: RopeScaling | None = None) -> torch.Tensor:
+    """float32 [dim / 2] inverse frequencies, op for op as transformers' `modeling_rope_utils`
+    computes them for the variant, so the cos/sin tables agree bit for bit."""
+    plain = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    if scaling is None:
+        return plain
+    kind, factor = scaling.rope_type, scaling.factor
+    if kind == "linear":
+        return plain / factor
+    if kind == "llama3":
+        # Wavelengths longer than the pretraining context / low_freq_factor are stretched by
+        # `factor`, those shorter than it / high_freq_factor kept, the band between blended.
+        old_context = scaling.original_max_position_embeddings
+        low_factor, high_factor = scaling.low_freq_factor, scaling.high_freq_factor
+        low_wavelen, high_wavelen = old_context / low_factor, old_context / high_factor
+        wavelen = 2 * math.pi / plain
+        inv_freq = torch.where(wavelen > low_wavelen, plain / factor, plain)
+        smooth = (old_context / wavelen - low_factor) / (high_factor - low_factor)
+        smoothed = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+        medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+        return torch.where(medium, smoothed, inv_freq)
+    if kind == "yarn":
+        # Dimensions that rotate more than beta_fast times over the pretraining context keep
+        # their frequency, those under beta_slow are interpolated by `factor`, a linear ramp between.
+        pos_freqs = theta ** (torch.arange(0, dim, 2).float() / dim)
+        extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (factor * pos_freqs)
+        low, high = _yarn_correction_range(scaling, dim, theta)
+        if low == high:
+            high += 0.001  # transformers' guard against a zero-width ramp
+        ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+        keep = 1 - ramp
+        return interpolation * (1 - keep) + extrapolation * keep
+    raise ValueError(f"unsupported rope_type {kind!r}")
+
+
+def _yarn_correction_range(scaling: RopeScaling, dim: int, theta: float) -> tuple[float, float]:
+    """The dimension range [low, high] of YaRN's ramp (transformers' `find_correction_range`)."""
+    def correction_dim(rotations: float) -> float:
+        context = scaling.original_max_position_embeddings
+        return (dim * math.log(context / (rotations * 2 * math.pi))) / (2 * math.log(theta))
+
+    low, high = correction_dim(scaling.beta_fast), correction_dim(scaling.beta_slow)
+    if scaling.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    return max(low, 0), min(high, dim - 1)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -23,16 +23,22 @@ class StatusError(Exception):
         self.message = message
 
 
+# Temperatures under this decode greedily: sampling there is argmax but for near-ties, and
+# logits / T overflows float32 (NaN probabilities) for the tiniest.
+GREEDY_BELOW = 1e-5
+
+
 @dataclass(frozen=True)
 class SamplingParams:
-    temperature: float = 0.0   # 0 = greedy
+    temperature: float = 0.0   # < GREEDY_BELOW (0 included) = greedy
     top_k: int = 0             # 0 = off
     top_p: float = 1.0         # 1 = off
     seed: int | None = None    # None = a fresh random seed
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Every consumer of the temperature asks this first, so a tiny T never reaches a softmax."""
+        return self.temperature < GREEDY_BELOW
 
     def check(self) -> None:
         """Raise ValueError with a one-line message for out-of-range values."""

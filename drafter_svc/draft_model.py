@@ -86,7 +86,7 @@ class DFlashDraftModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.fc = nn.Linear(len(cfg.target_layer_ids) * cfg.hidden_size, cfg.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta)
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
 
     @classmethod
     def from_pretrained(cls, folder: str | Path, device="cpu", dtype=torch.float32):
@@ -94,7 +94,7 @@ class DFlashDraftModel(nn.Module):
         with torch.device("meta"):
             model = cls(cfg)
         model.load_state_dict(load_tensors(folder, dtype=dtype), strict=True, assign=True)
-        model.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta)
+        model.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         return model.to(device).eval().requires_grad_(False)
 
     def fuse_weights(self) -> None:

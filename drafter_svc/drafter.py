@@ -117,7 +117,7 @@ class DFlashProposer:
         names = ["embed_tokens.weight"] + ([] if target_cfg.tie_word_embeddings else ["lm_head.weight"])
         tensors = load_tensors(target_dir, names, strip_prefix="model.", dtype=dtype)
         embed = tensors["embed_tokens.weight"].to(device)
-        head = tensors.get("lm_head.weight", tensors["embed_tokens.weight"]).to(device)
+        head = tensors["lm_head.weight"].to(device) if "lm_head.weight" in tensors else embed  # tied: one tensor
         return cls(draft, embed, head, max_seq_len, slots, cuda_graphs, graph_config)
 
     @property

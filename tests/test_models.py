@@ -77,7 +77,8 @@ def test_draft_context_cache_matches_one_pass(qwen3_pair):
         assert (got[i] - want[i]).abs().max().item() < 1e-5, i
 
 
-def _edit_config(folder, **changes):
+def edit_config(folder, **changes):
+    """Edit config.json in place; a value of None removes the key."""
     path = folder / "config.json"
     raw = json.loads(path.read_text())
     for key, value in changes.items():
@@ -101,10 +102,10 @@ def test_loader_errors(tmp_path, pair_copy):
     (tmp_path / "empty").mkdir()
     with pytest.raises(CheckpointError, match="missing config.json"):
         load_target_config(tmp_path / "empty")
-    _edit_config(target, architectures=["GPT2LMHeadModel"])
+    edit_config(target, architectures=["GPT2LMHeadModel"])
     with pytest.raises(CheckpointError, match="unsupported architecture"):
         load_target_config(target)
-    _edit_config(target, architectures=["Qwen3ForCausalLM"])
+    edit_config(target, architectures=["Qwen3ForCausalLM"])
     (target / "model.safetensors").unlink()
     with pytest.raises(CheckpointError, match="no model.safetensors"):
         TargetModel.from_pretrained(target)
@@ -114,12 +115,12 @@ def test_mismatched_draft_is_refused(pair_copy):
     target, draft = pair_copy
     target_cfg = load_target_config(target)
     check_draft_fits_target(load_draft_config(draft), target_cfg)
-    _edit_config(draft, dflash_config={"target_layer_ids": [0, 9], "mask_token_id": 1})
+    edit_config(draft, dflash_config={"target_layer_ids": [0, 9], "mask_token_id": 1})
     with pytest.raises(CheckpointError, match="outside the target"):
         check_draft_fits_target(load_draft_config(draft), target_cfg)
-    _edit_config(draft, dflash_config={"target_layer_ids": [0, 1], "mask_token_id": 1}, hidden_size=32)
+    edit_config(draft, dflash_config={"target_layer_ids": [0, 1], "mask_token_id": 1}, hidden_size=32)
     with pytest.raises(CheckpointError, match="hidden_size"):
         check_draft_fits_target(load_draft_config(draft), target_cfg)
-    _edit_config(draft, hidden_size=target_cfg.hidden_size, num_target_layers=12)
+    edit_config(draft, hidden_size=target_cfg.hidden_size, num_target_layers=12)
     with pytest.raises(CheckpointError, match="12-layer target"):
         check_draft_fits_target(load_draft_config(draft), target_cfg)

@@ -71,7 +71,7 @@ class TargetModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta)
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
 
     @classmethod
     def from_pretrained(cls, folder: str | Path, feature_layer_ids=(), device="cpu", dtype=torch.float32):
@@ -79,10 +79,14 @@ class TargetModel(nn.Module):
         with torch.device("meta"):
             model = cls(cfg, feature_layer_ids)
         tensors = load_tensors(folder, strip_prefix="model.", dtype=dtype)
-        if "lm_head.weight" not in tensors:
+        # Tied (as transformers ties them, ignoring a stored head) or no head stored: the head is the embedding.
+        tied = cfg.tie_word_embeddings or "lm_head.weight" not in tensors
+        if tied:
             tensors["lm_head.weight"] = tensors["embed_tokens.weight"]
         model.load_state_dict(tensors, strict=True, assign=True)
-        model.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta)
+        if tied:  # one Parameter in both places, so `.to()` keeps a single tensor
+            model.lm_head.weight = model.embed_tokens.weight
+        model.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         return model.to(device).eval().requires_grad_(False)
 
     @property
