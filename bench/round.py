@@ -60,7 +60,7 @@ from drafter_svc.drafter import DFlashProposer, DraftMode
 from drafter_svc.link import GrpcLink, open_channel
 from drafter_svc.scheduler import DraftScheduler, GenerationConfig, GenerationResult, RoundUpdate
 
-from bench.verify import draft_config, feature_layers, qwen3_8b_config, random_draft, random_target
+from bench.verify import draft_config, feature_layers, qwen3_8b_config, random_draft, random_projection, random_target
 
 
 # ---------------------------------------------------------------------------------------
@@ -76,7 +76,7 @@ def _span_records(spans) -> list[dict]:
 
 
 def verifier_main(conn, small: bool, device: str, cuda_graphs: bool, max_seq_len: int, sessions: int,
-                  graph_batches: tuple[int, ...]) -> None:
+                  graph_batches: tuple[int, ...], raw_features: bool) -> None:
     """Child process: serve a random-weight verifier until told to stop; answer span queries."""
     import logging
 
@@ -92,6 +92,8 @@ def verifier_main(conn, small: bool, device: str, cuda_graphs: bool, max_seq_len
     cfg = qwen3_8b_config(small)
     t0 = time.perf_counter()
     model = random_target(cfg, feature_layers(cfg), dev, dtype, seed=0)
+    if not raw_features:  # the drafter's random fc + hidden_norm, as `--draft` has the verifier apply them
+        model.feature_projection = random_projection(small, dev, dtype)
     config = VerifierConfig(target_dir="(random weights in memory)", feature_layer_ids=model.feature_layer_ids,
                             host="127.0.0.1", port=0, device=device, dtype=str(dtype).removeprefix("torch."),
                             max_sessions=sessions, max_seq_len=max_seq_len, cuda_graphs=cuda_graphs,
@@ -165,7 +167,8 @@ class _TimedReplies:
 
 
 class TimedLink(GrpcLink):
-    """GrpcLink.step split into message encode, the wire exchange and reply decode (+ checks)."""
+    """GrpcLink's send + receive split into message encode, the wire exchange and reply decode
+    (+ checks); the scheduler runs in lockstep here, so one message is in flight at a time."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -177,27 +180,32 @@ class TimedLink(GrpcLink):
         self._requests = _TimedQueue(self._requests, self._stamps)
         self._replies = _TimedReplies(self._replies, self._stamps)
 
-    def step(self, entries):
-        sent, received = self.bytes_sent, self.bytes_received
+    def send(self, entries) -> None:
         self._stamps.clear()
-        t0 = time.perf_counter()
-        results = super().step(entries)
+        self._stamps.update(t0=time.perf_counter(), bytes_sent=self.bytes_sent, bytes_received=self.bytes_received)
+        super().send(entries)
+
+    def receive(self):
+        results = super().receive()
         t3 = time.perf_counter()
+        t0 = self._stamps["t0"]
         t1, t2 = self._stamps.get("sent", t0), self._stamps.get("received", t3)
         self.records.append({"encode_ms": (t1 - t0) * 1e3, "wire_ms": (t2 - t1) * 1e3, "decode_ms": (t3 - t2) * 1e3,
-                             "bytes_up": self.bytes_sent - sent, "bytes_down": self.bytes_received - received})
+                             "bytes_up": self.bytes_sent - self._stamps["bytes_sent"],
+                             "bytes_down": self.bytes_received - self._stamps["bytes_received"]})
         return results
 
 
 def random_proposer(small: bool, device, dtype, max_seq_len: int, cuda_graphs: bool = True,
                     cls: type[DFlashProposer] = SyncedProposer, slots: int = 1,
-                    batch_buckets: tuple[int, ...] | None = None) -> DFlashProposer:
+                    batch_buckets: tuple[int, ...] | None = None, projected: bool = False) -> DFlashProposer:
     """A random-weight draft of the bench's shape with the target's embedding and head, `slots`
     context slots, draft graphs for `batch_buckets` sessions per step (default: the default
-    buckets up to `slots`)."""
+    buckets up to `slots`); `projected`: it is sent context rows (the verifier projects)."""
     draft, embed, head = random_draft(small, device, dtype)
     buckets = batch_buckets or tuple(b for b in DraftGraphConfig.batch_buckets if b <= slots) or (slots,)
-    return cls(draft, embed, head, max_seq_len, slots, cuda_graphs, DraftGraphConfig(batch_buckets=buckets))
+    return cls(draft, embed, head, max_seq_len, slots, cuda_graphs, DraftGraphConfig(batch_buckets=buckets),
+               projected)
 
 
 def parse_mode(text: str) -> DraftMode:
@@ -363,6 +371,9 @@ def main(argv=None) -> dict:
     p.add_argument("--max-seq-len", type=int, default=2048)
     p.add_argument("--no-cuda-graphs", action="store_true", help="verifier without CUDA graphs")
     p.add_argument("--no-draft-graphs", action="store_true", help="draft step without CUDA graphs")
+    p.add_argument("--raw-features", action="store_true",
+                   help="the verifier sends raw layer features (default: context rows, the draft's fc + "
+                        "hidden_norm applied on the verifier, as `python -m verifier_svc --draft` does)")
     p.add_argument("--out-json", help="write the results here")
     a = p.parse_args(argv)
 
@@ -387,15 +398,16 @@ def main(argv=None) -> dict:
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=verifier_main, args=(child, a.small, a.device, not a.no_cuda_graphs, max_seq,
-                                                   max(sessions), tuple(sessions)), daemon=True)
+                                                   max(sessions), tuple(sessions), a.raw_features), daemon=True)
     t0 = time.perf_counter()
     proc.start()
     res: dict = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                  "torch": torch.__version__, "dtype": str(dtype).removeprefix("torch."), "prompt_len": prompt_len,
-                 "rounds": rounds, "sessions": sessions, "cuda_graphs": not a.no_cuda_graphs, "modes": []}
+                 "rounds": rounds, "sessions": sessions, "cuda_graphs": not a.no_cuda_graphs,
+                 "raw_features": a.raw_features, "modes": []}
     try:
         proposer = random_proposer(a.small, device, dtype, max_seq, not a.no_draft_graphs, slots=max(sessions),
-                                   batch_buckets=tuple(sessions))
+                                   batch_buckets=tuple(sessions), projected=not a.raw_features)
         res["draft_graphs"] = proposer.graphs.num_graphs if proposer.graphs is not None else 0
         if not parent.poll(900):
             raise RuntimeError("the verifier did not start")
@@ -408,9 +420,9 @@ def main(argv=None) -> dict:
         layer_ids = proposer.draft.cfg.target_layer_ids
         vocab = proposer.embed_tokens.shape[0]
         link = TimedLink(pb_grpc.VerifierStub(channel), vocab_size=vocab,
-                         feature_dim=proposer.draft.fc.weight.shape[1], max_seq_len=max_seq)
+                         feature_dim=proposer.feature_dim, max_seq_len=max_seq)
         scheduler = DraftScheduler(link, proposer, max_sessions=max(sessions), feature_layer_ids=layer_ids,
-                                   queue_timeout_s=600.0)
+                                   queue_timeout_s=600.0, pipelined=False)  # one step = one message and its reply
         gen = torch.Generator().manual_seed(0)
         prompts = [torch.randint(vocab, (prompt_len,), generator=gen).tolist() for _ in range(max(sessions))]
         max_new = max_seq - prompt_len - 1

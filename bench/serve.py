@@ -30,7 +30,10 @@ root-only trees, batched on the verifier like any others) over every prompt of t
 runs; with the `default` pair, tree mode at its real acceptance; then per `--accept-probs`
 value (default: the p giving tau ~ 3 and ~ 6, tau = 1 + p (1 - p^D) / (1 - p), D = block
 size - 1, found by bisection) the drafter restarted with `--bench-oracle`
-(drafter_svc/oracle.py), fed the AR continuations, and tree mode (`--tree-budget`).
+(drafter_svc/oracle.py), fed the AR continuations, and tree mode (`--tree-budget`). The
+drafter runs with its default `--pipelining auto` (lockstep here: the two services share
+one device); with `--lockstep` every oracle setting runs twice in the same run, with the
+drafter started with `--pipelining on` and then `--pipelining off` (rows `SETTING-ls`).
 
 Reported per (setting, N): completion tokens/s over all clients (tokens / wall time), tau
 (mean of the responses' `Stats.mean_acceptance`; `tau_rounds` in the JSON = emitted tokens /
@@ -40,7 +43,9 @@ previous delta / the tokens it carries, one sample per token, pooled over client
 speed-up over AR at the same N, and `==AR`: the fraction of requests whose tokens equal the AR
 tokens of the same prompt. Greedy decoding is lossless, so that is 1.0 up to rounding: in
 bfloat16 the batch and tree shapes of the two runs round differently and near-ties flip
-(`--dtype float32` checks it exactly).
+(`--dtype float32` checks it exactly). `v-busy` (`verifier_busy` in the JSON): the share of the
+timed wall time the verifier spent in its model steps (the difference of its
+`InfoResponse.busy_s` before and after), an upper bound on how busy its GPU was.
 """
 from __future__ import annotations
 
@@ -152,6 +157,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--request-timeout", type=float, default=600.0, help="deadline of one request in s (default 600)")
     p.add_argument("--log-dir", default=None,
                    help="keep the services' logs and the oracle files here (default: a temporary folder, removed)")
+    p.add_argument("--lockstep", action="store_true",
+                   help="also run each controlled-acceptance setting with the drafter in lockstep (--pipelining off; "
+                        "its rows are named SETTING-ls), to compare with the default pipelined rounds")
     p.add_argument("--sequential", action="store_true",
                    help="also run each N > 1's timed requests one after another through one client, and report "
                         "the concurrent wall time over that sequential one (conc/seq) and whether the outputs match")
@@ -214,21 +222,26 @@ class Setting:
     name: str
     accept_prob: float | None = None  # None: no oracle (the draft's real acceptance)
     target_tau: float | None = None
+    lockstep: bool = False  # the drafter started with --pipelining off
 
 
 def oracle_settings(a: argparse.Namespace, block_size: int) -> list[Setting]:
+    """The controlled-acceptance settings, each followed by its lockstep twin with --lockstep."""
     depth = block_size - 1
     if a.accept_probs is not None:
-        return [Setting(f"p={p:.3f}", p, tau_of(p, depth)) for p in a.accept_probs]
-    settings = []
-    for tau in a.taus:
-        try:
-            p = prob_for_tau(tau, depth)
-        except ValueError as exc:
-            raise SystemExit(f"error: --taus: {exc}") from None
-        log(f"tau {tau:g} with {depth} drafted tokens per block -> accept_prob {p:.4f}")
-        settings.append(Setting(f"tau~{tau:g}", p, tau))
-    return settings
+        settings = [Setting(f"p={p:.3f}", p, tau_of(p, depth)) for p in a.accept_probs]
+    else:
+        settings = []
+        for tau in a.taus:
+            try:
+                p = prob_for_tau(tau, depth)
+            except ValueError as exc:
+                raise SystemExit(f"error: --taus: {exc}") from None
+            log(f"tau {tau:g} with {depth} drafted tokens per block -> accept_prob {p:.4f}")
+            settings.append(Setting(f"tau~{tau:g}", p, tau))
+    if not a.lockstep:
+        return settings
+    return [x for s in settings for x in (s, Setting(s.name + "-ls", s.accept_prob, s.target_tau, lockstep=True))]
 
 
 def write_oracle(path: Path, accept_prob: float, continuations: dict[tuple[int, ...], list[int]], seed: int) -> None:
@@ -459,17 +472,21 @@ async def client(stub, prompts: list[list[int]], budget: int, max_new: int, time
     return [await generate(stub, p, budget, max_new, timeout_s) for p in prompts]
 
 
-async def run_load(address: str, prompts: list[list[list[int]]], budget: int, max_new: int,
-                   timeout_s: float) -> tuple[list[Request], list[Request], float]:
-    """All clients' warm-up requests at once, then their timed requests: (warm-ups, timed, wall s)."""
-    async with grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
-        stub = pb_grpc.GenerationStub(channel)
+async def run_load(address: str, verifier_address: str, prompts: list[list[list[int]]], budget: int, max_new: int,
+                   timeout_s: float) -> tuple[list[Request], list[Request], float, float]:
+    """All clients' warm-up requests at once, then their timed requests: (warm-ups, timed, wall s,
+    the verifier's busy share of the timed wall time: InfoResponse.busy_s before and after)."""
+    async with grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS) as channel, \
+            grpc.aio.insecure_channel(verifier_address, options=CHANNEL_OPTIONS) as verifier_channel:
+        stub, info = pb_grpc.GenerationStub(channel), pb_grpc.VerifierStub(verifier_channel).Info
         warm = await asyncio.gather(*(generate(stub, p[0], budget, min(WARMUP_TOKENS, max_new), timeout_s)
                                       for p in prompts))
+        busy = (await info(pb.InfoRequest())).busy_s
         start = time.perf_counter()
         timed = await asyncio.gather(*(client(stub, p[1:], budget, max_new, timeout_s) for p in prompts))
         wall = time.perf_counter() - start
-    return list(warm), [r for per_client in timed for r in per_client], wall
+        busy = (await info(pb.InfoRequest())).busy_s - busy
+    return list(warm), [r for per_client in timed for r in per_client], wall, busy / wall if wall > 0 else 0.0
 
 
 async def run_sequential(address: str, prompts: list[list[list[int]]], budget: int, max_new: int,
@@ -551,18 +568,20 @@ def print_table(result: dict) -> None:
           f"{o['requests_per_client']} timed request(s) per client, greedy")
     print("tok/s = all completion tokens / wall time of the N's run; tau = mean Stats.mean_acceptance; "
           "TTFT = request sent -> first token (client); ITL = per streamed delta: gap since the previous "
-          "delta / its tokens, one sample per token; ==AR = fraction of requests with the AR tokens; conc/seq "
+          "delta / its tokens, one sample per token; ==AR = fraction of requests with the AR tokens; v-busy = "
+          "share of the wall time the verifier spent in its model steps (InfoResponse.busy_s); conc/seq "
           "(--sequential) = wall time of the N concurrent clients / the same requests one after another")
     head = [("setting", 10), ("mode", 5), ("N", 4), ("reqs", 5), ("err", 4), ("tokens", 7), ("tok/s", 9),
             ("vs AR", 6), ("tau", 5), ("ttft50", 8), ("ttft99", 8), ("itl50", 7), ("itl99", 7), ("==AR", 5),
-            ("conc/seq", 8)]
+            ("v-busy", 6), ("conc/seq", 8)]
     print(" ".join(f"{h:>{w}}" for h, w in head) + "   (latencies in ms)")
     for r in result["runs"]:
         cells = [_cell(r["setting"], 10), _cell(r["mode"], 5), _cell(r["concurrency"], 4), _cell(r["requests"], 5),
                  _cell(r["errors"], 4), _cell(r["completion_tokens"], 7), _cell(r["tokens_per_s"], 9),
                  _cell(r.get("speedup_vs_ar"), 6, 2), _cell(r["tau"], 5, 2), _cell(r["ttft_p50_ms"], 8),
                  _cell(r["ttft_p99_ms"], 8), _cell(r["itl_p50_ms"], 7, 2), _cell(r["itl_p99_ms"], 7, 2),
-                 _cell(r["equals_ar"], 5, 2), _cell(r.get("concurrent_over_sequential"), 8, 2)]
+                 _cell(r["equals_ar"], 5, 2), _cell(r.get("verifier_busy"), 6, 2),
+                 _cell(r.get("concurrent_over_sequential"), 8, 2)]
         print(" ".join(cells))
 
 
@@ -571,7 +590,7 @@ def print_table(result: dict) -> None:
 # ---------------------------------------------------------------------------------------
 
 
-def run_mode(drafter: Service, mode: str, setting: Setting | None, a: argparse.Namespace,
+def run_mode(drafter: Service, verifier: Service, mode: str, setting: Setting | None, a: argparse.Namespace,
              prompts: dict[int, list[list[list[int]]]], reference: dict | None,
              outputs: dict[tuple[int, ...], list[int]] | None, result: dict, save: Callable[[], None]) -> None:
     """Every N of one (mode, setting); AR runs fill `outputs` with each prompt's tokens."""
@@ -579,11 +598,12 @@ def run_mode(drafter: Service, mode: str, setting: Setting | None, a: argparse.N
     label = mode if setting is None else f"{mode} {setting.name}"
     for n in a.concurrency:
         log(f"{label}: N={n}, {n} warm-up + {n * a.requests_per_client} timed requests")
-        warm, timed, wall = asyncio.run(run_load(drafter.address, prompts[n], budget, a.max_new_tokens,
-                                                 a.request_timeout))
+        warm, timed, wall, busy = asyncio.run(run_load(drafter.address, verifier.address, prompts[n], budget,
+                                                       a.max_new_tokens, a.request_timeout))
         if outputs is not None:
             outputs.update({tuple(r.prompt): r.tokens for r in warm + timed if not r.error})
         row = summarise(mode, setting, n, timed, wall, reference)
+        row["verifier_busy"] = busy
         if a.sequential and n > 1:
             alone, seq_wall = asyncio.run(run_sequential(drafter.address, prompts[n], budget, a.max_new_tokens,
                                                          a.request_timeout))
@@ -620,9 +640,10 @@ def run_setup(name: str, a: argparse.Namespace, work: Path, result: dict, save: 
         verifier.start(a.startup_timeout)
         result["startup_s"]["verifier"] = verifier.startup_s
 
-        def start_drafter(tag: str, oracle: Path | None) -> Service:
+        def start_drafter(tag: str, oracle: Path | None, lockstep: bool = False) -> Service:
             argv = setup.drafter_argv + ["--verifier", verifier.address]
             argv += ["--bench-oracle", str(oracle)] if oracle else []
+            argv += ["--pipelining", "off" if lockstep else "on"] if a.lockstep else []
             result["commands"]["drafters"].append(argv)
             drafter = Service("drafter", argv, work / f"{name}-drafter-{tag}.log")
             services.append(drafter)
@@ -632,14 +653,14 @@ def run_setup(name: str, a: argparse.Namespace, work: Path, result: dict, save: 
 
         drafter = start_drafter("plain", None)
         ar_tokens: dict[tuple[int, ...], list[int]] = {}
-        run_mode(drafter, "ar", None, a, prompts, None, ar_tokens, result, save)
+        run_mode(drafter, verifier, "ar", None, a, prompts, None, ar_tokens, result, save)
         for i, setting in enumerate(settings):
             if setting.accept_prob is not None:  # the oracle's runs need a drafter of their own
                 drafter.stop()
                 oracle = work / f"{name}-oracle-{i}.json"
                 write_oracle(oracle, setting.accept_prob, ar_tokens, a.seed)
-                drafter = start_drafter(f"oracle-{i}", oracle)
-            run_mode(drafter, "tree", setting, a, prompts, ar_tokens, None, result, save)
+                drafter = start_drafter(f"oracle-{i}", oracle, setting.lockstep)
+            run_mode(drafter, verifier, "tree", setting, a, prompts, ar_tokens, None, result, save)
     finally:
         for service in reversed(services):
             service.stop()

@@ -15,7 +15,10 @@ to disk):
 * draft: the published DFlash Qwen3-8B shape, 5 layers, block 16, the same target layers
   (`bench/verify.py`'s `draft_config`); the drafter's copies of the target's embedding and
   head are random too (their own seed);
-* tokenizer: a stand-in that decodes ids to "<id>" text (prompts must be token ids).
+* tokenizer: a stand-in that decodes ids to "<id>" text (prompts must be token ids);
+* the verifier applies the drafter role's random fc + hidden_norm (default seed) to the
+  features, as `--draft` makes it do (`--raw-features` turns that off; a drafter given
+  another `--seed` is then refused, its projection fingerprint differing).
 
 Why the planted successor: with plain random weights every logit is a near-tie, so bf16
 rounding, which differs between batch and tree shapes, flips the greedy token within a few
@@ -39,12 +42,11 @@ import argparse
 
 import torch
 
-from bench.verify import draft_config
-from bench.verify import feature_layers, qwen3_8b_config, random_module_, random_target
+from bench.verify import draft_config, qwen3_8b_config, random_draft, random_projection, random_target
 from common.config import TargetConfig
-from common.layers import RotaryEmbedding
 
 RANDOM_LABEL = "(random weights in memory)"
+DRAFT_SEED = 1  # the drafter role's default weights seed
 
 
 def block_size(small: bool) -> int:
@@ -84,36 +86,23 @@ def planted_target(cfg: TargetConfig, layer_ids, device, dtype, seed: int):
     return model
 
 
-def random_draft(small: bool, device, dtype, seed: int):
-    """(draft model, embed_tokens, lm_head) with random weights on `device`."""
-    from drafter_svc.draft_model import DFlashDraftModel
-
-    target = qwen3_8b_config(small)
-    cfg = draft_config(small, target)
-    with torch.device("meta"):
-        draft = DFlashDraftModel(cfg)
-    random_module_(draft, device, dtype, seed=seed)
-    draft.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta).to(device)
-    draft.eval().requires_grad_(False)
-    gen = torch.Generator(device=device).manual_seed(seed + 1)
-    embed = torch.empty(target.vocab_size, target.hidden_size, device=device, dtype=dtype).normal_(0, 0.02, generator=gen)
-    head = torch.empty_like(embed).normal_(0, 0.02, generator=gen)
-    return draft, embed, head
-
-
 def run_verifier(small: bool, seed: int, argv: list[str]) -> None:
-    """`python -m verifier_svc` over a random-weight target."""
+    """`python -m verifier_svc --draft` over a random-weight target, applying the drafter role's
+    (default seed) random fc + hidden_norm to the features unless --raw-features is given."""
     import verifier_svc.__main__ as cli
     import verifier_svc.server as server
 
     cfg = qwen3_8b_config(small)
-    # load_verifier reads the config, then the weights, through these two names.
-    server.load_target_config = lambda folder: cfg
+    # The CLI and load_verifier read the configs, then the weights, through these names.
+    cli.load_target_config = server.load_target_config = lambda folder: cfg
+    cli.load_draft_config = lambda folder: draft_config(small, cfg)
     server.TargetModel.from_pretrained = classmethod(
         lambda cls, folder, feature_layer_ids=(), device="cpu", dtype=torch.float32:
         planted_target(cfg, tuple(feature_layer_ids), torch.device(device), dtype, seed))
-    layers = ",".join(str(i) for i in feature_layers(cfg))
-    cli.main(["--target", RANDOM_LABEL, "--feature-layers", layers, *argv])
+    server.FeatureProjection.from_draft = classmethod(
+        lambda cls, folder, device="cpu", dtype=torch.float32: random_projection(small, torch.device(device), dtype,
+                                                                             DRAFT_SEED))
+    cli.main(["--target", RANDOM_LABEL, "--draft", RANDOM_LABEL, *argv])
 
 
 def run_drafter(small: bool, seed: int, argv: list[str]) -> None:
@@ -130,9 +119,9 @@ def run_drafter(small: bool, seed: int, argv: list[str]) -> None:
     proposer_cls = server.DFlashProposer
 
     def from_pretrained(cls, draft_dir, target_dir, device="cpu", dtype=torch.float32, max_seq_len=2048, slots=8,
-                        cuda_graphs=True, graph_config=None):
+                        cuda_graphs=True, graph_config=None, projected_features=False):
         model, embed, head = random_draft(small, torch.device(device), dtype, seed)
-        return proposer_cls(model, embed, head, max_seq_len, slots, cuda_graphs, graph_config)
+        return proposer_cls(model, embed, head, max_seq_len, slots, cuda_graphs, graph_config, projected_features)
 
     proposer_cls.from_pretrained = classmethod(from_pretrained)
     cli.main(["--target", RANDOM_LABEL, "--draft", RANDOM_LABEL, *argv])
@@ -148,7 +137,7 @@ def main(argv: list[str] | None = None) -> None:
     if a.role == "verifier":
         run_verifier(a.small, 0 if a.seed is None else a.seed, rest)
     else:
-        run_drafter(a.small, 1 if a.seed is None else a.seed, rest)
+        run_drafter(a.small, DRAFT_SEED if a.seed is None else a.seed, rest)
 
 
 if __name__ == "__main__":

@@ -73,18 +73,26 @@ def split(spans, trace_id, step_bytes: list[tuple[int, int]]) -> dict:
 
 
 def record_tree_steps(link) -> list[tuple[int, int]]:
-    """Wrap the drafter's GrpcLink: (bytes up, bytes down) of every step that carried only trees."""
+    """Wrap the drafter's GrpcLink: (bytes up, bytes down) of every message that carried only
+    trees (one request at a time: the scheduler runs in lockstep, one message in flight)."""
     records: list[tuple[int, int]] = []
-    step = link.step
+    send, receive = link.send, link.receive
+    sent_of: list[tuple[bool, int]] = []
 
-    def recorded(entries):
-        sent, received = link.bytes_sent, link.bytes_received
-        results = step(entries)
-        if entries and all(isinstance(e, TreeEntry) for e in entries):
-            records.append((link.bytes_sent - sent, link.bytes_received - received))
+    def sending(entries):
+        before = link.bytes_sent
+        send(entries)
+        sent_of.append((bool(entries) and all(isinstance(e, TreeEntry) for e in entries), link.bytes_sent - before))
+
+    def receiving():
+        before = link.bytes_received
+        results = receive()
+        trees_only, up = sent_of.pop(0)
+        if trees_only:
+            records.append((up, link.bytes_received - before))
         return results
 
-    link.step = recorded
+    link.send, link.receive = sending, receiving
     return records
 
 

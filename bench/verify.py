@@ -88,15 +88,26 @@ def draft_config(small: bool, target: TargetConfig) -> DraftConfig:
                        target_layer_ids=layer_ids, mask_token_id=151_669, num_target_layers=36)
 
 
-def random_draft(small: bool, device, dtype) -> tuple[DFlashDraftModel, torch.Tensor, torch.Tensor]:
+def random_projection(small: bool, device, dtype, seed: int = 1):
+    """The fc + hidden_norm of `random_draft(small, device, dtype, seed)`, as the verifier holds them."""
+    from common.feature_projection import FeatureProjection
+
+    draft = random_draft(small, device, dtype, seed)[0]
+    with torch.device("meta"):
+        proj = FeatureProjection(draft.cfg)
+    proj.fc, proj.hidden_norm = draft.fc, draft.hidden_norm
+    return proj
+
+
+def random_draft(small: bool, device, dtype, seed: int = 1) -> tuple[DFlashDraftModel, torch.Tensor, torch.Tensor]:
     """(draft, embed_tokens, lm_head) with random weights, built on `device`."""
     cfg = draft_config(small, qwen3_8b_config(small))
     with torch.device("meta"):
         draft = DFlashDraftModel(cfg)
-    random_module_(draft, device, dtype, seed=1)
+    random_module_(draft, device, dtype, seed=seed)
     draft.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta).to(device)
     draft.eval().requires_grad_(False)
-    gen = torch.Generator(device=device).manual_seed(2)
+    gen = torch.Generator(device=device).manual_seed(seed + 1)
     embed = torch.empty(cfg.vocab_size, cfg.hidden_size, device=device, dtype=dtype).normal_(0, 0.02, generator=gen)
     head = torch.empty_like(embed).normal_(0, 0.02, generator=gen)
     return draft, embed, head

@@ -55,6 +55,11 @@ def parse_args(argv=None) -> DrafterConfig:
              help="also print spans to stdout")
     p.switch("--no-cuda-graphs", env="DRAFTER_NO_CUDA_GRAPHS", default=not d.cuda_graphs,
              help="run the draft step eagerly on CUDA instead of replaying captured CUDA graphs")
+    p.flag("--pipelining", env="DRAFTER_PIPELINING", default=d.pipelining, choices=("auto", "on", "off"),
+           help="on: with two or more sessions, keep two link messages in flight, each with half of them, so "
+                "drafting one half overlaps verifying the other and the round trip; off: lockstep rounds, each "
+                "reply awaited before drafting again; auto: on when --device is a GPU other than the verifier's "
+                "(default auto)")
     p.flag("--bench-oracle", env="DRAFTER_BENCH_ORACLE", default=d.bench_oracle,
            help="benchmarks only: a controlled-acceptance JSON file (see drafter_svc/oracle.py); the draft still "
                 "runs, then its proposals are made to contain the target's greedy continuation at a set rate")
@@ -68,7 +73,7 @@ def parse_args(argv=None) -> DrafterConfig:
                          max_new_tokens=a.max_new_tokens, max_concurrent=a.max_concurrent,
                          verifier_wait_s=a.verifier_wait, queue_timeout_s=a.queue_timeout,
                          trace_console=a.trace_console, cuda_graphs=not a.no_cuda_graphs,
-                         bench_oracle=a.bench_oracle)
+                         pipelining=a.pipelining, bench_oracle=a.bench_oracle)
 
 
 async def run(cfg: DrafterConfig) -> None:

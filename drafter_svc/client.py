@@ -38,7 +38,7 @@ def parse_args(argv=None):
            help="drafter address HOST:PORT (default localhost:50050)")
     p.add_argument("--prompt-ids", help="prompt as comma-separated token ids instead of text")
     p.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate at most (default 128)")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--temperature", type=float, default=0.0, help="below 1e-5 (0, the default) = greedy")
     p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus mass in (0, 1] (1 = off)")
     p.add_argument("--seed", type=int, help="sampling seed")

@@ -16,6 +16,7 @@ from torch import nn
 
 from common.checkpoint import load_tensors
 from common.config import DraftConfig, load_draft_config
+from common.feature_projection import project_features
 from common.layers import MLP, AttentionProjections, RMSNorm, RotaryEmbedding
 from kernels.layer_ops import add_rms_norm, project_store, silu_mul
 from kernels.slot_attention import slot_attention
@@ -106,12 +107,14 @@ class DFlashDraftModel(nn.Module):
     def context_hidden(self, features: torch.Tensor) -> torch.Tensor:
         """The context rows [..., hidden] the layers' keys and values come from, of feature rows
         [..., n_layers * hidden]."""
-        return self.hidden_norm(self.fc(features.to(self.fc.weight.dtype)))
+        return project_features(features, self.fc, self.hidden_norm)
 
-    def extend(self, kv: torch.Tensor, slots: torch.Tensor, past: torch.Tensor, features: torch.Tensor) -> None:
+    def extend(self, kv: torch.Tensor, slots: torch.Tensor, past: torch.Tensor, features: torch.Tensor,
+               projected: bool = False) -> None:
         """Write the rotated context K/V of feature rows [B, R, n_layers * hidden] into pool
-        `kv` at slot slots[b], positions past[b] .. past[b] + R - 1 (RoPE at those positions)."""
-        context = self.context_hidden(features)
+        `kv` at slot slots[b], positions past[b] .. past[b] + R - 1 (RoPE at those positions).
+        `projected`: the rows are context rows [B, R, hidden] already (the verifier projected them)."""
+        context = features.to(self.fc.weight.dtype) if projected else self.context_hidden(features)
         rows = past[:, None] + torch.arange(features.shape[1], device=past.device)[None]
         cos, sin = self.rotary(rows, context.dtype)
         for i, layer in enumerate(self.layers):

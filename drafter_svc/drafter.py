@@ -17,10 +17,12 @@ import torch
 
 from common.checkpoint import load_tensors
 from common.config import check_draft_fits_target, load_target_config
+from common.feature_projection import projection_fingerprint
 from common.protocol import StatusError
 from common.tree import DraftTree
 from drafter_svc.ddtree import build_chains, build_ddtrees
-from drafter_svc.draft_graphs import DraftGraphConfig, DraftGraphs, DraftInputs, DraftRow, context_capacity, draft_step
+from drafter_svc.draft_graphs import (DraftGraphConfig, DraftGraphs, DraftInputs, DraftRow, context_capacity, draft_step,
+                                      feature_dim)
 from drafter_svc.draft_model import DFlashDraftModel, DraftKVPool
 
 
@@ -93,8 +95,12 @@ class DFlashProposer:
 
     def __init__(self, draft: DFlashDraftModel, embed_tokens: torch.Tensor, lm_head: torch.Tensor,
                  max_seq_len: int, slots: int = 8, cuda_graphs: bool = True,
-                 graph_config: DraftGraphConfig | None = None):
+                 graph_config: DraftGraphConfig | None = None, projected_features: bool = False):
         self.draft = draft
+        # Whether the feature rows it is given are context rows already (the verifier applied the
+        # draft's fc + hidden_norm; `common.feature_projection`) or raw target features.
+        self.projected = projected_features
+        self.feature_dim = feature_dim(draft, projected_features)
         draft.fuse_weights()
         self.embed_tokens = embed_tokens
         self.lm_head = lm_head
@@ -105,12 +111,14 @@ class DFlashProposer:
         self.scratch_slot = self.pool.acquire()  # held for good: padding rows of the graphs write there
         use_graphs = cuda_graphs and self.device.type == "cuda"
         self.graphs = (DraftGraphs(draft, embed_tokens, lm_head, self.pool, self.scratch_slot,
-                                   graph_config or DraftGraphConfig()) if use_graphs else None)
+                                   graph_config or DraftGraphConfig(), projected=projected_features)
+                       if use_graphs else None)
 
     @classmethod
     def from_pretrained(cls, draft_dir: str | Path, target_dir: str | Path, device="cpu",
                         dtype=torch.float32, max_seq_len: int = 2048, slots: int = 8, cuda_graphs: bool = True,
-                        graph_config: DraftGraphConfig | None = None) -> "DFlashProposer":
+                        graph_config: DraftGraphConfig | None = None,
+                        projected_features: bool = False) -> "DFlashProposer":
         target_cfg = load_target_config(target_dir)
         draft = DFlashDraftModel.from_pretrained(draft_dir, device=device, dtype=dtype)
         check_draft_fits_target(draft.cfg, target_cfg)
@@ -118,7 +126,11 @@ class DFlashProposer:
         tensors = load_tensors(target_dir, names, strip_prefix="model.", dtype=dtype)
         embed = tensors["embed_tokens.weight"].to(device)
         head = tensors["lm_head.weight"].to(device) if "lm_head.weight" in tensors else embed  # tied: one tensor
-        return cls(draft, embed, head, max_seq_len, slots, cuda_graphs, graph_config)
+        return cls(draft, embed, head, max_seq_len, slots, cuda_graphs, graph_config, projected_features)
+
+    def projection_fingerprint(self) -> str:
+        """Of the draft's fc + hidden_norm: must equal the verifier's when it projects the features."""
+        return projection_fingerprint(self.draft.fc.weight, self.draft.hidden_norm.weight)
 
     @property
     def free_slots(self) -> int:
@@ -137,7 +149,7 @@ class DFlashProposer:
             raise ValueError(f"{k} prompt rows exceed max_seq_len {self.max_seq_len}")
         dev = self.device
         self.draft.extend(self.pool.kv, torch.tensor([slot], device=dev), torch.zeros(1, dtype=torch.long, device=dev),
-                          features[None].to(dev))
+                          features[None].to(dev), self.projected)
         return DraftState(slot, k)
 
     @torch.inference_mode()
@@ -149,8 +161,8 @@ class DFlashProposer:
         logits = self.graphs.run(rows) if self.graphs is not None else None
         if logits is None:
             inp = DraftInputs(len(rows), max(r.features.shape[0] for r in rows), self.block_size,
-                              self.draft.fc.weight.shape[1], self.draft.cfg.mask_token_id,
-                              self.draft.fc.weight.dtype, self.device, pinned=False)
+                              self.feature_dim, self.draft.cfg.mask_token_id,
+                              self.draft.fc.weight.dtype, self.device, pinned=False, projected=self.projected)
             inp.fill(rows, self.scratch_slot)
             length = max(r.past + r.features.shape[0] for r in rows) + self.block_size
             logits = draft_step(self.draft, self.embed_tokens, self.lm_head, self.pool.kv, inp, length)

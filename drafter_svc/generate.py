@@ -56,12 +56,13 @@ class LocalEngine:
                               cuda_graphs=cuda_graphs)
         return cls(TreeVerifier(runner, limits), proposer, load_tokenizer(target_dir), model.cfg.eos_token_ids)
 
-    def generate_many(self, requests: Sequence[tuple[list[int], GenerationConfig]]
+    def generate_many(self, requests: Sequence[tuple[list[int], GenerationConfig]], pipelined: bool = False
                       ) -> list[GenerationResult | StatusError]:
-        """Run the requests together, batched as the service batches them; one result (or error) each."""
+        """Run the requests together, batched as the service batches them; one result (or error) each.
+        `pipelined`: group the sessions as the pipelined service does (in-process, nothing overlaps)."""
         scheduler = DraftScheduler(LocalLink(self.verifier), self.proposer, max_sessions=self.verifier.limits.max_sessions,
                                    feature_layer_ids=self.verifier.feature_layer_ids,
-                                   eos_token_ids=self.eos_token_ids, queue_timeout_s=3600.0)
+                                   eos_token_ids=self.eos_token_ids, queue_timeout_s=3600.0, pipelined=pipelined)
         ends: list[dict] = []
         for prompt_ids, config in requests:
             ends.append({})
@@ -111,7 +112,7 @@ def build_parser() -> FlagParser:
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--prompt-ids", help="prompt as comma-separated token ids")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate at most (default 64)")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
+    p.add_argument("--temperature", type=float, default=0.0, help="below 1e-5 (0, the default) = greedy; higher samples")
     p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (1 = off)")
     p.add_argument("--seed", type=int, default=None, help="sampling seed; the same seed gives the same output")

@@ -1,7 +1,9 @@
-"""The drafter's side of the verifier link: one call per step, entries up, results down.
+"""The drafter's side of the verifier link: messages of entries up, results down, in order.
 
 `GrpcLink` is one long-lived bidirectional `Link` stream to a verifier, driven from the
-scheduler's thread: `step` sends one LinkRequest and reads its LinkResponse. It checks
+scheduler's thread: `send` sends one LinkRequest, `receive` reads the LinkResponse of the
+oldest unanswered one (replies come in order), so the scheduler may keep two messages in
+flight (pipelining); `step` is the two in a row. It checks
 what comes back before any of it reaches the draft model: one result per open and tree
 entry, in order, for the same sessions; token ids inside the vocabulary; feature rows that
 add up, of the draft's width. A broken stream raises `StatusError` (every session on it is
@@ -10,6 +12,7 @@ lost); the next step opens a new stream. `LocalLink` is the in-process twin over
 """
 from __future__ import annotations
 
+import collections
 import queue
 import threading
 from collections.abc import Sequence
@@ -26,11 +29,23 @@ _END = object()
 
 
 class VerifierLink(Protocol):
-    """One verifier, one call per drafter step. Raises StatusError when the link itself fails."""
+    """One verifier. `send` queues a message, `receive` returns the results of the oldest
+    unanswered one; both raise StatusError when the link itself fails."""
+
+    def send(self, entries: Sequence[Entry]) -> None: ...
+
+    def receive(self) -> list[StepResult]: ...
 
     def step(self, entries: Sequence[Entry]) -> list[StepResult]: ...
 
     def close(self) -> None: ...
+
+
+class _Lockstep:
+    def step(self, entries: Sequence[Entry]) -> list[StepResult]:
+        """Send one message and wait for its reply (nothing else in flight)."""
+        self.send(entries)
+        return self.receive()
 
 
 def open_channel(address: str) -> grpc.Channel:
@@ -61,7 +76,7 @@ def check_results(entries: Sequence[Entry], results: Sequence[StepResult]) -> No
                                               f"{e.tree.num_nodes}-node tree")
 
 
-class GrpcLink:
+class GrpcLink(_Lockstep):
     """A verifier behind gRPC (implements `VerifierLink`)."""
 
     def __init__(self, stub: pb_grpc.VerifierStub, *, vocab_size: int, feature_dim: int, max_seq_len: int):
@@ -71,6 +86,7 @@ class GrpcLink:
         self._call = None
         self._replies = None
         self._steps = 0
+        self._unanswered: collections.deque[tuple[int, Sequence[Entry]]] = collections.deque()
         self._lock = threading.Lock()
         self.bytes_sent = self.bytes_received = 0
 
@@ -79,14 +95,23 @@ class GrpcLink:
         self._call = self.stub.Link(iter(self._requests.get, _END))
         self._replies = iter(self._call)
 
-    def step(self, entries: Sequence[Entry]) -> list[StepResult]:
+    def send(self, entries: Sequence[Entry]) -> None:
         with self._lock:
             if self._call is None:
                 self._connect()
             self._steps += 1
             message = encode_link_request(self._steps, entries)
             self.bytes_sent += message.ByteSize()
+            self._unanswered.append((self._steps, entries))
             self._requests.put(message)
+
+    def receive(self) -> list[StepResult]:
+        with self._lock:
+            if self._call is None:  # the stream broke (or was closed) after the message was sent
+                raise StatusError("UNAVAILABLE", "verifier link lost")
+            if not self._unanswered:
+                raise RuntimeError("receive() without a message in flight")
+            step, entries = self._unanswered.popleft()
             try:
                 reply = next(self._replies)
             except grpc.RpcError as exc:
@@ -97,8 +122,8 @@ class GrpcLink:
                 raise StatusError("UNAVAILABLE", "verifier closed the link") from None
         self.bytes_received += reply.ByteSize()
         try:
-            if reply.step != self._steps:
-                raise WireError(f"reply to step {reply.step}, expected {self._steps}")
+            if reply.step != step:
+                raise WireError(f"reply to step {reply.step}, expected {step}")
             results = decode_link_response(reply, vocab_size=self.vocab_size, feature_dim=self.feature_dim,
                                            max_feature_rows=(len(entries) + 1) * self.max_seq_len)
             check_results(entries, results)
@@ -108,7 +133,9 @@ class GrpcLink:
         return results
 
     def _drop(self) -> None:
+        """Cancel the stream; messages still unanswered are lost (a receive raises UNAVAILABLE)."""
         call, self._call = self._call, None
+        self._unanswered.clear()
         if call is not None:
             call.cancel()
 
@@ -120,17 +147,22 @@ class GrpcLink:
                 self._drop()
 
 
-class LocalLink:
-    """The in-process verifier: calls a `TreeVerifier` directly (implements `VerifierLink`)."""
+class LocalLink(_Lockstep):
+    """The in-process verifier: calls a `TreeVerifier` directly (implements `VerifierLink`);
+    a message is verified when sent, its results kept until received."""
 
     OWNER = "local"
 
     def __init__(self, verifier):
         self.verifier = verifier
+        self._results: collections.deque[list[StepResult]] = collections.deque()
 
-    def step(self, entries: Sequence[Entry]) -> list[StepResult]:
+    def send(self, entries: Sequence[Entry]) -> None:
         results = self.verifier.step([(self.OWNER, e) for e in entries])
-        return [r for r in results if r is not None]
+        self._results.append([r for r in results if r is not None])
+
+    def receive(self) -> list[StepResult]:
+        return self._results.popleft()
 
     def close(self) -> None:
         self.verifier.close_owner(self.OWNER)

@@ -97,6 +97,19 @@ Delivery = RoundUpdate | GenerationResult | StatusError
 LogitsHook = Callable[[Sequence[list[int]], Sequence[list[int]], Tensor], None]
 
 
+@dataclass
+class _InFlight:
+    """A link message awaiting its reply: the sessions it carries an open or a tree for, and spans."""
+    sessions: list["_Session"]
+    rounds: dict[int, trace.Span]
+    step_span: trace.Span
+    rpc_span: trace.Span
+
+    def end(self) -> None:
+        for span in (*self.rounds.values(), self.rpc_span, self.step_span):
+            span.end()
+
+
 class _Session:
     """One request as the scheduler tracks it."""
 
@@ -108,6 +121,7 @@ class _Session:
         self.result = GenerationResult()
         self.start = time.perf_counter()
         self.open_on_verifier = False
+        self.in_flight = False  # an open or a tree of it is in a message awaiting its reply
         self.draft_state: object | None = None
         self.max_seq_len = 0
         self.length = 0  # tokens committed on the verifier
@@ -149,8 +163,9 @@ class DraftScheduler:
 
     def __init__(self, link: VerifierLink, proposer: BlockProposer | None, *, max_sessions: int,
                  feature_layer_ids: tuple[int, ...] = (), eos_token_ids: tuple[int, ...] = (),
-                 queue_timeout_s: float = 30.0, logits_hook: LogitsHook | None = None):
+                 queue_timeout_s: float = 30.0, logits_hook: LogitsHook | None = None, pipelined: bool = True):
         self.link, self.proposer = link, proposer
+        self.pipelined = pipelined
         self.logits_hook = logits_hook
         self.max_sessions = max_sessions
         self.feature_layer_ids = tuple(feature_layer_ids)
@@ -161,6 +176,7 @@ class DraftScheduler:
         self._waiting: collections.deque[_Session] = collections.deque()
         self._running: dict[int, _Session] = {}  # open or opening on the verifier
         self._ending: list[int] = []  # ended sessions still open on the verifier: Close in the next step
+        self._inflight: collections.deque[_InFlight] = collections.deque()  # oldest first
         self._thread: threading.Thread | None = None
         self._stopped = threading.Event()
         self.steps = 0
@@ -207,7 +223,7 @@ class DraftScheduler:
     def _loop(self) -> None:
         delay = 0.0
         while not self._stopped.is_set():
-            if not (self._waiting or self._running or self._ending):
+            if not (self._waiting or self._running or self._ending or self._inflight):
                 self._take_commands(block=True)
                 continue
             try:
@@ -226,7 +242,7 @@ class DraftScheduler:
         """Run steps in this thread until every submitted session has been delivered its end."""
         while True:
             self._take_commands()
-            if not (self._waiting or self._running or self._ending):
+            if not (self._waiting or self._running or self._ending or self._inflight):
                 return
             if not self.step():
                 time.sleep(0.01)
@@ -257,10 +273,27 @@ class DraftScheduler:
     # -- one step ---------------------------------------------------------------------------
 
     def step(self) -> bool:
-        """One link message and its reply; returns False when nothing could be sent."""
+        """Send one link message, or read the reply of the oldest one in flight, or both;
+        returns False when there was nothing to do.
+
+        Lockstep (pipelining off, or fewer than two sessions): each message's reply is read
+        before the next is sent. Pipelined: up to two messages are in flight, each carrying
+        about half of the running sessions, so the draft of one half overlaps the other's
+        verification, its round trip included.
+        """
         self._take_commands()
-        for s in [s for s in self._running.values() if s.result.finish_reason]:  # cancelled meanwhile
-            self._finish(s)
+        for s in [s for s in self._running.values() if s.result.finish_reason and not s.in_flight]:
+            self._finish(s)  # cancelled meanwhile
+        depth = 2 if self.pipelined and len(self._running) + len(self._waiting) >= 2 else 1
+        sent = len(self._inflight) < depth and self._send()
+        if self._inflight and (len(self._inflight) >= depth or not sent):
+            self._receive()
+            return True
+        return sent
+
+    def _send(self) -> bool:
+        """Build and send one message: closes, opens, and trees for the ready sessions (all of
+        them, or in pipelined mode about half of the running ones). False if it would be empty."""
         entries: list[Entry] = [CloseEntry(sid) for sid in self._ending]
         self._ending = []
         self._expire_waiting()
@@ -268,24 +301,49 @@ class DraftScheduler:
         entries += [OpenEntry(s.sid, s.prompt_ids, s.config.sampling, traceparent_of(s.span),
                               self.feature_layer_ids if s.drafts else ())  # plain decoding needs no features
                     for s in opening]
-        drafting = [s for s in self._running.values() if s.open_on_verifier]
-        if not entries and not drafting:
+        ready = [s for s in self._running.values() if s.open_on_verifier and not s.in_flight]
+        if self.pipelined and ready:
+            in_flight = sum(1 for s in self._running.values() if s.in_flight and s.open_on_verifier)
+            total = len(ready) + in_flight
+            ready = ready[: (total + 1) // 2] if total >= 2 else ready
+        if not entries and not ready:
             return False
-        with _tracer.start_as_current_span("draft_step", attributes={"sessions": len(drafting)}) as step_span:
-            rounds = self._round_spans(drafting, step_span)
-            entries += self._trees(drafting, rounds)
-            try:
-                with _tracer.start_as_current_span("verify_rpc"):
-                    results = self.link.step(entries)
-            except StatusError as exc:
-                for span in rounds.values():
-                    span.end()
-                log.warning("verifier link failed: %s: %s", exc.status, exc.message)
-                self._fail_all(exc)
-                return True
-            self.steps += 1
-            self._apply(results, rounds)
+        step_span = _tracer.start_span("draft_step", attributes={"sessions": len(ready)})
+        with trace.use_span(step_span, end_on_exit=False):
+            rounds = self._round_spans(ready, step_span)
+            entries += self._trees(ready, rounds)
+            rpc_span = _tracer.start_span("verify_rpc")
+        for s in list(opening) + ready:
+            s.in_flight = True
+        self._inflight.append(_InFlight(list(opening) + ready, rounds, step_span, rpc_span))
+        try:
+            self.link.send(entries)
+        except StatusError as exc:
+            self._link_failed(exc)
         return True
+
+    def _receive(self) -> None:
+        """Read the reply of the oldest message in flight and apply it."""
+        message = self._inflight.popleft()
+        try:
+            results = self.link.receive()
+        except StatusError as exc:
+            message.end()
+            self._link_failed(exc)
+            return
+        message.rpc_span.end()
+        for s in message.sessions:
+            s.in_flight = False
+        self.steps += 1
+        with trace.use_span(message.step_span, end_on_exit=True):
+            self._apply(results, message.rounds)
+
+    def _link_failed(self, exc: StatusError) -> None:
+        log.warning("verifier link failed: %s: %s", exc.status, exc.message)
+        for message in self._inflight:
+            message.end()
+        self._inflight.clear()
+        self._fail_all(exc)
 
     def _admit(self) -> list[_Session]:
         """Waiting sessions to open now: as many as free draft slots and the session limit allow."""

@@ -20,6 +20,7 @@ import grpc
 
 from common.checkpoint import load_tokenizer
 from common.config import load_draft_config, load_target_config
+from common.devices import device_id
 from common.grpc_server import start_grpc_server
 from common.protocol import StatusError
 from common.rpc import GENERATION_SERVICE, pb, pb_grpc
@@ -51,7 +52,20 @@ class DrafterConfig:
     queue_timeout_s: float = 30.0    # how long a request waits for a free session slot
     trace_console: bool = False
     cuda_graphs: bool = True         # on CUDA, replay captured graphs for the draft step (False = eager)
+    # "on": two link messages in flight, each with half the sessions; "off": lockstep rounds;
+    # "auto": on when the draft runs on a GPU other than the verifier's (on a CPU, or on the
+    # verifier's own GPU, the two halves would only compete for the same device).
+    pipelining: str = "auto"
     bench_oracle: str = ""           # benchmarks only: controlled-acceptance file (drafter_svc.oracle)
+
+
+    def pipelined(self, verifier_device_id: str) -> bool:
+        """Whether to pipeline rounds, given the verifier's InfoResponse.device_id."""
+        if self.pipelining not in ("auto", "on", "off"):
+            raise ValueError(f"pipelining must be auto, on or off, got {self.pipelining!r}")
+        if self.pipelining != "auto":
+            return self.pipelining == "on"
+        return self.device.startswith("cuda") and device_id(self.device) != verifier_device_id
 
 
 @dataclass
@@ -90,15 +104,25 @@ class DrafterEngine:
         check_verifier(info, target_cfg, draft_cfg)
         # One context slot per session that can be drafting at once: the verifier admits no more.
         slots = max(1, min(info.max_sessions, cfg.max_concurrent))
+        # A verifier that projects the features (InfoResponse.feature_projection) sends context rows.
         proposer = DFlashProposer.from_pretrained(cfg.draft_dir, cfg.target_dir, cfg.device, torch_dtype,
-                                                  info.max_seq_len, slots, cfg.cuda_graphs)
-        link = GrpcLink(stub, vocab_size=info.vocab_size, feature_dim=proposer.draft.fc.weight.shape[1],
+                                                  info.max_seq_len, slots, cfg.cuda_graphs,
+                                                  projected_features=bool(info.feature_projection))
+        if info.feature_projection and info.feature_projection != proposer.projection_fingerprint():
+            channel.close()
+            raise StatusError("FAILED_PRECONDITION", (
+                f"the verifier projects features with another draft's fc + hidden_norm (fingerprint "
+                f"{info.feature_projection}, this draft's {proposer.projection_fingerprint()}): start it with "
+                f"--draft pointing at this draft, or with --raw-features"))
+        link = GrpcLink(stub, vocab_size=info.vocab_size, feature_dim=proposer.feature_dim,
                         max_seq_len=info.max_seq_len)
         hook = ControlledAcceptance.load(cfg.bench_oracle) if cfg.bench_oracle else None
         scheduler = DraftScheduler(link, proposer, max_sessions=slots,
                                    feature_layer_ids=draft_cfg.target_layer_ids,
                                    eos_token_ids=target_cfg.eos_token_ids, queue_timeout_s=cfg.queue_timeout_s,
-                                   logits_hook=hook)
+                                   logits_hook=hook, pipelined=cfg.pipelined(info.device_id))
+        log.info("rounds %s (--pipelining %s; verifier on %s)", "pipelined" if scheduler.pipelined else "in lockstep",
+                 cfg.pipelining, info.device_id or "?")
         scheduler.start()
         return cls(cfg, scheduler, tokenizer, channel, info)
 

@@ -408,17 +408,17 @@ def test_greedy_generation_unchanged(engines, mode):
 
 
 class _FailingLink(LocalLink):
-    """The in-process link, failing as a whole at its `fail_at`-th step."""
+    """The in-process link, failing as a whole at its `fail_at`-th message."""
 
     def __init__(self, verifier, fail_at: int):
         super().__init__(verifier)
         self.fail_at, self.steps = fail_at, 0
 
-    def step(self, entries):
+    def send(self, entries):
         self.steps += 1
         if self.steps == self.fail_at:
             raise StatusError("UNAVAILABLE", "verifier went away")
-        return super().step(entries)
+        super().send(entries)
 
 
 def test_sessions_give_their_slot_back(engines):

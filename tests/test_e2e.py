@@ -39,8 +39,10 @@ EXPORTER = InMemorySpanExporter()
 
 
 def verifier_config(pair, **changes) -> VerifierConfig:
+    # The verifier projects the features (the draft's fc + hidden_norm), as `--draft` makes it do.
     fields = dict(target_dir=str(pair[0]), feature_layer_ids=load_draft_config(pair[1]).target_layer_ids,
-                  host="127.0.0.1", port=0, max_sessions=MAX_SESSIONS, max_seq_len=MAX_SEQ_LEN, max_tree_nodes=65)
+                  projection_dir=str(pair[1]), host="127.0.0.1", port=0, max_sessions=MAX_SESSIONS,
+                  max_seq_len=MAX_SEQ_LEN, max_tree_nodes=65)
     return VerifierConfig(**(fields | changes))
 
 
@@ -128,7 +130,9 @@ def test_greedy_over_grpc_equals_local_and_ar(client, local, verifier_stub):
         ar = local.generate(prompt, GenerationConfig(max_new_tokens=16, mode=DraftMode("ar", 0))).tokens
         for budget in (0, 4, 16):
             tokens, text, final = run(client, request(prompt, budget=budget))
-            assert tokens == ar == local_run(local, prompt, budget=budget).tokens
+            here = local_run(local, prompt, budget=budget)  # features projected on the drafter
+            assert tokens == ar == here.tokens
+            assert list(final.stats.acceptance_lengths) == here.acceptance_lengths  # the same trees
             assert final.usage.completion_tokens == 16 and final.usage.prompt_tokens == len(prompt)
             assert final.stats.rounds == len(final.stats.acceptance_lengths) > 0
             assert text == local.tokenizer.decode(tokens)
@@ -263,6 +267,50 @@ def test_concurrent_requests_are_batched(client, verifier_stub, drafter):
     wait_full(verifier_stub)
 
 
+def test_pipelined_drafter_changes_no_output(qwen3_pair, client, verifier, verifier_stub):
+    """A drafter with --pipelining on (two link messages in flight, half the sessions each) gives
+    every concurrent request, greedy or seeded, its tokens alone on the lockstep drafter."""
+    reqs = [request(PROMPTS[i % 3] + [i], n=12 + i, budget=(0, 4, 8, 16)[i % 4], temperature=(0.0, 0.9)[i % 2],
+                    top_k=20, seed=50 + i) for i in range(MAX_SESSIONS)]
+    alone = [run(client, r)[0] for r in reqs]
+    engine = drafter_engine(qwen3_pair, verifier.port, pipelining="on")
+    assert engine.scheduler.pipelined
+    with ServerThread(lambda: serve_drafter(engine, "127.0.0.1", 0)) as pipelined, \
+            grpc.insecure_channel(f"127.0.0.1:{pipelined.port}", options=CHANNEL_OPTIONS) as channel:
+        stub = pb_grpc.GenerationStub(channel)
+        for _ in range(2):
+            with ThreadPoolExecutor(len(reqs)) as pool:
+                together = list(pool.map(lambda r: run(stub, r)[0], reqs))
+            assert together == alone
+    wait_full(verifier_stub)
+
+
+def test_info_reports_device_projection_and_busy_time(client, verifier_stub, qwen3_pair):
+    from common.feature_projection import FeatureProjection
+
+    before = verifier_stub.Info(pb.InfoRequest())
+    run(client, request(PROMPTS[0], n=8))
+    after = verifier_stub.Info(pb.InfoRequest())
+    assert after.device_id == before.device_id == "cpu"
+    assert after.feature_projection == FeatureProjection.from_draft(qwen3_pair[1]).fingerprint()
+    assert after.busy_s > before.busy_s >= 0
+
+
+@pytest.mark.parametrize("setting, device, verifier_device, expected", [
+    ("auto", "cpu", "cpu", False), ("auto", "cuda:0", "cuda:GPU-a", True), ("on", "cpu", "cpu", True),
+    ("off", "cuda:0", "cuda:GPU-a", False)])
+def test_pipelining_setting(setting, device, verifier_device, expected, monkeypatch):
+    import drafter_svc.server as server
+
+    monkeypatch.setattr(server, "device_id", lambda d: "cuda:GPU-b" if str(d).startswith("cuda") else "cpu")
+    cfg = DrafterConfig(draft_dir="d", target_dir="t", device=device, pipelining=setting)
+    assert cfg.pipelined(verifier_device) is expected
+    # auto on the verifier's own GPU: lockstep
+    assert DrafterConfig(draft_dir="d", target_dir="t", device=device).pipelined("cuda:GPU-b") is False
+    with pytest.raises(ValueError, match="pipelining"):
+        DrafterConfig(draft_dir="d", target_dir="t", pipelining="sometimes").pipelined("cpu")
+
+
 def test_sampling_through_the_services_is_lossless(client, local, verifier_stub):
     """The first two sampled tokens of many concurrent requests follow the target's own
     distribution (top-k 4 at temperature 1): the second comes out of a tree round."""
@@ -320,6 +368,14 @@ def test_mismatched_verifier_is_refused(tmp_path, tiny_tokenizer, verifier):
     with pytest.raises(StatusError) as err:
         drafter_engine(other, verifier.port)
     assert err.value.status == "FAILED_PRECONDITION" and "mismatch" in err.value.message
+
+
+def test_verifier_projecting_for_another_draft_is_refused(tmp_path, tiny_tokenizer, qwen3_pair, verifier):
+    """Same target config, another draft's fc + hidden_norm on the verifier: FAILED_PRECONDITION."""
+    other = make_tiny(tmp_path, seed=5, sizes=TinySizes(), tokenizer=tiny_tokenizer)
+    with pytest.raises(StatusError) as err:
+        drafter_engine((qwen3_pair[0], other[1]), verifier.port)
+    assert err.value.status == "FAILED_PRECONDITION" and "--raw-features" in err.value.message
 
 
 def test_verifier_killed_mid_generation_is_unavailable(qwen3_pair):

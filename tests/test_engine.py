@@ -121,6 +121,35 @@ def test_more_requests_than_slots_queue_and_complete(engine):
     assert engine.verifier.free_capacity == limit
 
 
+def test_pipelined_rounds_change_no_output(engine):
+    """Pipelined (two link messages in flight, half the sessions each, new sessions joining as
+    others end) gives every session exactly its lockstep tokens, greedy and seeded, and has
+    two messages in flight at a time; capacity comes back in full."""
+    from drafter_svc.link import LocalLink
+
+    class CountingLink(LocalLink):
+        most = 0
+
+        def send(self, entries):
+            super().send(entries)
+            self.most = max(self.most, len(self._results))
+
+    requests = [(PROMPTS[i % len(PROMPTS)] + [i], GenerationConfig(N - 2 * (i % 4), mode=mode))
+                for i, mode in enumerate(MODES + MODES[2:])]
+    requests += [(p, GenerationConfig(N, sampling=SAMPLED, mode=DraftMode("tree", 8))) for p in PROMPTS]
+    lockstep = engine.generate_many(requests)
+    link = CountingLink(engine.verifier)
+    scheduler = _scheduler(engine, engine.proposer, pipelined=True)
+    scheduler.link = link
+    ends = _ends(scheduler, requests)
+    scheduler.run_until_idle()
+    for (prompt, config), end, alone in zip(requests, ends, lockstep):
+        assert end["items"][-1].tokens == alone.tokens, (prompt, config.mode, config.sampling)
+    assert link.most == 2
+    assert engine.verifier.free_capacity == engine.verifier.limits.max_sessions
+    assert engine.proposer.free_slots == engine.verifier.limits.max_sessions
+
+
 def _scheduler(engine, proposer, **kwargs):
     from drafter_svc.link import LocalLink
     from drafter_svc.scheduler import DraftScheduler

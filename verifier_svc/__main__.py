@@ -1,6 +1,6 @@
 """Run the verifier service: the target model behind the Verifier gRPC API.
 
-    python -m verifier_svc --target DIR [--draft DIR | --feature-layers 1,9,17] [--port 50051]
+    python -m verifier_svc --target DIR [--draft DIR [--raw-features] | --feature-layers 1,9,17] [--port 50051]
 
 Every flag falls back to an environment variable (VERIFIER_PORT, ...) and then to the
 default in `VerifierConfig`. Prints "verifier listening on HOST:PORT" when ready; SIGTERM
@@ -40,7 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
         p.flag(name, env=env, default=None if default is dataclasses.MISSING else default, help=help, type=type)
 
     flag("--target", "target_dir", "target checkpoint folder (config.json + safetensors); required")
-    flag("--draft", None, "DFlash draft checkpoint folder: only its config.json is read, for target_layer_ids")
+    flag("--draft", None, "DFlash draft checkpoint folder: its config.json gives the feature layers "
+         "(target_layer_ids), and the verifier applies its fc + hidden_norm to the features, sending "
+         "hidden-size context rows (see --raw-features)")
     flag("--feature-layers", None, "target layers whose hidden states go to the drafter, e.g. 1,9,17 "
          "(instead of --draft; neither = no features)", type=_int_list)
     flag("--host", "host", "address to listen on")
@@ -61,6 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
          "trees run eagerly", type=_int_list)
     p.switch("--trace-console", env="VERIFIER_TRACE_CONSOLE", default=_DEFAULTS["trace_console"],
              help="print trace spans to stdout (OTLP export is set by OTEL_EXPORTER_OTLP_ENDPOINT)")
+    p.switch("--raw-features", env="VERIFIER_RAW_FEATURES", default=False,
+             help="with --draft: send the raw layer features (n_layers x hidden per token) and leave the "
+             "draft's fc + hidden_norm to the drafter")
     p.switch("--no-cuda-graphs", env="VERIFIER_NO_CUDA_GRAPHS", default=not _DEFAULTS["cuda_graphs"],
              help="run the verify step eagerly on CUDA instead of replaying captured CUDA graphs")
     return p
@@ -86,7 +91,8 @@ def parse_config(argv: list[str] | None = None) -> VerifierConfig:
     if not args.target:
         fail("--target is required (or set VERIFIER_TARGET)")
     config = VerifierConfig(
-        target_dir=args.target, feature_layer_ids=feature_layers(args), host=args.host, port=args.port,
+        target_dir=args.target, feature_layer_ids=feature_layers(args),
+        projection_dir=args.draft if args.draft and not args.raw_features else "", host=args.host, port=args.port,
         device=args.device, dtype=args.dtype, max_sessions=args.max_sessions, max_seq_len=args.max_seq_len,
         max_tree_nodes=args.max_tree_nodes, max_tree_depth=args.max_tree_depth, idle_timeout_s=args.idle_timeout,
         grace_s=args.grace, trace_console=args.trace_console, cuda_graphs=not args.no_cuda_graphs,

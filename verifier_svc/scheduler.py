@@ -73,6 +73,7 @@ class ModelWorker:
         # Spans of model steps measure device time: wait for the device before they end.
         self._sync = torch.cuda.synchronize if verifier.runner.device.type == "cuda" else None
         self.steps = 0
+        self.busy_s = 0.0  # wall time spent in verifier steps (forwards and their host work), for metrics
 
     def start(self) -> None:
         self._thread.start()
@@ -171,6 +172,7 @@ class ModelWorker:
         start_ns = time.time_ns()
         with _tracer.start_as_current_span("verify_step", attributes={"links": len(steps),
                                                                        "entries": len(entries)}) as span:
+            started = time.perf_counter()
             try:
                 outcomes = self.verifier.step(entries, stage=self._stage)
             except Exception:
@@ -178,6 +180,8 @@ class ModelWorker:
                 for s in steps:
                     _resolve(s.future, error=VerifierError("INTERNAL", "internal error in the verifier; see its log"))
                 return
+            finally:
+                self.busy_s += time.perf_counter() - started
             for s in steps:  # an entry refused while decoding fails its session too
                 for item in s.items:
                     if isinstance(item, StepResult):

@@ -53,7 +53,7 @@ class DecoderLayer(nn.Module):
 @dataclass
 class ForwardOutput:
     logits: torch.Tensor    # [B, R, vocab] for the requested rows
-    features: torch.Tensor  # [B, T, len(feature_layer_ids) * hidden]
+    features: torch.Tensor  # [B, T, feature_dim]: raw layer features, or context rows when projected
 
 
 class TargetModel(nn.Module):
@@ -67,6 +67,9 @@ class TargetModel(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.feature_layer_ids = tuple(feature_layer_ids)
+        # The draft's fc + hidden_norm (`common.feature_projection.FeatureProjection`), set when the
+        # verifier sends context rows instead of raw layer features; None: raw features.
+        self.feature_projection: nn.Module | None = None
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -91,6 +94,11 @@ class TargetModel(nn.Module):
 
     @property
     def feature_dim(self) -> int:
+        """Width of `ForwardOutput.features` (0 without feature layers)."""
+        if not self.feature_layer_ids:
+            return 0
+        if self.feature_projection is not None:
+            return self.feature_projection.out_dim
         return len(self.feature_layer_ids) * self.cfg.hidden_size
 
     def fuse_weights(self) -> None:
@@ -129,6 +137,8 @@ class TargetModel(nn.Module):
         outputs[len(self.layers) - 1] = h
         feats = (torch.cat([outputs[i] for i in self.feature_layer_ids], dim=-1) if self.feature_layer_ids
                  else h[..., :0])
+        if self.feature_projection is not None and self.feature_layer_ids:
+            feats = self.feature_projection(feats)
         if logit_rows is not None:
             x = x[:, logit_rows]
         return ForwardOutput(logits=self.lm_head(x), features=feats)

@@ -19,34 +19,34 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 
 def test_kernels_are_cuda_graph_capturable():
-    """The accept step as the verify graphs run it: captured once, replayed on new inputs."""
-    from verifier_svc.accept import accept_step
+    """The batched accept step as the verify graphs run it: captured once, replayed on new inputs."""
+    from verifier_svc.accept import accept_batch
 
     t, feat = 65, 32
     rng = np.random.default_rng(0)
     tree = random_stage(7, 1, t, 1000, torch.bfloat16)
-    tokens, nt, ns = (tree[k][0].cuda() for k in ("tokens", "next_token", "next_sibling"))
-    logits = torch.from_numpy(rng.normal(size=(t, VOCAB))).float().cuda().to(torch.bfloat16)
-    features = torch.randn(t, feat, device="cuda")
-    static = dict(coins=torch.rand(t, device="cuda"), final_coin=torch.rand(1, device="cuda"),
-                  temperature=torch.tensor([0.8], device="cuda"), top_k=torch.tensor([50], device="cuda"),
-                  top_p=torch.tensor([0.9], device="cuda"))
+    tokens, nt, ns = (tree[k][0].cuda()[None] for k in ("tokens", "next_token", "next_sibling"))
+    logits = torch.from_numpy(rng.normal(size=(1, t, VOCAB))).float().cuda().to(torch.bfloat16)
+    features = torch.randn(1, t, feat, device="cuda")
+    static = dict(greedy=torch.tensor([False], device="cuda"), coins=torch.rand(1, t, device="cuda"),
+                  final_coin=torch.rand(1, device="cuda"), temperature=torch.tensor([0.8], device="cuda"),
+                  top_k=torch.tensor([50], device="cuda"), top_p=torch.tensor([0.9], device="cuda"))
     for mode in ("greedy", "sample"):
-        eager = accept_step(mode, tokens, nt, ns, logits, features, **static)
+        eager = accept_batch(mode, tokens, nt, ns, logits, features, **static)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            accept_step(mode, tokens, nt, ns, logits, features, **static)
+            accept_batch(mode, tokens, nt, ns, logits, features, **static)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            out = accept_step(mode, tokens, nt, ns, logits, features, **static)
+            out = accept_batch(mode, tokens, nt, ns, logits, features, **static)
         graph.replay()
         assert torch.equal(out[0], eager[0]) and torch.equal(out[1], eager[1])
-        logits.copy_(torch.from_numpy(rng.normal(size=(t, VOCAB))).to(torch.bfloat16).cuda())
-        static["coins"].copy_(torch.rand(t, device="cuda"))
+        logits.copy_(torch.from_numpy(rng.normal(size=(1, t, VOCAB))).to(torch.bfloat16).cuda())
+        static["coins"].copy_(torch.rand(1, t, device="cuda"))
         graph.replay()
-        again = accept_step(mode, tokens, nt, ns, logits, features, **static)
+        again = accept_batch(mode, tokens, nt, ns, logits, features, **static)
         assert torch.equal(out[0], again[0]) and torch.equal(out[1], again[1])
 
 

@@ -231,7 +231,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("architecture", "vocab_size", "hidden_size", "num_layers", "dtype", "config_fingerprint", "feature_layer_ids", "max_seq_len", "max_sessions", "max_tree_nodes", "free_sessions")
+    __slots__ = ("architecture", "vocab_size", "hidden_size", "num_layers", "dtype", "config_fingerprint", "feature_layer_ids", "max_seq_len", "max_sessions", "max_tree_nodes", "free_sessions", "feature_projection", "busy_s", "device_id")
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -243,6 +243,9 @@ class InfoResponse(_message.Message):
     MAX_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     MAX_TREE_NODES_FIELD_NUMBER: _ClassVar[int]
     FREE_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    FEATURE_PROJECTION_FIELD_NUMBER: _ClassVar[int]
+    BUSY_S_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
     architecture: str
     vocab_size: int
     hidden_size: int
@@ -254,4 +257,7 @@ class InfoResponse(_message.Message):
     max_sessions: int
     max_tree_nodes: int
     free_sessions: int
-    def __init__(self, architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., dtype: _Optional[str] = ..., config_fingerprint: _Optional[str] = ..., feature_layer_ids: _Optional[_Iterable[int]] = ..., max_seq_len: _Optional[int] = ..., max_sessions: _Optional[int] = ..., max_tree_nodes: _Optional[int] = ..., free_sessions: _Optional[int] = ...) -> None: ...
+    feature_projection: str
+    busy_s: float
+    device_id: str
+    def __init__(self, architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., dtype: _Optional[str] = ..., config_fingerprint: _Optional[str] = ..., feature_layer_ids: _Optional[_Iterable[int]] = ..., max_seq_len: _Optional[int] = ..., max_sessions: _Optional[int] = ..., max_tree_nodes: _Optional[int] = ..., free_sessions: _Optional[int] = ..., feature_projection: _Optional[str] = ..., busy_s: _Optional[float] = ..., device_id: _Optional[str] = ...) -> None: ...
