@@ -1,6 +1,10 @@
 """Command-line client of the Generation API: streams the text, then prints the stats.
 
     python -m drafter_svc.client --server HOST:PORT "prompt" [--max-new-tokens N] [--temperature T] ...
+
+`--chat` sends the prompt as one user message (after a `--system` message, if given), rendered
+by the server with the model's chat template; `--template-kwarg enable_thinking=false` sets a
+template variable ("true" and "false" are booleans).
 """
 from __future__ import annotations
 
@@ -24,6 +28,15 @@ def build_request(a) -> pb.GenerateRequest:
             req.token_ids.ids.extend(int(x) for x in a.prompt_ids.split(",") if x.strip())
         except ValueError:
             fail(f"--prompt-ids must be comma-separated integers, got {a.prompt_ids!r}")
+    elif a.chat:
+        if a.system is not None:
+            req.chat.messages.add(role="system", content=a.system)
+        req.chat.messages.add(role="user", content=a.prompt)
+        for item in a.template_kwarg or []:
+            key, sep, value = item.partition("=")
+            if not sep or not key:
+                fail(f"--template-kwarg must be KEY=VALUE, got {item!r}")
+            req.chat.template_kwargs[key] = value
     else:
         req.text = a.prompt
     if a.tree_budget is not None:
@@ -37,6 +50,10 @@ def parse_args(argv=None):
     p.flag("--server", env="DRAFTER_ADDR", default="localhost:50050",
            help="drafter address HOST:PORT (default localhost:50050)")
     p.add_argument("--prompt-ids", help="prompt as comma-separated token ids instead of text")
+    p.add_argument("--chat", action="store_true", help="send the prompt as a user message, in the model's chat template")
+    p.add_argument("--system", help="with --chat: a system message before the prompt")
+    p.add_argument("--template-kwarg", action="append", metavar="KEY=VALUE",
+                   help="with --chat: a chat template variable, e.g. enable_thinking=false (repeatable)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate at most (default 128)")
     p.add_argument("--temperature", type=float, default=0.0, help="below 1e-5 (0, the default) = greedy")
     p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
@@ -50,6 +67,10 @@ def parse_args(argv=None):
     a = p.parse_args(argv)
     if (a.prompt is None) == (a.prompt_ids is None):
         fail("give a prompt text or --prompt-ids (one of them)")
+    if (a.system is not None or a.template_kwarg) and not a.chat:
+        fail("--system and --template-kwarg need --chat")
+    if a.chat and a.prompt_ids is not None:
+        fail("--chat sends the prompt text as a message: it does not take --prompt-ids")
     return a
 
 

@@ -25,6 +25,7 @@ from common.grpc_server import start_grpc_server
 from common.protocol import StatusError
 from common.rpc import GENERATION_SERVICE, pb, pb_grpc
 from common.wire import decode_sampling
+from drafter_svc.chat import ChatPrompt, ChatTemplate, load_chat_template
 from drafter_svc.drafter import DFlashProposer, DraftMode
 from drafter_svc.oracle import ControlledAcceptance
 from drafter_svc.link import GrpcLink, check_verifier, open_channel, status_error
@@ -79,8 +80,9 @@ class DrafterEngine:
     """Draft model, tokenizer, verifier link and the scheduler shared by all requests."""
 
     def __init__(self, cfg: DrafterConfig, scheduler: DraftScheduler, tokenizer, channel: grpc.Channel | None,
-                 info: pb.InfoResponse):
+                 info: pb.InfoResponse, chat_template: ChatTemplate):
         self.cfg, self.scheduler, self.tokenizer, self.channel, self.info = cfg, scheduler, tokenizer, channel, info
+        self.chat_template = chat_template
         self.vocab_size = info.vocab_size
 
     @classmethod
@@ -89,6 +91,7 @@ class DrafterEngine:
         target_cfg = load_target_config(cfg.target_dir)
         draft_cfg = load_draft_config(cfg.draft_dir)
         tokenizer = load_tokenizer(cfg.target_dir)
+        chat_template = load_chat_template(cfg.target_dir)
         channel = open_channel(cfg.verifier)
         stub = pb_grpc.VerifierStub(channel)
         deadline = time.monotonic() + cfg.verifier_wait_s
@@ -124,7 +127,7 @@ class DrafterEngine:
         log.info("rounds %s (--pipelining %s; verifier on %s)", "pipelined" if scheduler.pipelined else "in lockstep",
                  cfg.pipelining, info.device_id or "?")
         scheduler.start()
-        return cls(cfg, scheduler, tokenizer, channel, info)
+        return cls(cfg, scheduler, tokenizer, channel, info, chat_template)
 
     def stop(self) -> None:
         self.scheduler.stop()
@@ -138,8 +141,12 @@ class DrafterEngine:
             prompt_ids = self.tokenizer.encode(request.text).ids
         elif kind == "token_ids":
             prompt_ids = list(request.token_ids.ids)
+        elif kind == "chat":
+            # The template writes the special tokens (BOS included), so none are added here, as in transformers.
+            text = self.chat_template.render(ChatPrompt.from_proto(request.chat))
+            prompt_ids = self.tokenizer.encode(text, add_special_tokens=False).ids
         else:
-            raise ValueError("request has no prompt (set text or token_ids)")
+            raise ValueError("request has no prompt (set text, token_ids or chat)")
         if not prompt_ids:
             raise ValueError("prompt is empty")
         bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
