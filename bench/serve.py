@@ -6,10 +6,14 @@
     PYTHONPATH=. python bench/serve.py --models default,qwen3-8b --out-json serve.json   # both setups
     PYTHONPATH=. python bench/serve.py --models default --device cpu --quick              # CPU smoke run
     PYTHONPATH=. python bench/serve.py --models qwen3-8b --small --device cpu --quick     # toy sizes, CPU
+    PYTHONPATH=. python bench/serve.py --models default --delay-ms 5                      # 5 ms each way
 
 Both services run as their own processes on loopback (free ports, ready once each prints its
 "listening on" line and answers SERVING on grpc.health.v1), and are stopped with SIGTERM
-(then killed) however the run ends. Model setups (`--models`):
+(then killed) however the run ends. With `--delay-ms MS`, the drafters reach the verifier through
+`bench/delay_proxy.py`, a TCP proxy (its own process) that delays every chunk by MS in each
+direction: a link round trip gains 2 x MS, as between hosts (a userspace stand-in for netem). Model
+setups (`--models`):
 
 * `default`: the shipped trained pair (`--target`, `--draft`) through the real CLIs,
   `python -m verifier_svc` and `python -m drafter_svc`; prompts are token windows of the
@@ -163,6 +167,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sequential", action="store_true",
                    help="also run each N > 1's timed requests one after another through one client, and report "
                         "the concurrent wall time over that sequential one (conc/seq) and whether the outputs match")
+    p.add_argument("--delay-ms", type=float, default=0.0,
+                   help="delay the drafter <-> verifier link this many ms each way, through bench/delay_proxy.py "
+                        "(default 0: direct)")
     p.add_argument("--out-json", help="write the results here")
     return p
 
@@ -190,6 +197,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--requests-per-client, --prompt-len, --max-new-tokens and --tree-budget must be >= 1")
     if a.max_sessions < max(a.concurrency):
         p.error(f"--max-sessions {a.max_sessions} is below the largest concurrency {max(a.concurrency)}")
+    if a.delay_ms < 0:
+        p.error("--delay-ms must be >= 0")
     if a.accept_probs is not None and not all(0 <= x <= 1 for x in a.accept_probs):
         p.error("--accept-probs must be in [0, 1]")
     return a
@@ -565,7 +574,8 @@ def print_table(result: dict) -> None:
     o = result["options"]
     print(f"\nserve bench: {result['setup']} on {result['device']} ({o['dtype']} dtype, torch {result['torch']}), "
           f"prompt {o['prompt_len']}, {o['max_new_tokens']} new tokens, tree budget {o['tree_budget']}, "
-          f"{o['requests_per_client']} timed request(s) per client, greedy")
+          f"{o['requests_per_client']} timed request(s) per client, greedy, "
+          + (f"link delayed {o['delay_ms']:g} ms each way" if o.get("delay_ms") else "direct link"))
     print("tok/s = all completion tokens / wall time of the N's run; tau = mean Stats.mean_acceptance; "
           "TTFT = request sent -> first token (client); ITL = per streamed delta: gap since the previous "
           "delta / its tokens, one sample per token; ==AR = fraction of requests with the AR tokens; v-busy = "
@@ -639,9 +649,16 @@ def run_setup(name: str, a: argparse.Namespace, work: Path, result: dict, save: 
         services.append(verifier)
         verifier.start(a.startup_timeout)
         result["startup_s"]["verifier"] = verifier.startup_s
+        link = verifier
+        if a.delay_ms > 0:  # the drafters' link goes through the delay proxy; Info and health stay direct
+            argv = [sys.executable, "bench/delay_proxy.py", "--target", verifier.address, "--delay-ms", str(a.delay_ms)]
+            result["commands"]["delay_proxy"] = argv
+            link = Service("delay proxy", argv, work / f"{name}-delay-proxy.log")
+            services.append(link)
+            link.start(a.startup_timeout)
 
         def start_drafter(tag: str, oracle: Path | None, lockstep: bool = False) -> Service:
-            argv = setup.drafter_argv + ["--verifier", verifier.address]
+            argv = setup.drafter_argv + ["--verifier", link.address]
             argv += ["--bench-oracle", str(oracle)] if oracle else []
             argv += ["--pipelining", "off" if lockstep else "on"] if a.lockstep else []
             result["commands"]["drafters"].append(argv)
