@@ -14,7 +14,7 @@ batch size B in `--batches` and tree size N in `--trees` (and N = 0, the plain d
   staging and the two small device-to-host copies included); `eager fwd`: `forward_batch`
   alone (no accept, no compaction); `eager-s`: verify_batch with sampled rows;
 * graph: `TargetRunner.verify_batch` replaying the captured (mode, B, T, L) graph (static KV
-  length from the automatic ladder), the whole call; `graph-s`: sampled rows (the "sample"
+  length from the automatic ladder), the whole call; `graph-s`: sampled rows (the coin walk's "sample"
   graph, temperature 0.8, top-k 50, top-p 0.9); `replay`: the bare greedy graph replay
   (device time); `fwd rep`: the bare "forward" graph replay (forward only);
 * floor: (weights read per step + the B pasts' K/V) / read bandwidth measured in this run;
@@ -152,10 +152,10 @@ def make_runner(model: TargetModel, slots: int, max_seq: int, headroom: int, *, 
     the CPU those run eagerly at the bucket shapes (exercises the static-shape code)."""
     device = model.embed_tokens.weight.device
     if config is None:
-        return TargetRunner(model, slots, max_seq, headroom, cuda_graphs=False)
+        return TargetRunner(model, slots, max_seq, headroom, cuda_graphs=False, sampling="sample")
     if device.type == "cuda":
-        return TargetRunner(model, slots, max_seq, headroom, graph_config=config)
-    runner = TargetRunner(model, slots, max_seq, headroom, cuda_graphs=False)
+        return TargetRunner(model, slots, max_seq, headroom, graph_config=config, sampling="sample")
+    runner = TargetRunner(model, slots, max_seq, headroom, cuda_graphs=False, sampling="sample")
     runner.graphs = VerifyGraphs(model, runner.cache, max_seq, runner.scratch_slot, config, capture=False)
     return runner
 

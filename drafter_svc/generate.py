@@ -43,8 +43,10 @@ class LocalEngine:
 
     @classmethod
     def load(cls, target_dir: str, draft_dir: str | None, device: str = "cpu", dtype: torch.dtype | None = None,
-             limits: VerifierLimits = VerifierLimits(), cuda_graphs: bool = True) -> "LocalEngine":
-        """`cuda_graphs` (on CUDA): replay captured graphs for the draft step and the verify step."""
+             limits: VerifierLimits = VerifierLimits(), cuda_graphs: bool = True,
+             sampling: str = "sample") -> "LocalEngine":
+        """`cuda_graphs` (on CUDA): replay captured graphs for the draft step and the verify step;
+        `sampling`: "sample" (the coin walk) or "keyed" (position-keyed), see `TargetRunner`."""
         dtype = dtype or default_dtype(device)
         layer_ids = load_draft_config(draft_dir).target_layer_ids if draft_dir else ()
         proposer = None
@@ -53,7 +55,7 @@ class LocalEngine:
                                                       limits.max_sessions, cuda_graphs)
         model = TargetModel.from_pretrained(target_dir, layer_ids, device=device, dtype=dtype)
         runner = TargetRunner(model, limits.max_sessions, limits.max_seq_len, limits.max_tree_nodes,
-                              cuda_graphs=cuda_graphs)
+                              cuda_graphs=cuda_graphs, sampling=sampling)
         return cls(TreeVerifier(runner, limits), proposer, load_tokenizer(target_dir), model.cfg.eos_token_ids)
 
     def generate_many(self, requests: Sequence[tuple[list[int], GenerationConfig]], pipelined: bool = False

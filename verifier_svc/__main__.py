@@ -63,6 +63,11 @@ def build_parser() -> argparse.ArgumentParser:
          "trees run eagerly", type=_int_list)
     p.switch("--trace-console", env="VERIFIER_TRACE_CONSOLE", default=_DEFAULTS["trace_console"],
              help="print trace spans to stdout (OTLP export is set by OTEL_EXPORTER_OTLP_ENDPOINT)")
+    p.flag("--sampling", env="VERIFIER_SAMPLING", default=_DEFAULTS["sampling"], choices=("keyed", "coins"),
+           help="how sampled requests sample: coins = the target-only coin walk with per-session coins (SGLang's "
+                "semantics; fused kernel); keyed = position-keyed (Gumbel noise keyed by seed, position and token: "
+                "a seeded output equals seeded plain decoding whatever the trees; computed in PyTorch, about 15x "
+                "slower than coins for now)")
     p.switch("--raw-features", env="VERIFIER_RAW_FEATURES", default=False,
              help="with --draft: send the raw layer features (n_layers x hidden per token) and leave the "
              "draft's fc + hidden_norm to the drafter")
@@ -97,6 +102,7 @@ def parse_config(argv: list[str] | None = None) -> VerifierConfig:
         max_tree_nodes=args.max_tree_nodes, max_tree_depth=args.max_tree_depth, idle_timeout_s=args.idle_timeout,
         grace_s=args.grace, trace_console=args.trace_console, cuda_graphs=not args.no_cuda_graphs,
         max_inflight=args.max_inflight, graph_batches=tuple(args.graph_batches), graph_trees=tuple(args.graph_trees),
+        sampling=args.sampling,
     )
     try:
         config.check()

@@ -1,9 +1,13 @@
 """The accept step of a verified tree: run the tree-acceptance kernel on the target's logits.
 
-Greedy: argmax + the greedy tree walk. Sampling: the probability step (temperature, top-k,
-top-p) + target-only tree sampling with one coin per node and a final coin. Both through
+Greedy: argmax + the greedy tree walk. Sampling with coins (the default): the probability
+step (temperature, top-k, top-p) + target-only tree sampling with one coin per node and a
+final coin. Position-keyed sampling (selectable): the greedy walk over logits perturbed by
+Gumbel noise keyed by (seed, position, token) (`kernels.keyed_sampling`), so a seeded output
+does not depend on the trees. The walks run through
 `kernels.fused_accept.tree_accept`, batched over the sessions of a step, which on the GPU
-reads the logits in their own dtype and never materialises the probabilities. The same
+reads the logits in their own dtype and never materialises the probabilities (the keyed
+scores, for now, are materialised in PyTorch). The same
 code runs eagerly (CPU, or GPU without graphs) and inside the verifier's CUDA graphs: static
 shapes, no host synchronisation until the caller copies the small result back.
 """
@@ -19,6 +23,7 @@ from torch import Tensor
 from common.protocol import SamplingParams
 from common.tree import DraftTree
 from kernels.fused_accept import tree_accept
+from kernels.keyed_sampling import keyed_scores
 
 # Coins are kept inside (0, 1): a coin of exactly 0 would accept a zero-probability child
 # (the test is `coin <= mass`), one of exactly 1 could pick a zero-probability bonus token.
@@ -44,17 +49,22 @@ def draw_coins(generator: torch.Generator, num_nodes: int) -> Tensor:
 def accept_batch(mode: str, tokens: Tensor, next_token: Tensor, next_sibling: Tensor, logits: Tensor,
                  features: Tensor, *, greedy: Tensor | None = None, coins: Tensor | None = None,
                  final_coin: Tensor | None = None, temperature: Tensor | None = None, top_k: Tensor | None = None,
-                 top_p: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                 top_p: Tensor | None = None, seeds: Tensor | None = None,
+                 positions: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """The accept kernels on B trees of T rows, with static shapes and no host sync on CUDA.
 
     tokens / next_token / next_sibling: int64 [B, T]; logits [B, T, V]; features [B, T, F].
-    mode "greedy": every row greedy. mode "sample": rows with `greedy` (bool [B]) False sample
-    with coins float32 [B, T], final_coin [B], temperature / top_p float32 [B] (> 0 on every row,
-    greedy rows included), top_k int64 [B]; rows with `greedy` True take the greedy walk.
+    mode "greedy": every row greedy. The sampled modes mix rows: rows with `greedy` (bool [B])
+    True take the greedy walk, the others sample with temperature / top_p float32 [B] (> 0 on
+    every row, greedy rows included) and top_k int64 [B]:
+    * "keyed" (position-keyed, `kernels.keyed_sampling`): seeds int64 [B] and the nodes'
+      positions int64 [B, T]; the token after a node at position q is keyed by (seed, q + 1),
+      and the walk is the greedy walk over the perturbed scores;
+    * "sample" (the target-only coin walk): coins float32 [B, T] and final_coin [B].
     Returns (result int64 [B, T + 2] = [accepted, bonus, path padded with -1] per row, features
     of the path rows [B, T, F] (rows past the path repeat row 0)).
     """
-    if mode not in ("greedy", "sample"):
+    if mode not in ("greedy", "sample", "keyed"):
         raise ValueError(f"unknown accept mode {mode!r}")
     b, t = tokens.shape
     offsets = (torch.arange(b, device=logits.device) * t)[:, None]
@@ -72,6 +82,12 @@ def accept_batch(mode: str, tokens: Tensor, next_token: Tensor, next_sibling: Te
         path = torch.where(slots >= 0, slots - offsets, -1)
         return torch.cat([num, bonus, path], dim=1)
 
+    if mode == "keyed":
+        v = logits.shape[-1]
+        per_node = lambda x: x[:, None].expand(b, t).contiguous().view(-1)  # noqa: E731
+        scores = keyed_scores(logits.reshape(b * t, v), per_node(seeds), (positions + 1).reshape(-1),
+                              per_node(temperature), per_node(top_k), per_node(top_p)).view(b, t, v)
+        logits = torch.where(greedy[:, None, None], logits.float(), scores)
     result = walk(True, {})
     if mode == "sample":
         sampled = walk(False, dict(coins=coins, final_coins=final_coin, temperature=temperature, top_k=top_k,
@@ -81,25 +97,31 @@ def accept_batch(mode: str, tokens: Tensor, next_token: Tensor, next_sibling: Te
     return result, features.gather(1, path[:, :, None].expand(b, t, features.shape[2]))
 
 
-def accept_roots(roots: list[DraftTree], logits: Tensor, sampling: list[SamplingParams],
-                 coins: list[Tensor | None]) -> list[int]:
+def accept_roots(roots: list[DraftTree], logits: Tensor, sampling: list[SamplingParams], *,
+                 seeds: list[int] | None = None, positions: list[int] | None = None,
+                 coins: list[Tensor | None] | None = None) -> list[int]:
     """The first token of B new sessions: root-only trees (their prompts' last tokens) accepted
-    in one batched call on the prompts' last logits [B, V]; coins from `draw_coins(g, 1)` where
-    sampling. Greedy rows take the argmax, sampled rows a sample of their filtered distribution."""
+    in one batched call on the prompts' last logits [B, V]. Greedy rows take the argmax, sampled
+    rows a sample of their filtered distribution: position-keyed with `seeds` and the roots'
+    `positions` (prompt length - 1), or with coins from `draw_coins(g, 1)`."""
     b, dev = len(roots), logits.device
     tokens = torch.stack([r.tokens for r in roots]).to(dev)
     links = torch.full((b, 1), -1, dtype=torch.int64, device=dev)
     greedy = [s.greedy for s in sampling]
     extra = {}
-    mode = "greedy" if all(greedy) else "sample"
-    if mode == "sample":
-        c = torch.stack([x if x is not None else torch.full((2,), 0.5) for x in coins]).to(dev)
-        extra = dict(greedy=torch.tensor(greedy, device=dev), coins=c[:, :1].contiguous(),
-                     final_coin=c[:, 1].contiguous(),
+    mode = "greedy" if all(greedy) else "keyed" if seeds is not None else "sample"
+    if mode != "greedy":
+        extra = dict(greedy=torch.tensor(greedy, device=dev),
                      temperature=torch.tensor([1.0 if s.greedy else s.temperature for s in sampling],
                                               dtype=torch.float32, device=dev),
                      top_k=torch.tensor([s.top_k for s in sampling], dtype=torch.int64, device=dev),
                      top_p=torch.tensor([s.top_p for s in sampling], dtype=torch.float32, device=dev))
+    if mode == "keyed":
+        extra.update(seeds=torch.tensor(seeds, dtype=torch.int64, device=dev),
+                     positions=torch.tensor(positions, dtype=torch.int64, device=dev)[:, None])
+    elif mode == "sample":
+        c = torch.stack([x if x is not None else torch.full((2,), 0.5) for x in coins]).to(dev)
+        extra.update(coins=c[:, :1].contiguous(), final_coin=c[:, 1].contiguous())
     with torch.inference_mode():
         result, _ = accept_batch(mode, tokens, links, links, logits[:, None], logits.new_zeros(b, 1, 0), **extra)
     return result[:, 1].tolist()

@@ -16,13 +16,14 @@ static-shape code runs eagerly (CPU, or shapes no graph covers) and under CUDA g
   largest past + T of the batch; the mask hides everything at or past each row's tree). One
   graph per (mode, B, T, L) with B * T <= `max_tokens`; a batch that fits none runs eagerly.
   Eagerly, B, T and L are the batch's own.
-* **Static buffers.** Per (B, T): one int64 buffer [B, 4T + 3] (tokens, positions, tree links,
-  past, slot, top-k), one float32 buffer [B, T + 4] (coins, final coin, temperature, top-p,
+* **Static buffers.** Per (B, T): one int64 buffer [B, 4T + 4] (tokens, positions, tree links,
+  past, slot, top-k, seed), one float32 buffer [B, T + 4] (coins, final coin, temperature, top-p,
   greedy flag) and the [B, T, T] tree masks, each filled from a pinned host copy with one
   asynchronous copy. The [B, T, L] attention mask and cache positions are computed from them
   inside the graph.
-* **Modes.** "greedy" (every row greedy) and "sample" (any row sampled; greedy rows take the
-  greedy walk's result, so one batch mixes both) run forward, `verifier_svc.accept.accept_batch`
+* **Modes.** "greedy" (every row greedy) and a sampled mode, "keyed" (position-keyed) or
+  "sample" (the coin walk) (any row sampled; greedy rows take the greedy walk's result, so
+  one batch mixes both), run forward, `verifier_svc.accept.accept_batch`
   (one batched sampling + tree-walk call) and the KV compaction of every row's accepted path
   (one batched gather + scatter); one small device-to-host copy returns [accepted count, bonus,
   path] per row. "forward" returns the logits and features of all rows (tests, benchmarks).
@@ -54,7 +55,8 @@ from verifier_svc.target_model import KVCache, TargetModel
 
 log = logging.getLogger(__name__)
 
-MODES = ("forward", "greedy", "sample")
+MODES = ("forward", "greedy", "keyed", "sample")
+SAMPLING = ("keyed", "sample")  # position-keyed sampling, or the coin walk
 
 
 @dataclass(frozen=True)
@@ -64,7 +66,7 @@ class GraphConfig:
     tree_buckets: tuple[int, ...] = (8, 16, 32, 64, 128)  # drafted nodes N; a bucket forwards 1 + N tokens
     batch_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)  # sessions per step (capped by the KV slots)
     kv_buckets: tuple[int, ...] | None = None  # static KV lengths; None = auto_kv_buckets(cache length)
-    modes: tuple[str, ...] = ("greedy", "sample")  # a verifier's steps use these two
+    modes: tuple[str, ...] = ("greedy", "sample")  # a verifier's steps use greedy and its sampling mode
     max_kv_buckets: int = 4  # for the automatic ladder
     max_tokens: int = 4096  # no graph for B * T above this (eager)
     warmup_iters: int = 2
@@ -101,7 +103,8 @@ class VerifyRow:
     tree: DraftTree
     depths: Tensor  # int64 [n]
     sampling: SamplingParams
-    coins: Tensor | None = None  # float32 [n + 1] when sampling
+    coins: Tensor | None = None  # float32 [n + 1] when sampling with coins
+    seed: int = 0  # the session's sampling seed (position-keyed sampling)
 
 
 class _Fields:
@@ -127,7 +130,7 @@ class BatchInputs:
     def __init__(self, batch: int, tokens: int, device: torch.device, pinned: bool):
         b, t = self.B, self.T = batch, tokens
         ints = [("tokens", (b, t)), ("positions", (b, t)), ("next_token", (b, t)), ("next_sibling", (b, t)),
-                ("past", (b,)), ("slot", (b,)), ("top_k", (b,))]
+                ("past", (b,)), ("slot", (b,)), ("top_k", (b,)), ("seed", (b,))]
         floats = [("coins", (b, t)), ("final_coin", (b,)), ("temperature", (b,)), ("top_p", (b,)),
                   ("greedy", (b,))]
         self._staging = StagedInputs(device, pinned)
@@ -159,6 +162,7 @@ class BatchInputs:
         i.next_sibling.fill_(-1)
         i.past.zero_()
         i.top_k.zero_()
+        i.seed.zero_()
         i.slot.fill_(scratch_slot)
         i.positions.zero_()
         i.tokens[row_of, col_of] = torch.cat([r.tree.tokens for r in rows])
@@ -178,13 +182,15 @@ class BatchInputs:
         if sampled:
             index = torch.tensor(sampled)
             i.top_k[index] = torch.tensor([rows[j].sampling.top_k for j in sampled])
+            i.seed[index] = torch.tensor([rows[j].seed for j in sampled])
             f.temperature[index] = torch.tensor([rows[j].sampling.temperature for j in sampled])
             f.top_p[index] = torch.tensor([rows[j].sampling.top_p for j in sampled])
             f.greedy[index] = 0.0
             for j in sampled:
-                n = rows[j].tree.num_nodes
-                f.coins[j, :n] = rows[j].coins[:n]
-                f.final_coin[j] = rows[j].coins[n]
+                if rows[j].coins is not None:
+                    n = rows[j].tree.num_nodes
+                    f.coins[j, :n] = rows[j].coins[:n]
+                    f.final_coin[j] = rows[j].coins[n]
         self._staging.commit()
 
     def fill_dummy(self, scratch_slot: int) -> None:
@@ -200,7 +206,7 @@ class BatchInputs:
 def verify_step(model: TargetModel, cache: KVCache, inp: BatchInputs, length: int, mode: str):
     """The static-shape step over key length `length` (captured on CUDA, eager otherwise).
 
-    "forward": ForwardOutput of all B x T rows. "greedy" / "sample": (result int64 [B, T + 2] =
+    "forward": ForwardOutput of all B x T rows. "greedy" / "keyed" / "sample": (result int64 [B, T + 2] =
     [accepted, bonus, path padded with -1] per row, features of the path rows [B, T, F]), with
     each row's accepted K/V already compacted to [past, past + 1 + accepted).
     """
@@ -218,7 +224,8 @@ def verify_step(model: TargetModel, cache: KVCache, inp: BatchInputs, length: in
         return out
     result, features = accept_batch(mode, i.tokens, i.next_token, i.next_sibling, out.logits, out.features,
                                     greedy=f.greedy > 0.5, coins=f.coins, final_coin=f.final_coin,
-                                    temperature=f.temperature, top_k=i.top_k, top_p=f.top_p)
+                                    temperature=f.temperature, top_k=i.top_k, top_p=f.top_p, seeds=i.seed,
+                                    positions=i.positions)
     # KV compaction: node path[i] -> position past + i for i <= accepted; the rest copy past onto itself.
     path = result[:, 2:]
     keep = inp.arange[None] <= result[:, :1]

@@ -20,7 +20,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from verifier_svc.cuda_graphs import BatchInputs, GraphConfig, VerifyGraphs, VerifyRow, cache_length, verify_step
+from verifier_svc.cuda_graphs import (SAMPLING, BatchInputs, GraphConfig, VerifyGraphs, VerifyRow, cache_length,
+                                      verify_step)
 from verifier_svc.target_model import ForwardOutput, KVCache, TargetModel
 
 
@@ -35,8 +36,13 @@ class VerifiedBatch:
 
 class TargetRunner:
     def __init__(self, model: TargetModel, num_slots: int, max_seq_len: int, max_tree_nodes: int = 1025,
-                 cuda_graphs: bool = True, graph_config: GraphConfig | None = None):
+                 cuda_graphs: bool = True, graph_config: GraphConfig | None = None, sampling: str | None = None):
+        if sampling is None:  # the graph config's sampled mode, else the coin walk
+            sampling = next((m for m in (graph_config.modes if graph_config else ()) if m in SAMPLING), "sample")
+        if sampling not in SAMPLING:
+            raise ValueError(f"sampling must be one of {', '.join(SAMPLING)}, got {sampling!r}")
         self.model = model
+        self.sampling = sampling  # the accept mode of steps with sampled rows: "keyed" or "sample" (coins)
         model.fuse_weights()
         p = model.embed_tokens.weight
         self.device = p.device
@@ -45,7 +51,8 @@ class TargetRunner:
         self.scratch_slot = num_slots
         use_graphs = cuda_graphs and self.device.type == "cuda"
         self.cache = KVCache(model.cfg, num_slots + 1, cache_length(max_seq_len, max_tree_nodes), p.device, p.dtype)
-        self.graphs = (VerifyGraphs(model, self.cache, max_seq_len, self.scratch_slot, graph_config or GraphConfig())
+        graph_config = graph_config or GraphConfig(modes=("greedy", sampling))
+        self.graphs = (VerifyGraphs(model, self.cache, max_seq_len, self.scratch_slot, graph_config)
                        if use_graphs else None)
 
     def prefill(self, slots: Sequence[int], prompts: Sequence[Tensor]) -> tuple[Tensor, list[Tensor]]:
@@ -95,7 +102,7 @@ class TargetRunner:
         Two device-to-host copies: the per-row results, then the features of the accepted rows
         of the rows `with_features` marks (default: all).
         """
-        mode = "greedy" if all(r.sampling.greedy for r in rows) else "sample"
+        mode = "greedy" if all(r.sampling.greedy for r in rows) else self.sampling
         outputs = self.graphs.run(mode, rows, masks) if self.graphs is not None else None
         if outputs is None:
             inp, length = self._eager_inputs(rows, masks)

@@ -42,7 +42,8 @@ class VerifierLimits:
 class _Session:
     slot: int
     sampling: SamplingParams
-    generator: torch.Generator
+    seed: int              # keys the position-keyed sampling noise
+    generator: torch.Generator  # draws the coins of the coin walk
     length: int = 0        # tokens whose K/V are committed
     next_token: int = -1   # the bonus token the next tree must start from
     rounds: int = 0        # trees verified
@@ -172,7 +173,7 @@ class TreeVerifier:
         sessions = []
         for _, key, e, _ in group:
             seed = e.sampling.seed if e.sampling.seed is not None else secrets.randbits(63)
-            session = _Session(self._free_slots.pop(), e.sampling, torch.Generator().manual_seed(seed),
+            session = _Session(self._free_slots.pop(), e.sampling, seed, torch.Generator().manual_seed(seed),
                                features=bool(e.feature_layer_ids))
             self._sessions[key] = session
             sessions.append(session)
@@ -182,8 +183,13 @@ class TreeVerifier:
                     logits, features = self.runner.prefill([s.slot for s in sessions], [p for *_, p in group])
                 with stage("sample"):
                     roots = [DraftTree.root_only(p[-1]) for *_, p in group]
-                    coins = [None if s.sampling.greedy else draw_coins(s.generator, 1) for s in sessions]
-                    bonus = accept_roots(roots, logits, [s.sampling for s in sessions], coins)
+                    sampling = [s.sampling for s in sessions]
+                    if self.runner.sampling == "keyed":  # the first token's position: the prompt length
+                        bonus = accept_roots(roots, logits, sampling, seeds=[s.seed for s in sessions],
+                                             positions=[p.shape[0] - 1 for *_, p in group])
+                    else:
+                        bonus = accept_roots(roots, logits, sampling, coins=[
+                            None if s.sampling.greedy else draw_coins(s.generator, 1) for s in sessions])
                     rows = [(f if s.features else f[:0]).cpu() for s, f in zip(sessions, features)]
         except Exception:
             for _, key, _, _ in group:
@@ -226,8 +232,9 @@ class TreeVerifier:
             for i in good:
                 key, e = items[i]
                 s = self._sessions[key]
-                coins = None if s.sampling.greedy else draw_coins(s.generator, e.tree.num_nodes)
-                rows.append(VerifyRow(s.slot, s.length, e.tree, layouts[i].depths, s.sampling, coins))
+                coins = (None if s.sampling.greedy or self.runner.sampling != "sample"
+                         else draw_coins(s.generator, e.tree.num_nodes))
+                rows.append(VerifyRow(s.slot, s.length, e.tree, layouts[i].depths, s.sampling, coins, s.seed))
             masks = ancestor_masks([layouts[i] for i in good], max(r.tree.num_nodes for r in rows))
             with_features = [self._sessions[items[i][0]].features for i in good]
             with stage("forward"):
