@@ -1,32 +1,65 @@
-"""Starting a grpc.aio server the way both services do: no message-size cap, keepalive
-permits, the standard health service and server reflection."""
+"""Starting a grpc.aio server the way both services do: a cap on inbound messages, no
+SO_REUSEPORT, keepalive permits, requests handed to the servicers unparsed, the standard
+health service and server reflection."""
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import grpc
+from google.protobuf import message_factory
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
-from common.rpc import CHANNEL_OPTIONS
+from common.rpc import KEEPALIVE_OPTIONS, pb
 
 HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
+MIB = 1 << 20
+
+_HANDLERS = {  # (client streaming, server streaming) -> handler factory
+    (False, False): grpc.unary_unary_rpc_method_handler,
+    (False, True): grpc.unary_stream_rpc_method_handler,
+    (True, False): grpc.stream_unary_rpc_method_handler,
+    (True, True): grpc.stream_stream_rpc_method_handler,
+}
 
 
 def listen_address(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
 
 
-async def start_grpc_server(register: Callable[[grpc.aio.Server], None], service_name: str, host: str,
-                            port: int) -> tuple[grpc.aio.Server, int, health_aio.HealthServicer]:
-    """Create, bind and start a server; `register` adds the servicers. Returns (server, bound port, health).
+def server_options(max_receive_bytes: int) -> list[tuple[str, int]]:
+    """A server's options: larger inbound messages get RESOURCE_EXHAUSTED (from gRPC itself);
+    outbound ones are not capped (the verifier's replies carry features); and no SO_REUSEPORT,
+    which would let a second server share a busy port, the kernel splitting new connections
+    between the two."""
+    return [("grpc.max_receive_message_length", max_receive_bytes), ("grpc.max_send_message_length", -1),
+            ("grpc.so_reuseport", 0), *KEEPALIVE_OPTIONS]
+
+
+def add_raw_servicer(server: grpc.aio.Server, service_name: str, servicer) -> None:
+    """Register `servicer`'s methods for the ddtree service `service_name`, its requests
+    handed over as bytes: the servicer parses them (`common.rpc.decode_message`), so that a
+    malformed one gets INVALID_ARGUMENT with one line. (gRPC's own parse would answer UNKNOWN,
+    or fail a stream's read, and log a traceback.)"""
+    service = pb.DESCRIPTOR.services_by_name[service_name.rsplit(".", 1)[-1]]
+    handlers = {}
+    for method in service.methods:
+        reply = message_factory.GetMessageClass(method.output_type)
+        make = _HANDLERS[method.client_streaming, method.server_streaming]
+        handlers[method.name] = make(getattr(servicer, method.name), response_serializer=reply.SerializeToString)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
+    server.add_registered_method_handlers(service.full_name, handlers)
+
+
+async def start_grpc_server(servicer, service_name: str, host: str, port: int,
+                            max_receive_bytes: int) -> tuple[grpc.aio.Server, int, health_aio.HealthServicer]:
+    """Create, bind and start a server for `servicer` (see `add_raw_servicer`). Returns
+    (server, bound port, health).
 
     Health reports SERVING for "" and `service_name` once the server is started. Raises
-    OSError when the address cannot be bound.
+    OSError when the address cannot be bound (in use, or not an address of this host).
     """
-    server = grpc.aio.server(options=CHANNEL_OPTIONS)
-    register(server)
+    server = grpc.aio.server(options=server_options(max_receive_bytes))
+    add_raw_servicer(server, service_name, servicer)
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     reflection.enable_server_reflection((service_name, HEALTH_SERVICE, reflection.SERVICE_NAME), server)
@@ -36,7 +69,7 @@ async def start_grpc_server(register: Callable[[grpc.aio.Server], None], service
     except RuntimeError:  # newer grpcio raises instead of returning 0
         bound = 0
     if bound == 0:
-        raise OSError(f"cannot listen on {address} (address in use or not local?)")
+        raise OSError(f"cannot listen on {address}: address in use, or not an address of this host")
     await server.start()
     for service in ("", service_name):
         await health.set(service, health_pb2.HealthCheckResponse.SERVING)

@@ -46,11 +46,20 @@ def parse_args(argv=None) -> DrafterConfig:
     p.flag("--max-concurrent", env="MAX_CONCURRENT", default=d.max_concurrent, type=int,
            help=f"sessions batched at once (draft context slots; capped by the verifier's --max-sessions); more "
                 f"requests wait in the queue (default {d.max_concurrent})")
+    p.flag("--max-message-mb", env="DRAFTER_MAX_MESSAGE_MB", default=d.max_message_mb, type=int,
+           help=f"largest request accepted, in MiB; larger ones get RESOURCE_EXHAUSTED (default {d.max_message_mb})")
+    p.flag("--max-prompt-bytes", env="MAX_PROMPT_BYTES", default=d.max_prompt_bytes, type=int,
+           help="longest text prompt (or rendered chat) accepted, in UTF-8 bytes; longer ones get INVALID_ARGUMENT "
+                f"before being tokenised (default {d.max_prompt_bytes})")
     p.flag("--verifier-wait", env="VERIFIER_WAIT_S", default=d.verifier_wait_s, type=float,
            help=f"seconds start-up waits for the verifier (default {d.verifier_wait_s:.0f})")
     p.flag("--queue-timeout", env="QUEUE_TIMEOUT_S", default=d.queue_timeout_s, type=float,
            help="seconds a request waits for a free verifier session slot before RESOURCE_EXHAUSTED "
                 f"(default {d.queue_timeout_s:.0f})")
+    p.flag("--recovery-timeout", env="DRAFTER_RECOVERY_TIMEOUT_S", default=d.recovery_timeout_s, type=float,
+           help="when the verifier link is lost (the verifier died or restarted), seconds each running session "
+                "keeps trying to re-open on it, by prefilling its prompt plus the tokens emitted so far, before it "
+                f"fails with UNAVAILABLE; 0 = fail at once (default {d.recovery_timeout_s:g})")
     p.switch("--trace-console", env="DRAFTER_TRACE_CONSOLE", default=d.trace_console,
              help="also print spans to stdout")
     p.switch("--no-cuda-graphs", env="DRAFTER_NO_CUDA_GRAPHS", default=not d.cuda_graphs,
@@ -66,13 +75,19 @@ def parse_args(argv=None) -> DrafterConfig:
     a = p.parse_args(argv)
     if not a.draft or not a.target:
         fail("--draft and --target are required (or DRAFT_DIR and TARGET_DIR)")
+    if a.recovery_timeout < 0:
+        fail("--recovery-timeout must be >= 0")
     if a.tree_budget < 0 or a.max_new_tokens < 1 or a.max_concurrent < 1:
         fail("--tree-budget must be >= 0, --max-new-tokens and --max-concurrent >= 1")
+    if a.max_message_mb < 1 or a.max_prompt_bytes < 1:
+        fail("--max-message-mb and --max-prompt-bytes must be >= 1")
     return DrafterConfig(draft_dir=a.draft, target_dir=a.target, verifier=a.verifier, host=a.host, port=a.port,
                          device=a.device, dtype=a.dtype, tree_budget=a.tree_budget, chain=a.chain,
                          max_new_tokens=a.max_new_tokens, max_concurrent=a.max_concurrent,
                          verifier_wait_s=a.verifier_wait, queue_timeout_s=a.queue_timeout,
+                         recovery_timeout_s=a.recovery_timeout,
                          trace_console=a.trace_console, cuda_graphs=not a.no_cuda_graphs,
+                         max_message_mb=a.max_message_mb, max_prompt_bytes=a.max_prompt_bytes,
                          pipelining=a.pipelining, bench_oracle=a.bench_oracle)
 
 
@@ -97,7 +112,7 @@ def main(argv=None) -> None:
         setup_tracing("drafter", console=cfg.trace_console)
     try:
         asyncio.run(run(cfg))
-    except (CheckpointError, StatusError, ValueError) as exc:
+    except (CheckpointError, StatusError, ValueError, OSError) as exc:  # OSError: the port cannot be bound
         fail(str(exc))
     finally:
         shutdown_tracing()

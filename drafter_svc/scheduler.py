@@ -122,6 +122,10 @@ class _Session:
         self.start = time.perf_counter()
         self.open_on_verifier = False
         self.in_flight = False  # an open or a tree of it is in a message awaiting its reply
+        # Set once the verifier link failed under it: until then it re-opens (prompt + tokens so far).
+        self.recovery_deadline: float | None = None
+        self.recovery_start = 0.0
+        self.round_base = 0  # rounds before the last open: the verifier counts rounds from its open
         self.draft_state: object | None = None
         self.max_seq_len = 0
         self.length = 0  # tokens committed on the verifier
@@ -137,6 +141,10 @@ class _Session:
     def drafts(self) -> bool:
         mode = self.config.mode
         return mode.kind == "chain" or (mode.kind == "tree" and mode.budget > 0)
+
+    def open_prompt(self) -> list[int]:
+        """What an open prefills: the prompt, and after a lost verifier the tokens emitted so far."""
+        return self.prompt_ids + self.result.tokens
 
     def room(self) -> int:
         """Drafted nodes the next tree may hold: the verifier's capacity and the tokens still wanted."""
@@ -163,9 +171,14 @@ class DraftScheduler:
 
     def __init__(self, link: VerifierLink, proposer: BlockProposer | None, *, max_sessions: int,
                  feature_layer_ids: tuple[int, ...] = (), eos_token_ids: tuple[int, ...] = (),
-                 queue_timeout_s: float = 30.0, logits_hook: LogitsHook | None = None, pipelined: bool = True):
+                 queue_timeout_s: float = 30.0, logits_hook: LogitsHook | None = None, pipelined: bool = True,
+                 recovery_timeout_s: float = 0.0):
         self.link, self.proposer = link, proposer
         self.pipelined = pipelined
+        # After the link fails with UNAVAILABLE, sessions re-open for this long (0: they fail).
+        self.recovery_timeout_s = recovery_timeout_s
+        self._retry_at = 0.0  # no opens before this (backoff after a failed link)
+        self._backoff = 0.0
         self.logits_hook = logits_hook
         self.max_sessions = max_sessions
         self.feature_layer_ids = tuple(feature_layer_ids)
@@ -298,7 +311,7 @@ class DraftScheduler:
         self._ending = []
         self._expire_waiting()
         opening = self._admit()
-        entries += [OpenEntry(s.sid, s.prompt_ids, s.config.sampling, traceparent_of(s.span),
+        entries += [OpenEntry(s.sid, s.open_prompt(), s.config.sampling, traceparent_of(s.span),
                               self.feature_layer_ids if s.drafts else ())  # plain decoding needs no features
                     for s in opening]
         ready = [s for s in self._running.values() if s.open_on_verifier and not s.in_flight]
@@ -335,19 +348,45 @@ class DraftScheduler:
         for s in message.sessions:
             s.in_flight = False
         self.steps += 1
+        self._backoff = 0.0
         with trace.use_span(message.step_span, end_on_exit=True):
             self._apply(results, message.rounds)
 
     def _link_failed(self, exc: StatusError) -> None:
+        """Every session on the link is gone on the verifier. With a recovery timeout and an
+        UNAVAILABLE link, each re-opens (prompt + tokens so far, `_Session.open_prompt`) until
+        its deadline, behind a backoff; otherwise they fail with the link's error."""
         log.warning("verifier link failed: %s: %s", exc.status, exc.message)
         for message in self._inflight:
             message.end()
         self._inflight.clear()
-        self._fail_all(exc)
+        if exc.status != "UNAVAILABLE" or self.recovery_timeout_s <= 0:
+            self._fail_all(exc)
+            return
+        now = time.monotonic()
+        self._ending = []
+        for s in reversed(list(self._running.values())):  # appendleft keeps their order
+            s.open_on_verifier = s.in_flight = False
+            if s.result.finish_reason:
+                self._finish(s)
+                continue
+            if s.recovery_deadline is None:
+                s.recovery_deadline, s.recovery_start = now + self.recovery_timeout_s, now
+            if now >= s.recovery_deadline:
+                self._fail(s, StatusError("UNAVAILABLE", f"verifier unavailable for {self.recovery_timeout_s:g} s: "
+                                                         f"{exc.message}"))
+                continue
+            self._end(s)
+            s.admission_deadline = s.recovery_deadline
+            self._waiting.appendleft(s)
+        self._backoff = min(max(2 * self._backoff, 0.05), 1.0)
+        self._retry_at = now + self._backoff
 
     def _admit(self) -> list[_Session]:
         """Waiting sessions to open now: as many as free draft slots and the session limit allow."""
         opening = []
+        if time.monotonic() < self._retry_at:  # the link just failed: wait before opening again
+            return opening
         free = self.max_sessions - len(self._running)
         if self.proposer is not None:
             free = min(free, self.proposer.free_slots - sum(1 for s in self._running.values() if s.draft_state is None
@@ -361,10 +400,13 @@ class DraftScheduler:
 
     def _expire_waiting(self) -> None:
         now = time.monotonic()
-        while self._waiting and self._waiting[0].admission_deadline < now:
-            s = self._waiting.popleft()
-            self._fail(s, StatusError("RESOURCE_EXHAUSTED",
-                                      f"no verifier capacity within {self.queue_timeout_s:g} s"))
+        for s in [s for s in self._waiting if s.admission_deadline < now]:
+            self._waiting.remove(s)
+            if s.recovery_deadline is not None:
+                self._fail(s, StatusError("UNAVAILABLE", f"verifier unavailable for {self.recovery_timeout_s:g} s"))
+            else:
+                self._fail(s, StatusError("RESOURCE_EXHAUSTED",
+                                          f"no verifier capacity within {self.queue_timeout_s:g} s"))
 
     def _round_spans(self, drafting: Sequence[_Session], step_span) -> dict[int, trace.Span]:
         if not step_span.is_recording():
@@ -399,7 +441,7 @@ class DraftScheduler:
         for s, tree in zip(drafting, trees):
             s.tree = tree
             span = rounds.get(s.sid)
-            entries.append(TreeEntry(s.sid, s.rounds + 1, tree, traceparent_of(span) if span else ""))
+            entries.append(TreeEntry(s.sid, s.rounds - s.round_base + 1, tree, traceparent_of(span) if span else ""))
         return entries
 
     def _apply(self, results: Sequence[StepResult], rounds: dict[int, trace.Span]) -> None:
@@ -428,20 +470,27 @@ class DraftScheduler:
 
     def _prefilled(self, s: _Session, p: Prefilled) -> None:
         s.open_on_verifier = True
-        if s.drafts and p.features.shape[0] != len(s.prompt_ids):
+        prompt = s.open_prompt()
+        if s.drafts and p.features.shape[0] != len(prompt):
             self._fail(s, StatusError("INTERNAL", f"verifier sent {p.features.shape[0]} feature rows for a "
-                                                  f"{len(s.prompt_ids)}-token prompt"))
+                                                  f"{len(prompt)}-token prompt"))
             return
-        s.result.time_to_first_token_s = time.perf_counter() - s.start
-        s.max_seq_len, s.length, s.root = p.max_seq_len, len(s.prompt_ids), p.token
+        if s.recovery_deadline is None:
+            s.result.time_to_first_token_s = time.perf_counter() - s.start
+        else:  # re-opened after a lost verifier: carry on
+            log.info("session %d re-opened after %d tokens, %.2f s after its link was lost", s.sid,
+                     len(s.result.tokens), time.monotonic() - s.recovery_start)
+            s.recovery_deadline = None
+        s.max_seq_len, s.length, s.root = p.max_seq_len, len(prompt), p.token
+        s.round_base = s.rounds
         if s.drafts and not s.result.finish_reason:
             try:
-                s.draft_state = self.proposer.start(s.prompt_ids, p.features)
+                s.draft_state = self.proposer.start(prompt, p.features)
             except (StatusError, ValueError) as exc:
                 self._fail(s, exc if isinstance(exc, StatusError) else StatusError("INVALID_ARGUMENT", str(exc)))
                 return
             s.new_tokens, s.new_features = [p.token], p.features[:0]
-        self._deliver(s, RoundUpdate(0, s.emit([p.token])))
+        self._deliver(s, RoundUpdate(s.rounds, s.emit([p.token])))  # round 0, or the last one before a re-open
 
     def _verified(self, s: _Session, v: Verified, span: trace.Span | None) -> None:
         emitted = v.accepted_tokens + [v.next_token]

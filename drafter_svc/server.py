@@ -1,8 +1,9 @@
 """The drafter's gRPC server: the public Generation API.
 
-A Generate call only parses and validates the request, submits it to the `DraftScheduler`
-(which owns the draft model and the verifier link, and batches every session into one draft
-step and one link message per step) and streams what the scheduler delivers: deliveries
+A Generate call only parses and validates the request (in a worker thread: a long prompt
+takes seconds to tokenise, and one past max_prompt_bytes is refused before that), submits it
+to the `DraftScheduler` (which owns the draft model and the verifier link, and batches every
+session into one draft step and one link message per step) and streams what the scheduler delivers: deliveries
 come back to the event loop through an asyncio queue, so the handlers never wait on the
 model. Stop strings are cut here (`TextStream`); the session is then cancelled.
 """
@@ -21,9 +22,9 @@ import grpc
 from common.checkpoint import load_tokenizer
 from common.config import load_draft_config, load_target_config
 from common.devices import device_id
-from common.grpc_server import start_grpc_server
+from common.grpc_server import MIB, start_grpc_server
 from common.protocol import StatusError
-from common.rpc import GENERATION_SERVICE, pb, pb_grpc
+from common.rpc import GENERATION_SERVICE, decode_message, pb, pb_grpc
 from common.wire import decode_sampling
 from drafter_svc.chat import ChatPrompt, ChatTemplate, load_chat_template
 from drafter_svc.drafter import DFlashProposer, DraftMode
@@ -49,8 +50,11 @@ class DrafterConfig:
     chain: bool = False
     max_new_tokens: int = 128        # used when a request leaves it unset
     max_concurrent: int = 64         # sessions drafting at once (draft context slots); more wait in the queue
+    max_message_mb: int = 8          # inbound message cap of the public API in MiB (larger: RESOURCE_EXHAUSTED)
+    max_prompt_bytes: int = 4 << 20  # text prompts (and rendered chats) past this many UTF-8 bytes are not tokenised
     verifier_wait_s: float = 60.0    # how long start-up waits for the verifier
     queue_timeout_s: float = 30.0    # how long a request waits for a free session slot
+    recovery_timeout_s: float = 30.0  # after a lost verifier link, how long sessions try to re-open (0 = fail)
     trace_console: bool = False
     cuda_graphs: bool = True         # on CUDA, replay captured graphs for the draft step (False = eager)
     # "on": two link messages in flight, each with half the sessions; "off": lockstep rounds;
@@ -123,7 +127,8 @@ class DrafterEngine:
         scheduler = DraftScheduler(link, proposer, max_sessions=slots,
                                    feature_layer_ids=draft_cfg.target_layer_ids,
                                    eos_token_ids=target_cfg.eos_token_ids, queue_timeout_s=cfg.queue_timeout_s,
-                                   logits_hook=hook, pipelined=cfg.pipelined(info.device_id))
+                                   logits_hook=hook, pipelined=cfg.pipelined(info.device_id),
+                                   recovery_timeout_s=cfg.recovery_timeout_s)
         log.info("rounds %s (--pipelining %s; verifier on %s)", "pipelined" if scheduler.pipelined else "in lockstep",
                  cfg.pipelining, info.device_id or "?")
         scheduler.start()
@@ -134,17 +139,26 @@ class DrafterEngine:
         if self.channel is not None:
             self.channel.close()
 
+    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """A text prompt's token ids; ValueError, before tokenising, past max_prompt_bytes (tokenising
+        takes about a second per MB)."""
+        size = len(text.encode("utf-8"))
+        if size > self.cfg.max_prompt_bytes:
+            raise ValueError(f"prompt of {size} bytes exceeds the server's limit of {self.cfg.max_prompt_bytes} bytes")
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+
     def parse(self, request: pb.GenerateRequest) -> _Request:
-        """Validate a request; ValueError with a one-line message when it is bad."""
+        """Validate a request; ValueError with a one-line message when it is bad. It may take
+        seconds (a long prompt is tokenised): call it off the event loop."""
         kind = request.WhichOneof("prompt")
         if kind == "text":
-            prompt_ids = self.tokenizer.encode(request.text).ids
+            prompt_ids = self.tokenize(request.text)
         elif kind == "token_ids":
             prompt_ids = list(request.token_ids.ids)
         elif kind == "chat":
             # The template writes the special tokens (BOS included), so none are added here, as in transformers.
             text = self.chat_template.render(ChatPrompt.from_proto(request.chat))
-            prompt_ids = self.tokenizer.encode(text, add_special_tokens=False).ids
+            prompt_ids = self.tokenize(text, add_special_tokens=False)
         else:
             raise ValueError("request has no prompt (set text, token_ids or chat)")
         if not prompt_ids:
@@ -203,9 +217,11 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         self.engine = engine
         self._mailbox: _Mailbox | None = None
 
-    async def _parse(self, request, context) -> _Request:
+    async def _parse(self, data: bytes, context) -> _Request:
+        """Decode and check a request (it arrives as bytes: `add_raw_servicer`) in a worker thread,
+        so that tokenising a long prompt stalls no other stream and no health check."""
         try:
-            return self.engine.parse(request)
+            return await asyncio.to_thread(lambda: self.engine.parse(decode_message(pb.GenerateRequest, data)))
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
 
@@ -256,7 +272,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                            elapsed_s=result.elapsed_s, acceptance_lengths=result.acceptance_lengths),
         )
 
-    async def Generate(self, request, context):
+    async def Generate(self, request: bytes, context):
         req = await self._parse(request, context)
         try:
             async for item in self._run(req):
@@ -268,7 +284,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         except StatusError as exc:
             await context.abort(grpc.StatusCode[exc.status], exc.message)
 
-    async def GenerateOnce(self, request, context):
+    async def GenerateOnce(self, request: bytes, context):
         req = await self._parse(request, context)
         tokens, text = [], []
         try:
@@ -295,8 +311,14 @@ class DrafterServer:
 
 
 async def serve(engine: DrafterEngine, host: str, port: int) -> tuple[DrafterServer, int]:
-    """Start the Generation server (plus health and reflection); returns it and its bound port."""
-    server, bound, health_servicer = await start_grpc_server(
-        lambda srv: pb_grpc.add_GenerationServicer_to_server(GenerationServicer(engine), srv),
-        GENERATION_SERVICE, host, port)
+    """Start the Generation server (plus health and reflection); returns it and its bound port.
+
+    The server owns the engine: it is stopped with it, or at once when the server cannot start
+    (OSError: the address cannot be bound)."""
+    try:
+        server, bound, health_servicer = await start_grpc_server(
+            GenerationServicer(engine), GENERATION_SERVICE, host, port, engine.cfg.max_message_mb * MIB)
+    except BaseException:
+        await asyncio.to_thread(engine.stop)
+        raise
     return DrafterServer(server, health_servicer, engine), bound

@@ -150,6 +150,40 @@ def test_pipelined_rounds_change_no_output(engine):
     assert engine.proposer.free_slots == engine.verifier.limits.max_sessions
 
 
+def test_sessions_recover_from_a_lost_verifier_link(engine):
+    """The link fails twice mid-generation (UNAVAILABLE; the verifier drops the link's sessions):
+    every session re-opens with its prompt plus the tokens so far and ends with exactly its
+    undisturbed greedy tokens; slots and capacity come back in full."""
+    from common.protocol import StatusError
+    from drafter_svc.link import LocalLink
+
+    class FlakyLink(LocalLink):
+        sends = 0
+
+        def send(self, entries):
+            self.sends += 1
+            if self.sends in (4, 9):
+                self.verifier.close_owner(self.OWNER)  # what a dead link does: its sessions and replies are gone
+                self._results.clear()
+                raise StatusError("UNAVAILABLE", "verifier went away")
+            super().send(entries)
+
+    requests = [(PROMPTS[i % len(PROMPTS)] + [i], GenerationConfig(N, mode=mode))
+                for i, mode in enumerate([DraftMode("tree", 16), DraftMode("chain", 0), DraftMode("ar", 0),
+                                          DraftMode("tree", 4)])]
+    undisturbed = engine.generate_many(requests)
+    link = FlakyLink(engine.verifier)
+    scheduler = _scheduler(engine, engine.proposer, recovery_timeout_s=30.0)
+    scheduler.link = link
+    ends = _ends(scheduler, requests)
+    scheduler.run_until_idle()
+    assert link.sends > 9
+    for end, alone in zip(ends, undisturbed):
+        assert end["items"][-1].tokens == alone.tokens
+    assert engine.verifier.free_capacity == engine.verifier.limits.max_sessions
+    assert engine.proposer.free_slots == engine.verifier.limits.max_sessions
+
+
 def _scheduler(engine, proposer, **kwargs):
     from drafter_svc.link import LocalLink
     from drafter_svc.scheduler import DraftScheduler

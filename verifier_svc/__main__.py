@@ -57,6 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
     flag("--grace", "grace_s", "seconds running RPCs get to finish on shutdown", type=float)
     flag("--max-inflight", "max_inflight", "unanswered messages per drafter link before the verifier stops "
          "reading it (back-pressure)", type=int)
+    flag("--max-message-mb", "max_message_mb", "inbound message cap in MiB (larger messages get RESOURCE_EXHAUSTED); "
+         "0 = what the largest link message at --max-sessions, --max-seq-len and --max-tree-nodes needs", type=int)
     flag("--graph-batches", "graph_batches", "batch buckets (sessions per step) of the captured verify CUDA graphs",
          type=_int_list)
     flag("--graph-trees", "graph_trees", "tree buckets (drafted nodes) of the captured verify CUDA graphs; larger "
@@ -102,7 +104,7 @@ def parse_config(argv: list[str] | None = None) -> VerifierConfig:
         max_tree_nodes=args.max_tree_nodes, max_tree_depth=args.max_tree_depth, idle_timeout_s=args.idle_timeout,
         grace_s=args.grace, trace_console=args.trace_console, cuda_graphs=not args.no_cuda_graphs,
         max_inflight=args.max_inflight, graph_batches=tuple(args.graph_batches), graph_trees=tuple(args.graph_trees),
-        sampling=args.sampling,
+        sampling=args.sampling, max_message_mb=args.max_message_mb,
     )
     try:
         config.check()

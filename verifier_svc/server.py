@@ -4,8 +4,9 @@ The servicer runs on the asyncio event loop and only does I/O and cheap checks: 
 link message, decodes and checks its entries (`common.wire.decode_link_request`), hands the
 model work to the `ModelWorker` thread, which batches the messages of every link into one
 step, and writes the reply. A bad entry fails its own session (an in-band `Error` result);
-a message that breaks the link's limits ends the link with INVALID_ARGUMENT. A session's KV
-slot is freed however it ends: Close, error, idle timeout, or the end of its link.
+a malformed message, or one that breaks the link's limits, ends the link with INVALID_ARGUMENT
+(one log line, no traceback); one over the inbound cap gets RESOURCE_EXHAUSTED from gRPC. A
+session's KV slot is freed however it ends: Close, error, idle timeout, or the end of its link.
 
     server, port = await serve(VerifierConfig(target_dir="...", port=0))
     ...
@@ -24,10 +25,10 @@ from grpc_health.v1.health import aio as health_aio
 from common.config import CheckpointError, load_target_config
 from common.devices import device_id
 from common.feature_projection import FeatureProjection
-from common.grpc_server import start_grpc_server
-from common.rpc import VERIFIER_SERVICE, pb, pb_grpc
+from common.grpc_server import MIB, start_grpc_server
+from common.rpc import VERIFIER_SERVICE, decode_message, pb, pb_grpc
 from common.protocol import CloseEntry, OpenEntry
-from common.wire import LinkLimits, WireError, decode_link_request
+from common.wire import LinkLimits, decode_link_request
 from verifier_svc.cuda_graphs import GraphConfig
 from verifier_svc.scheduler import LinkStep, ModelWorker
 from verifier_svc.target_model import TargetModel
@@ -37,6 +38,11 @@ from verifier_svc.tree_verifier import TreeVerifier, VerifierError, VerifierLimi
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _whole_mib(size: int) -> int:
+    """`size` bytes in MiB, rounded up."""
+    return -(-size // MIB)
 
 
 @dataclass(frozen=True)
@@ -63,6 +69,9 @@ class VerifierConfig:
     graph_batches: tuple[int, ...] = GraphConfig.batch_buckets  # batch buckets of the verify graphs
     graph_trees: tuple[int, ...] = GraphConfig.tree_buckets  # tree buckets (drafted nodes) of the verify graphs
     max_inflight: int = 4  # unanswered messages per link before the verifier stops reading it
+    # Inbound message cap in MiB (larger ones get RESOURCE_EXHAUSTED); 0 = what the limits need
+    # (`link_message_bytes`), rounded up to a whole MiB.
+    max_message_mb: int = 0
     # "coins": the target-only coin walk (SGLang's tree_speculative_sampling_target_only
     # semantics, fused); "keyed": position-keyed sampling (a seeded output does not depend on the
     # trees; its scores are computed in PyTorch for now: 25 ms vs 1.7 ms at 32 x 17 nodes, H200).
@@ -76,6 +85,12 @@ class VerifierConfig:
                 raise ValueError(f"{name} must be >= {low}, got {getattr(self, name)}")
         if not self.idle_timeout_s > 0:
             raise ValueError(f"idle_timeout_s must be > 0, got {self.idle_timeout_s}")
+        if self.max_message_mb < 0:
+            raise ValueError(f"max_message_mb must be >= 0 (0 = what the limits need), got {self.max_message_mb}")
+        if 0 < self.max_message_mb < _whole_mib(self.link_message_bytes()):
+            raise ValueError(f"max_message_mb {self.max_message_mb} is below the {_whole_mib(self.link_message_bytes())} "
+                             f"MiB a link message may take at max_sessions {self.max_sessions}, max_seq_len "
+                             f"{self.max_seq_len} and max_tree_nodes {self.max_tree_nodes}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.dtype != "auto" and self.dtype not in DTYPES:
@@ -105,6 +120,16 @@ class VerifierConfig:
     def max_link_entries(self) -> int:
         """Entries one link message may carry: every session's, and as many opens again."""
         return 2 * self.max_sessions + 16
+
+    def link_message_bytes(self) -> int:
+        """An upper bound on a well-formed link message at these limits: max_link_entries entries,
+        each an Open of max_seq_len tokens (10 bytes each at most, as varints) with a tree of
+        max_tree_nodes nodes (three arrays of 8-byte integers), and 1 KiB of other fields."""
+        return self.max_link_entries() * (10 * self.max_seq_len + 24 * self.max_tree_nodes + 1024)
+
+    def max_receive_bytes(self) -> int:
+        """The inbound message cap: max_message_mb MiB, or (0) link_message_bytes rounded up to a whole MiB."""
+        return (self.max_message_mb or _whole_mib(self.link_message_bytes())) * MIB
 
     def accept_mode(self) -> str:
         """The accept mode of sampled steps (`verifier_svc.accept.accept_batch`)."""
@@ -175,19 +200,20 @@ class _Link:
                     self.sessions.clear()
                     self.worker.close_owner(self.owner)
                     continue
-                message, read = read.result(), None
-                if message is grpc.aio.EOF:
+                data, read = read.result(), None
+                if data is grpc.aio.EOF:
                     break
-                try:
+                try:  # decode_link_request's WireError is a ValueError
+                    message = decode_message(pb.LinkRequest, data)
                     items = decode_link_request(message, self.limits)
-                except WireError as exc:
+                except ValueError as exc:
                     raise VerifierError("INVALID_ARGUMENT", f"bad link message: {exc}") from None
                 for item in items:
                     if isinstance(item, OpenEntry):
                         self.sessions.add(item.session_id)
                     elif isinstance(item, CloseEntry):
                         self.sessions.discard(item.session_id)
-                job = LinkStep(self.owner, message.step, items, received_bytes=message.ByteSize())
+                job = LinkStep(self.owner, message.step, items, received_bytes=len(data))
                 await pending.put(self.worker.submit(job))
             await pending.put(None)
             await writer
@@ -223,7 +249,11 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         )
         self._links = 0
 
-    async def Info(self, request: pb.InfoRequest, context: grpc.aio.ServicerContext) -> pb.InfoResponse:
+    async def Info(self, request: bytes, context: grpc.aio.ServicerContext) -> pb.InfoResponse:
+        try:
+            decode_message(pb.InfoRequest, request)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         reply = pb.InfoResponse()
         reply.CopyFrom(self._info)
         reply.free_sessions = self.worker.free_sessions
@@ -231,6 +261,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         return reply
 
     async def Link(self, request_iterator, context: grpc.aio.ServicerContext) -> None:
+        """Serve one drafter link; its messages arrive as bytes (`add_raw_servicer`) and `_Link` parses them."""
         self._links += 1
         link = _Link(context, self.worker, self.config, self._links)
         log.info("link %d opened by %s", link.owner, context.peer())
@@ -282,9 +313,8 @@ async def serve(config: VerifierConfig, verifier: TreeVerifier | None = None) ->
     worker = ModelWorker(verifier)
     worker.start()
     try:
-        server, port, health = await start_grpc_server(
-            lambda srv: pb_grpc.add_VerifierServicer_to_server(VerifierServicer(worker, config), srv),
-            VERIFIER_SERVICE, config.host, config.port)
+        server, port, health = await start_grpc_server(VerifierServicer(worker, config), VERIFIER_SERVICE,
+                                                       config.host, config.port, config.max_receive_bytes())
     except BaseException:
         await asyncio.to_thread(worker.stop)
         raise
