@@ -38,6 +38,10 @@ class VerifierLink(Protocol):
 
     def step(self, entries: Sequence[Entry]) -> list[StepResult]: ...
 
+    def probe(self) -> bool:
+        """Whether the verifier answers now (a cheap call, outside any stream)."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -132,6 +136,13 @@ class GrpcLink(_Lockstep):
             raise StatusError("INTERNAL", f"bad reply from the verifier: {exc}") from None
         return results
 
+    def probe(self) -> bool:
+        try:
+            self.stub.Info(pb.InfoRequest(), timeout=2.0)
+            return True
+        except grpc.RpcError:
+            return False
+
     def _drop(self) -> None:
         """Cancel the stream; messages still unanswered are lost (a receive raises UNAVAILABLE)."""
         call, self._call = self._call, None
@@ -163,6 +174,9 @@ class LocalLink(_Lockstep):
 
     def receive(self) -> list[StepResult]:
         return self._results.popleft()
+
+    def probe(self) -> bool:
+        return True
 
     def close(self) -> None:
         self.verifier.close_owner(self.OWNER)

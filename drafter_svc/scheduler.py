@@ -179,6 +179,10 @@ class DraftScheduler:
         self.recovery_timeout_s = recovery_timeout_s
         self._retry_at = 0.0  # no opens before this (backoff after a failed link)
         self._backoff = 0.0
+        # Whether the verifier answered last time; `on_link_state(up)` hears every change (health).
+        self.link_up = True
+        self.on_link_state: Callable[[bool], None] | None = None
+        self.probe_interval_s = 2.0  # while idle, how often to check that the verifier answers
         self.logits_hook = logits_hook
         self.max_sessions = max_sessions
         self.feature_layer_ids = tuple(feature_layer_ids)
@@ -237,7 +241,8 @@ class DraftScheduler:
         delay = 0.0
         while not self._stopped.is_set():
             if not (self._waiting or self._running or self._ending or self._inflight):
-                self._take_commands(block=True)
+                if not self._take_commands(block=True, timeout=self.probe_interval_s):  # idle: is it still there?
+                    self._set_link(self.link.probe())
                 continue
             try:
                 progressed = self.step()
@@ -260,13 +265,15 @@ class DraftScheduler:
             if not self.step():
                 time.sleep(0.01)
 
-    def _take_commands(self, block: bool = False, timeout: float | None = None) -> None:
+    def _take_commands(self, block: bool = False, timeout: float | None = None) -> bool:
+        """Take every queued command (waiting for the first one when `block`); False if there was none."""
+        took = False
         while True:
             try:
                 command = self._commands.get(block=block, timeout=timeout)
             except queue.Empty:
-                return
-            block = False
+                return took
+            block, took = False, True
             if command[0] == "submit":
                 self._waiting.append(command[1])
             elif command[0] == "cancel":
@@ -349,14 +356,23 @@ class DraftScheduler:
             s.in_flight = False
         self.steps += 1
         self._backoff = 0.0
+        self._set_link(True)
         with trace.use_span(message.step_span, end_on_exit=True):
             self._apply(results, message.rounds)
+
+    def _set_link(self, up: bool) -> None:
+        if up != self.link_up:
+            self.link_up = up
+            log.info("verifier link %s", "up" if up else "down")
+            if self.on_link_state is not None:
+                self.on_link_state(up)
 
     def _link_failed(self, exc: StatusError) -> None:
         """Every session on the link is gone on the verifier. With a recovery timeout and an
         UNAVAILABLE link, each re-opens (prompt + tokens so far, `_Session.open_prompt`) until
         its deadline, behind a backoff; otherwise they fail with the link's error."""
         log.warning("verifier link failed: %s: %s", exc.status, exc.message)
+        self._set_link(False)
         for message in self._inflight:
             message.end()
         self._inflight.clear()

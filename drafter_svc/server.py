@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import AsyncIterator
 
 import grpc
+from grpc_health.v1 import health_pb2
 
 from common.checkpoint import load_tokenizer
 from common.config import load_draft_config, load_target_config
@@ -245,16 +246,17 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                     tail = text.finish()
                     if tail:
                         yield [], tail, -1
-                    if text.stopped:
+                    if text.stopped:  # the result counts only the tokens up to the stop string's end
                         item.finish_reason = "stop"
+                        item.tokens = item.tokens[:text.kept]
                     yield item
                     return
-                if stopped:  # a round delivered before the cancel took effect
+                if stopped:  # a round delivered before the cancel took effect: dropped
                     continue
                 assert isinstance(item, RoundUpdate)
-                delta = text.push(item.tokens)
-                if item.tokens or delta:
-                    yield item.tokens, delta, item.round
+                tokens, delta = text.push(item.tokens)  # after a stop, the round's later tokens are dropped
+                if tokens or delta:
+                    yield tokens, delta, item.round
                 if text.stopped:
                     stopped = True
                     scheduler.cancel(sid, "stop")  # the scheduler closes the session and sends the result
@@ -321,4 +323,18 @@ async def serve(engine: DrafterEngine, host: str, port: int) -> tuple[DrafterSer
     except BaseException:
         await asyncio.to_thread(engine.stop)
         raise
+    loop = asyncio.get_running_loop()
+
+    def link_state(up: bool) -> None:  # on the scheduler's thread
+        status = health_pb2.HealthCheckResponse.SERVING if up else health_pb2.HealthCheckResponse.NOT_SERVING
+        for service in ("", GENERATION_SERVICE):
+            try:
+                asyncio.run_coroutine_threadsafe(health_servicer.set(service, status), loop)
+            except RuntimeError:  # the server's loop is gone: it is shutting down
+                return
+
+    # Health follows the verifier: NOT_SERVING while it does not answer (load balancers look elsewhere).
+    engine.scheduler.on_link_state = link_state
+    if not engine.scheduler.link_up:
+        link_state(False)
     return DrafterServer(server, health_servicer, engine), bound

@@ -3,6 +3,7 @@ concurrent requests do not interfere, errors carry the right status, slots never
 and one request is one trace across both services."""
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -164,12 +165,39 @@ def test_concurrent_requests_do_not_interfere(client, verifier_stub):
     wait_full(verifier_stub)
 
 
-def test_stop_string_cuts_the_text(client, local):
+def test_stop_string_cuts_the_text_and_the_tokens(client, local, qwen3_pair, verifier, tmp_path):
+    """The text ends before the stop string; the token ids and completion_tokens end with the
+    token in which it ends, also where that token's round has more (a drafter whose drafts
+    are always accepted), and no later round is delivered."""
     tokens, text, _ = run(client, request(PROMPTS[0], n=16))
-    stop = text[5:8]
-    assert stop and stop in text
-    _, cut, final = run(client, request(PROMPTS[0], n=16, stop=[stop]))
-    assert cut == text[: text.index(stop)] and final.finish_reason == "stop"
+    oracle = tmp_path / "oracle.json"
+    oracle.write_text(json.dumps({"accept_prob": 1.0,
+                                  "continuations": [{"prompt_token_ids": PROMPTS[0], "tokens": tokens}]}))
+    engine = drafter_engine(qwen3_pair, verifier.port, bench_oracle=str(oracle))
+    with (ServerThread(lambda: serve_drafter(engine, "127.0.0.1", 0)) as accepting,
+          grpc.insecure_channel(f"127.0.0.1:{accepting.port}", options=CHANNEL_OPTIONS) as channel):
+        long_rounds = pb_grpc.GenerationStub(channel)
+        same, _, final = run(long_rounds, request(PROMPTS[0], n=16))
+        lengths = list(final.stats.acceptance_lengths)
+        assert same == tokens and max(lengths) > 2
+        round_ends = {1 + sum(lengths[:i]) for i in range(len(lengths) + 1)}  # the prefill's token first
+
+        def completing(stop: str) -> int:
+            """How many tokens it takes for the text to hold `stop`."""
+            return next(k for k in range(1, len(tokens) + 1) if stop in local.tokenizer.decode(tokens[:k]))
+
+        # A stop string whose first occurrence ends in a token that is not the last of its round.
+        candidates = [local.tokenizer.decode(tokens[:k])[-3:] for k in range(2, len(tokens)) if k not in round_ends]
+        stop = next(s for s in candidates if len(s) == 3 and "\ufffd" not in s
+                    and text.index(s) > 0 and completing(s) not in round_ends)
+        k = completing(stop)
+        for stub in (client, long_rounds):
+            cut_tokens, cut, final = run(stub, request(PROMPTS[0], n=16, stop=[stop]))
+            assert cut == text[: text.index(stop)] and final.finish_reason == "stop"
+            assert cut_tokens == tokens[:k] and final.usage.completion_tokens == k < len(tokens)
+            once = stub.GenerateOnce(request(PROMPTS[0], n=16, stop=[stop]), timeout=60)
+            assert list(once.token_ids) == tokens[:k] and once.text == cut
+            assert once.final.usage.completion_tokens == k and once.final.finish_reason == "stop"
 
 
 @pytest.mark.parametrize("req, needle", [
@@ -411,6 +439,41 @@ def test_verifier_killed_mid_generation_is_unavailable(qwen3_pair, recovery_s):
             assert err.value.code() == grpc.StatusCode.UNAVAILABLE
             assert recovery_s <= time.monotonic() - start < recovery_s + 10
             assert engine.scheduler.proposer.free_slots == engine.scheduler.max_sessions
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_drafter_health_follows_its_verifier(qwen3_pair):
+    """An idle drafter reports NOT_SERVING soon after its verifier dies, SERVING once a new one
+    answers on the same address."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    proc, _ = _verifier_process(verifier_config(qwen3_pair), port)
+    try:
+        engine = drafter_engine(qwen3_pair, port)
+        engine.scheduler.probe_interval_s = 0.2
+        with ServerThread(lambda: serve_drafter(engine, "127.0.0.1", 0)) as drafter, \
+                grpc.insecure_channel(f"127.0.0.1:{drafter.port}") as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+
+            def wait_for(status, timeout=20.0):
+                deadline = time.monotonic() + timeout
+                while time.monotonic() < deadline:
+                    if health.Check(health_pb2.HealthCheckRequest(service=GENERATION_SERVICE)).status == status:
+                        return time.monotonic()
+                    time.sleep(0.05)
+                raise AssertionError(f"health never became {status}")
+
+            wait_for(health_pb2.HealthCheckResponse.SERVING)
+            proc.kill()
+            proc.wait()
+            killed = time.monotonic()
+            assert wait_for(health_pb2.HealthCheckResponse.NOT_SERVING) - killed < 5
+            proc, _ = _verifier_process(verifier_config(qwen3_pair), port)
+            wait_for(health_pb2.HealthCheckResponse.SERVING)
+            assert run(pb_grpc.GenerationStub(channel), request(PROMPTS[0], n=4))[2].usage.completion_tokens == 4
     finally:
         proc.kill()
         proc.wait()
