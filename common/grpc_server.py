@@ -7,11 +7,12 @@ import grpc
 from google.protobuf import message_factory
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
-from grpc_reflection.v1alpha import reflection
+from grpc_reflection.v1alpha import reflection, reflection_pb2
 
 from common.rpc import KEEPALIVE_OPTIONS, pb
 
 HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
+REFLECTION_SERVICES = ("grpc.reflection.v1.ServerReflection", reflection.SERVICE_NAME)
 MIB = 1 << 20
 
 _HANDLERS = {  # (client streaming, server streaming) -> handler factory
@@ -50,6 +51,20 @@ def add_raw_servicer(server: grpc.aio.Server, service_name: str, servicer) -> No
     server.add_registered_method_handlers(service.full_name, handlers)
 
 
+def add_reflection(server: grpc.aio.Server, service_names: tuple[str, ...]) -> None:
+    """Server reflection under both `grpc.reflection.v1` (what current grpcurl and Postman ask
+    for) and `grpc.reflection.v1alpha`: the two protocols have identical messages, so the one
+    servicer the reflection package ships (v1alpha) answers both."""
+    names = (*service_names, *REFLECTION_SERVICES)
+    handler = grpc.stream_stream_rpc_method_handler(
+        reflection.aio.ReflectionServicer(names).ServerReflectionInfo,
+        request_deserializer=reflection_pb2.ServerReflectionRequest.FromString,
+        response_serializer=reflection_pb2.ServerReflectionResponse.SerializeToString)
+    for service in REFLECTION_SERVICES:
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
+            service, {"ServerReflectionInfo": handler}),))
+
+
 async def start_grpc_server(servicer, service_name: str, host: str, port: int,
                             max_receive_bytes: int) -> tuple[grpc.aio.Server, int, health_aio.HealthServicer]:
     """Create, bind and start a server for `servicer` (see `add_raw_servicer`). Returns
@@ -62,7 +77,7 @@ async def start_grpc_server(servicer, service_name: str, host: str, port: int,
     add_raw_servicer(server, service_name, servicer)
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
-    reflection.enable_server_reflection((service_name, HEALTH_SERVICE, reflection.SERVICE_NAME), server)
+    add_reflection(server, (service_name, HEALTH_SERVICE))
     address = listen_address(host, port)
     try:
         bound = server.add_insecure_port(address)

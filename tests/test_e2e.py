@@ -241,6 +241,15 @@ def test_health_and_reflection(drafter):
             iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
         names = {s.name for s in next(replies).list_services_response.service}
         assert GENERATION_SERVICE in names
+        # grpc.reflection.v1 (the same messages under another service name) answers too.
+        v1 = channel.stream_stream("/grpc.reflection.v1.ServerReflection/ServerReflectionInfo",
+                                   request_serializer=reflection_pb2.ServerReflectionRequest.SerializeToString,
+                                   response_deserializer=reflection_pb2.ServerReflectionResponse.FromString)
+        reply = next(v1(iter([reflection_pb2.ServerReflectionRequest(file_containing_symbol=GENERATION_SERVICE)])))
+        assert reply.WhichOneof("message_response") == "file_descriptor_response"
+        names_v1 = {s.name for s in next(v1(iter([reflection_pb2.ServerReflectionRequest(list_services="")])))
+                    .list_services_response.service}
+        assert {GENERATION_SERVICE, "grpc.reflection.v1.ServerReflection"} <= names_v1 == names
 
 
 def test_one_request_is_one_trace(client, spans, verifier_stub):
