@@ -27,8 +27,8 @@ DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "f
 def parse_args(argv=None) -> DrafterConfig:
     d = DrafterConfig()
     p = FlagParser(prog="python -m drafter_svc", description=__doc__.split("\n\n")[0])
-    p.flag("--draft", env="DRAFT_DIR", default="", help="DFlash draft checkpoint folder")
-    p.flag("--target", env="TARGET_DIR", default="",
+    p.flag("--draft", env="DRAFTER_DRAFT_DIR", default="", help="DFlash draft checkpoint folder")
+    p.flag("--target", env="DRAFTER_TARGET_DIR", default="",
            help="target checkpoint folder; only embed_tokens, lm_head and the tokenizer are loaded")
     p.flag("--verifier", env="VERIFIER_ADDR", default=d.verifier, help=f"verifier address HOST:PORT (default {d.verifier})")
     p.flag("--host", env="DRAFTER_HOST", default=d.host, help=f"listen address (default {d.host})")
@@ -37,23 +37,23 @@ def parse_args(argv=None) -> DrafterConfig:
            help="torch device of the draft model (default cuda if available, else cpu)")
     p.flag("--dtype", env="DRAFTER_DTYPE", default=d.dtype, choices=sorted(DTYPES),
            help="weights dtype; auto = bfloat16 on GPU, float32 on CPU")
-    p.flag("--tree-budget", env="TREE_BUDGET", default=d.tree_budget, type=int,
+    p.flag("--tree-budget", env="DRAFTER_TREE_BUDGET", default=d.tree_budget, type=int,
            help=f"default DDTree nodes per round when a request sets none (default {d.tree_budget})")
-    p.switch("--chain", env="DRAFT_CHAIN", default=d.chain,
+    p.switch("--chain", env="DRAFTER_CHAIN", default=d.chain,
              help="draft the argmax chain (vanilla DFlash) for requests that set no tree_budget")
-    p.flag("--max-new-tokens", env="MAX_NEW_TOKENS", default=d.max_new_tokens, type=int,
+    p.flag("--max-new-tokens", env="DRAFTER_MAX_NEW_TOKENS", default=d.max_new_tokens, type=int,
            help=f"default max_new_tokens when a request sets none (default {d.max_new_tokens})")
-    p.flag("--max-concurrent", env="MAX_CONCURRENT", default=d.max_concurrent, type=int,
+    p.flag("--max-concurrent", env="DRAFTER_MAX_CONCURRENT", default=d.max_concurrent, type=int,
            help=f"sessions batched at once (draft context slots; capped by the verifier's --max-sessions); more "
                 f"requests wait in the queue (default {d.max_concurrent})")
     p.flag("--max-message-mb", env="DRAFTER_MAX_MESSAGE_MB", default=d.max_message_mb, type=int,
            help=f"largest request accepted, in MiB; larger ones get RESOURCE_EXHAUSTED (default {d.max_message_mb})")
-    p.flag("--max-prompt-bytes", env="MAX_PROMPT_BYTES", default=d.max_prompt_bytes, type=int,
+    p.flag("--max-prompt-bytes", env="DRAFTER_MAX_PROMPT_BYTES", default=d.max_prompt_bytes, type=int,
            help="longest text prompt (or rendered chat) accepted, in UTF-8 bytes; longer ones get INVALID_ARGUMENT "
                 f"before being tokenised (default {d.max_prompt_bytes})")
     p.flag("--verifier-wait", env="VERIFIER_WAIT_S", default=d.verifier_wait_s, type=float,
            help=f"seconds start-up waits for the verifier (default {d.verifier_wait_s:.0f})")
-    p.flag("--queue-timeout", env="QUEUE_TIMEOUT_S", default=d.queue_timeout_s, type=float,
+    p.flag("--queue-timeout", env="DRAFTER_QUEUE_TIMEOUT_S", default=d.queue_timeout_s, type=float,
            help="seconds a request waits for a free verifier session slot before RESOURCE_EXHAUSTED "
                 f"(default {d.queue_timeout_s:.0f})")
     p.flag("--recovery-timeout", env="DRAFTER_RECOVERY_TIMEOUT_S", default=d.recovery_timeout_s, type=float,
@@ -74,7 +74,7 @@ def parse_args(argv=None) -> DrafterConfig:
                 "runs, then its proposals are made to contain the target's greedy continuation at a set rate")
     a = p.parse_args(argv)
     if not a.draft or not a.target:
-        fail("--draft and --target are required (or DRAFT_DIR and TARGET_DIR)")
+        fail("--draft and --target are required (or DRAFTER_DRAFT_DIR and DRAFTER_TARGET_DIR)")
     if a.recovery_timeout < 0:
         fail("--recovery-timeout must be >= 0")
     if a.tree_budget < 0 or a.max_new_tokens < 1 or a.max_concurrent < 1:

@@ -61,3 +61,26 @@ def test_generate_rejects_bad_checkpoints(dirs, tmp_path):
 def test_make_tiny_rejects_bad_layer_ids(tmp_path):
     r = run("common.make_tiny", "--out", str(tmp_path), "--target-layer-ids", "0,7")
     assert r.returncode != 0 and "target-layer-ids" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_every_flag_has_a_prefixed_environment_fallback(capsys, monkeypatch):
+    """Each service's --help names one env variable per flag, prefixed with the service's name
+    (the drafter's two verifier-facing ones, VERIFIER_ADDR and VERIFIER_WAIT_S, say whose they are);
+    a variable sets the flag's default."""
+    import re
+
+    import drafter_svc.__main__ as drafter_cli
+    import verifier_svc.__main__ as verifier_cli
+
+    helps = {}
+    for name, parse in (("drafter", drafter_cli.parse_args), ("verifier", verifier_cli.parse_config)):
+        with pytest.raises(SystemExit):
+            parse(["--help"])
+        helps[name] = re.findall(r"\[env\s+([A-Z0-9_]+)\]", capsys.readouterr().out)
+    assert helps["drafter"] and helps["verifier"]
+    assert all(v.startswith("DRAFTER_") or v in ("VERIFIER_ADDR", "VERIFIER_WAIT_S") for v in helps["drafter"])
+    assert all(v.startswith("VERIFIER_") for v in helps["verifier"])
+    monkeypatch.setenv("DRAFTER_TREE_BUDGET", "5")
+    monkeypatch.setenv("DRAFTER_MAX_CONCURRENT", "3")
+    cfg = drafter_cli.parse_args(["--draft", "d", "--target", "t"])
+    assert (cfg.tree_budget, cfg.max_concurrent) == (5, 3)
