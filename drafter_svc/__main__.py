@@ -60,6 +60,9 @@ def parse_args(argv=None) -> DrafterConfig:
            help="when the verifier link is lost (the verifier died or restarted), seconds each running session "
                 "keeps trying to re-open on it, by prefilling its prompt plus the tokens emitted so far, before it "
                 f"fails with UNAVAILABLE; 0 = fail at once (default {d.recovery_timeout_s:g})")
+    p.flag("--grace", env="DRAFTER_GRACE_S", default=d.grace_s, type=float,
+           help="on SIGTERM or SIGINT, seconds running generations get to finish before they are cut "
+                f"(default {d.grace_s:g})")
     p.switch("--trace-console", env="DRAFTER_TRACE_CONSOLE", default=d.trace_console,
              help="also print spans to stdout")
     p.switch("--no-cuda-graphs", env="DRAFTER_NO_CUDA_GRAPHS", default=not d.cuda_graphs,
@@ -75,8 +78,8 @@ def parse_args(argv=None) -> DrafterConfig:
     a = p.parse_args(argv)
     if not a.draft or not a.target:
         fail("--draft and --target are required (or DRAFTER_DRAFT_DIR and DRAFTER_TARGET_DIR)")
-    if a.recovery_timeout < 0:
-        fail("--recovery-timeout must be >= 0")
+    if a.recovery_timeout < 0 or a.grace < 0:
+        fail("--recovery-timeout and --grace must be >= 0")
     if a.tree_budget < 0 or a.max_new_tokens < 1 or a.max_concurrent < 1:
         fail("--tree-budget must be >= 0, --max-new-tokens and --max-concurrent >= 1")
     if a.max_message_mb < 1 or a.max_prompt_bytes < 1:
@@ -85,7 +88,7 @@ def parse_args(argv=None) -> DrafterConfig:
                          device=a.device, dtype=a.dtype, tree_budget=a.tree_budget, chain=a.chain,
                          max_new_tokens=a.max_new_tokens, max_concurrent=a.max_concurrent,
                          verifier_wait_s=a.verifier_wait, queue_timeout_s=a.queue_timeout,
-                         recovery_timeout_s=a.recovery_timeout,
+                         recovery_timeout_s=a.recovery_timeout, grace_s=a.grace,
                          trace_console=a.trace_console, cuda_graphs=not a.no_cuda_graphs,
                          max_message_mb=a.max_message_mb, max_prompt_bytes=a.max_prompt_bytes,
                          pipelining=a.pipelining, bench_oracle=a.bench_oracle)
@@ -101,8 +104,8 @@ async def run(cfg: DrafterConfig) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stopping.set)
     await stopping.wait()
-    log.info("shutting down")
-    await server.stop(grace=5.0)
+    log.info("shutting down (grace %g s)", cfg.grace_s)
+    await server.stop(grace=cfg.grace_s)
 
 
 def main(argv=None) -> None:

@@ -56,6 +56,7 @@ class DrafterConfig:
     verifier_wait_s: float = 60.0    # how long start-up waits for the verifier
     queue_timeout_s: float = 30.0    # how long a request waits for a free session slot
     recovery_timeout_s: float = 30.0  # after a lost verifier link, how long sessions try to re-open (0 = fail)
+    grace_s: float = 25.0  # on SIGTERM, how long running generations may finish (compose waits 30 s)
     trace_console: bool = False
     cuda_graphs: bool = True         # on CUDA, replay captured graphs for the draft step (False = eager)
     # "on": two link messages in flight, each with half the sessions; "off": lockstep rounds;
