@@ -152,10 +152,10 @@ def make_runner(model: TargetModel, slots: int, max_seq: int, headroom: int, *, 
     the CPU those run eagerly at the bucket shapes (exercises the static-shape code)."""
     device = model.embed_tokens.weight.device
     if config is None:
-        return TargetRunner(model, slots, max_seq, headroom, cuda_graphs=False, sampling="sample")
+        return TargetRunner(model, slots, max_seq, headroom, cuda_graphs=False)
     if device.type == "cuda":
-        return TargetRunner(model, slots, max_seq, headroom, graph_config=config, sampling="sample")
-    runner = TargetRunner(model, slots, max_seq, headroom, cuda_graphs=False, sampling="sample")
+        return TargetRunner(model, slots, max_seq, headroom, graph_config=config)
+    runner = TargetRunner(model, slots, max_seq, headroom, cuda_graphs=False)
     runner.graphs = VerifyGraphs(model, runner.cache, max_seq, runner.scratch_slot, config, capture=False)
     return runner
 

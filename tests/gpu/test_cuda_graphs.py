@@ -161,7 +161,7 @@ def static_runner(model, num_slots: int, max_seq: int, config: GraphConfig = STA
     if capture:
         collect_garbage()
         return TargetRunner(model, num_slots, max_seq, headroom, graph_config=config)
-    runner = TargetRunner(model, num_slots, max_seq, headroom, cuda_graphs=False, sampling="sample")
+    runner = TargetRunner(model, num_slots, max_seq, headroom, cuda_graphs=False)
     runner.graphs = VerifyGraphs(model, runner.cache, max_seq, runner.scratch_slot, config, capture=False)
     return runner
 
@@ -346,7 +346,7 @@ def test_forward_batch_rows_match_one_session_reference(tiny_pair, attention, ca
     model = load_model(tiny_pair)
     model.attention = attention
     pasts, sizes = FORWARD_CASES[case]
-    eager = TargetRunner(model, 4, 128, 65, cuda_graphs=False, sampling="sample")
+    eager = TargetRunner(model, 4, 128, 65, cuda_graphs=False)
     static = static_runner(model, 4, 128)
     rng = np.random.default_rng(len(pasts))
     sessions = open_sessions([eager, static], rng, pasts, slots=[3, 0, 2][: len(pasts)])
@@ -374,7 +374,7 @@ def test_batched_prefill_matches_each_prompt_alone(tiny_pair):
     columns past each prompt) gives each prompt's last logits, features and committed K/V as a
     plain causal forward of that prompt alone, and writes no other slot."""
     model = load_model(tiny_pair)
-    runner = TargetRunner(model, 4, 64, 9, cuda_graphs=False, sampling="sample")
+    runner = TargetRunner(model, 4, 64, 9, cuda_graphs=False)
     rng = np.random.default_rng(7)
     prompts = [torch.tensor(rng.integers(0, model.cfg.vocab_size, n), dtype=torch.int64) for n in (1, 13, 6)]
     slots = [2, 0, 3]
@@ -464,7 +464,7 @@ def test_verify_batch_matches_references_and_compacts_kv(qwen3_pair, path):
     sampled rows mixed in one batch), the path rows' features, and the KV compaction; the
     slots outside the batch are untouched."""
     model = load_model(qwen3_pair)
-    runner = (TargetRunner(model, 5, 160, 65, cuda_graphs=False, sampling="sample") if path == "eager"
+    runner = (TargetRunner(model, 5, 160, 65, cuda_graphs=False) if path == "eager"
               else static_runner(model, 5, 160))
     _verify_rounds(model, runner, VERIFY_ROUNDS, np.random.default_rng(11), static=path == "static")
 
@@ -474,7 +474,7 @@ def test_batch_gives_each_row_what_it_gives_alone(qwen3_pair, path):
     """A batch of B rows gives each row exactly the path / bonus that row gives in a batch of one,
     its logits and features to rounding (GEMMs of other sizes), and the same committed K/V."""
     model = load_model(qwen3_pair)
-    runner = (TargetRunner(model, 4, 160, 65, cuda_graphs=False, sampling="sample") if path == "eager"
+    runner = (TargetRunner(model, 4, 160, 65, cuda_graphs=False) if path == "eager"
               else static_runner(model, 4, 160))
     rng = np.random.default_rng(5)
     sessions = open_sessions([runner], rng, [20, 3, 44, 9])
@@ -561,8 +561,7 @@ def test_generate_many_static_path_equals_autoregressive(qwen3_pair):
     batches with scratch rows, padded trees, eager fallback for large trees) == plain
     autoregressive decoding per session; a seeded sampled session gives its tokens alone."""
     target, draft = qwen3_pair
-    engine = LocalEngine.load(str(target), str(draft), limits=VerifierLimits(max_sessions=4, max_seq_len=256),
-                              sampling="sample")  # STATIC captures the coin walk's graphs
+    engine = LocalEngine.load(str(target), str(draft), limits=VerifierLimits(max_sessions=4, max_seq_len=256))
     runner = engine.verifier.runner
     runner.graphs = VerifyGraphs(runner.model, runner.cache, runner.max_seq_len, runner.scratch_slot, STATIC,
                                  capture=False)
@@ -597,7 +596,7 @@ def test_triton_attention_matches_sdpa_on_cpu(qwen3_pair):
 def _attention_agreement(pair, device, dtype) -> list[float]:
     """Prefill and batched-forward logits / features with attention="triton" vs "sdpa"."""
     model = load_model(pair, device, dtype)
-    runner = TargetRunner(model, 2, 64, 33, cuda_graphs=False, sampling="sample")
+    runner = TargetRunner(model, 2, 64, 33, cuda_graphs=False)
     rng = np.random.default_rng(1)
     sessions = open_sessions([runner], rng, [20, 7])
     drafts = [make_draft(model, s, rng, n, "random") for s, n in zip(sessions, [12, 5])]
@@ -684,7 +683,7 @@ def test_graph_runner_matches_eager_runner(tiny_pair, dtype):
     if dtype == torch.bfloat16 and "llama" in str(tiny_pair[0]):
         pytest.skip("bf16 is covered on the qwen3 pair (keeps the GPU run short)")
     model = load_model(tiny_pair, "cuda", dtype)
-    eager = TargetRunner(model, 4, 256, 129, cuda_graphs=False, sampling="sample")
+    eager = TargetRunner(model, 4, 256, 129, cuda_graphs=False)
     collect_garbage()
     graphed = TargetRunner(model, 4, 256, 129, graph_config=GPU_CONFIG)
     assert graphed.graphs is not None and eager.graphs is None
@@ -699,7 +698,7 @@ def test_graph_runner_matches_eager_runner(tiny_pair, dtype):
 def test_eager_fallback_outside_the_buckets(qwen3_pair):
     """Batches no captured graph fits (too many rows, nodes, tokens or KV) run eagerly, correctly."""
     model = load_model(qwen3_pair, "cuda", torch.float32)
-    off = TargetRunner(model, 3, 64, cuda_graphs=False, sampling="sample")
+    off = TargetRunner(model, 3, 64, cuda_graphs=False)
     assert off.graphs is None and off.cache.max_seq_len == cache_length(64, 1025)
     config = GraphConfig(tree_buckets=(4, 8), batch_buckets=(1, 2), kv_buckets=(128,), max_tokens=10,
                          modes=("forward", "greedy", "sample"))
@@ -712,7 +711,7 @@ def test_eager_fallback_outside_the_buckets(qwen3_pair):
     assert g.select("greedy", 3, 1, 1) is None  # more rows than the largest batch bucket
     assert g.select("greedy", 1, 10, 10) is None  # more nodes than the largest tree bucket
     assert g.select("forward", 1, 5, 124 + 5) is None  # past the largest KV bucket
-    eager = TargetRunner(model, 3, 64, 9, cuda_graphs=False, sampling="sample")
+    eager = TargetRunner(model, 3, 64, 9, cuda_graphs=False)
     calls = _count_graph_runs(g)
     rounds = [([0, 1], [5, 5], ["oracle", "random"], [GREEDY, S1]),  # a graph
               ([0, 1], [6, 3], ["oracle", "random"], [GREEDY, S1]),  # max_tokens: eager
