@@ -22,6 +22,27 @@ DEFAULT_ROPE_THETA = 10000.0  # transformers' default when a config names none
 DEFAULT_MAX_POSITIONS = 4096
 
 
+def dflash_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> tuple[int, ...]:
+    """DFlash's `build_target_layer_ids`, exactly (same expression, Python rounding): n ids spread
+    evenly from 1 to L-3, or L // 2 alone for n = 1; [1, 9, 17, 25, 33] for L = 36, n = 5. What a
+    draft whose config names no `target_layer_ids` uses. Shallow targets can get repeated or
+    out-of-range ids here (L = 4, n = 2 gives [1, 1]); `is_valid_layer_ids` tells."""
+    if num_draft_layers < 1:
+        raise ValueError(f"need at least one target layer, got {num_draft_layers}")
+    if num_draft_layers == 1:
+        return (num_target_layers // 2,)
+    start = 1
+    end = num_target_layers - 3
+    span = end - start
+    return tuple(int(round(start + (i * span) / (num_draft_layers - 1))) for i in range(num_draft_layers))
+
+
+def is_valid_layer_ids(layer_ids: tuple[int, ...], num_target_layers: int) -> bool:
+    """Non-empty, strictly increasing and within [0, num_target_layers)."""
+    return (bool(layer_ids) and all(0 <= i < num_target_layers for i in layer_ids)
+            and all(a < b for a, b in zip(layer_ids, layer_ids[1:])))
+
+
 @dataclass(frozen=True)
 class RopeScaling:
     """A RoPE variant other than plain RoPE, its parameters resolved as transformers resolves
@@ -80,7 +101,7 @@ class DraftConfig:
     rms_norm_eps: float
     rope_theta: float
     block_size: int
-    target_layer_ids: tuple[int, ...]
+    target_layer_ids: tuple[int, ...]  # id l = transformers' hidden_states[l + 1] of the target
     mask_token_id: int
     num_target_layers: int | None
     rope_scaling: RopeScaling | None = None  # None = plain RoPE with rope_theta
@@ -244,14 +265,20 @@ def load_draft_config(folder: str | Path) -> DraftConfig:
             f"{where}: unsupported architecture {archs or 'unknown'}; expected DFlashDraftModel"
         )
     dflash = raw.get("dflash_config") or {}
-    if "target_layer_ids" not in dflash:
-        raise CheckpointError(f"{where}: dflash_config.target_layer_ids is missing")
+    num_target_layers = raw.get("num_target_layers")
+    layer_ids = dflash.get("target_layer_ids")
+    if layer_ids is None:  # as DFlash's draft model: derived from the target and draft depths
+        if num_target_layers is None:
+            raise CheckpointError(f"{where}: dflash_config.target_layer_ids and num_target_layers are missing")
+        layer_ids = dflash_target_layer_ids(int(num_target_layers), int(_require(raw, "num_hidden_layers", where)))
+        if not is_valid_layer_ids(layer_ids, int(num_target_layers)):
+            raise CheckpointError(f"{where}: dflash_config.target_layer_ids is missing and DFlash's rule gives "
+                                  f"{list(layer_ids)} for a {num_target_layers}-layer target; write them in config.json")
     if "mask_token_id" not in dflash:
         raise CheckpointError(f"{where}: dflash_config.mask_token_id is missing")
     block_size = raw.get("block_size", dflash.get("block_size"))
     if block_size is None or int(block_size) < 2:
         raise CheckpointError(f"{where}: block_size must be >= 2, got {block_size}")
-    num_target_layers = raw.get("num_target_layers")
     _check_full_attention(raw, where)
     rope_theta, rope_scaling = _rope(raw, where)
     return DraftConfig(
@@ -265,7 +292,7 @@ def load_draft_config(folder: str | Path) -> DraftConfig:
         rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
         rope_theta=rope_theta,
         block_size=int(block_size),
-        target_layer_ids=tuple(int(i) for i in dflash["target_layer_ids"]),
+        target_layer_ids=tuple(int(i) for i in layer_ids),
         mask_token_id=int(dflash["mask_token_id"]),
         num_target_layers=None if num_target_layers is None else int(num_target_layers),
         rope_scaling=rope_scaling,

@@ -17,9 +17,13 @@ by SpecForge / NeMo):
   target itself (batched decoding over KV-cache slots) and the loss covers only the
   continuation; the token file is saved (`--gen-file`) and reused on later runs. `--data`
   also takes plain text files (trained on directly) and such token files (`*.pt`).
-- Context features: the target's hidden states at `target_layer_ids` (0-based decoder layer
-  outputs, = HF hidden_states[id+1]; `auto` spreads n ids evenly between 1 and L-3 like
-  DFlash's build_target_layer_ids, n = `--num-features`, default the draft's layer count).
+- Context features: the target's hidden states at `target_layer_ids`, id l being transformers'
+  hidden_states[l + 1] as in DFlash's extract_context_feature (decoder layer l's output; for
+  the last layer, the state after the final norm), from the serving forward
+  (`TargetModel.forward`). `auto` is DFlash's build_target_layer_ids
+  (`common.config.dflash_target_layer_ids`: n ids spread evenly from 1 to L-3, [1, 9, 17,
+  25, 33] for 36 layers and n = 5), n = `--num-features`, default the draft's layer count;
+  where that rule repeats ids (shallow targets: [1, 1] for L = 4) n ids spread over all layers.
 - Blocks: per sequence up to `--anchors` random anchors where a whole block fits; each block
   is `[anchor token, MASK x (B-1)]` at absolute positions anchor..anchor+B-1.
 - Attention (`dflash_training_mask`): a block's queries see the context features of
@@ -57,7 +61,8 @@ import torch.nn.functional as F
 
 from common.checkpoint import load_tokenizer
 from common.cli import fail
-from common.config import DraftConfig, TargetConfig, load_draft_config, load_target_config
+from common.config import (DraftConfig, TargetConfig, dflash_target_layer_ids, is_valid_layer_ids,
+                           load_draft_config, load_target_config)
 from common.make_tiny import TinySizes, _save, draft_config_json
 from drafter_svc.draft_model import DFlashDraftModel
 from verifier_svc.target_model import KVCache, TargetModel
@@ -68,16 +73,15 @@ GEN_FORMAT = "dflash-train-tokens/1"
 # -- recipe pieces (exposed for tests) ----------------------------------------------------------
 
 def build_target_layer_ids(num_target_layers: int, n: int) -> tuple[int, ...]:
-    """n layer ids spread evenly from 1 to L-3 (DFlash's build_target_layer_ids), clamped for tiny targets."""
-    if n < 1:
-        raise ValueError("need at least one target layer")
-    if n == 1:
-        return (num_target_layers // 2,)
-    start, end = 1, num_target_layers - 3
-    if end <= start:  # too shallow for the published rule: spread over all layers instead
-        start, end = 0, num_target_layers - 1
-    ids = [int(round(start + i * (end - start) / (n - 1))) for i in range(n)]
-    return tuple(sorted(set(min(max(i, 0), num_target_layers - 1) for i in ids)))
+    """`--target-layer-ids auto`: DFlash's rule (`dflash_target_layer_ids`) where it gives n
+    distinct layers; for shallower targets n ids spread evenly over all layers (0 to L-1).
+    ValueError when the target has fewer than n layers."""
+    ids = dflash_target_layer_ids(num_target_layers, n)
+    if is_valid_layer_ids(ids, num_target_layers):
+        return ids
+    if n > num_target_layers:
+        raise ValueError(f"{n} feature layers from a {num_target_layers}-layer target")
+    return tuple(int(round(i * (num_target_layers - 1) / (n - 1))) for i in range(n))
 
 
 def loss_gamma(block_size: int) -> float:
@@ -485,7 +489,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="draft checkpoint folder to write")
     p.add_argument("--layers", type=int, default=2, help="draft decoder layers")
     p.add_argument("--block-size", type=int, default=8, help="DFlash block size B (>= 2)")
-    p.add_argument("--target-layer-ids", default="auto", help="'auto' or comma-separated 0-based target layers")
+    p.add_argument("--target-layer-ids", default="auto",
+                   help="'auto' (DFlash's rule: n ids spread evenly from 1 to L-3) or comma-separated target "
+                        "layer ids, id l being transformers' hidden_states[l + 1]")
     p.add_argument("--num-features", type=int, default=0,
                    help="number of target layers for 'auto' (0 = the draft's layer count, as DFlash)")
     p.add_argument("--mask-token-id", type=int, default=None,
@@ -530,7 +536,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def parse_layer_ids(text: str, target_cfg: TargetConfig, n: int) -> tuple[int, ...]:
     if text == "auto":
-        return build_target_layer_ids(target_cfg.num_layers, n)
+        try:
+            return build_target_layer_ids(target_cfg.num_layers, n)
+        except ValueError as exc:
+            fail(f"--target-layer-ids auto: {exc}")
     try:
         ids = tuple(int(x) for x in text.split(",") if x.strip())
     except ValueError:

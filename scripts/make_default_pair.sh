@@ -6,16 +6,22 @@
 #   4. bench/acceptance.py           held-out acceptance / tokens/s table, JSON and PNG (CPU)
 # and write $PAIR_OUT/{target,draft}, $PAIR_OUT/logs/ and $PAIR_OUT/README.md (how the pair was made).
 #
-#   bash scripts/make_default_pair.sh                    # one CUDA GPU: about 8 minutes
+#   bash scripts/make_default_pair.sh                    # one CUDA GPU: about 5 minutes
+#   DRAFT_ONLY=1 bash scripts/make_default_pair.sh       # keep $PAIR_OUT/target, retrain the draft
 #   STEPS_TARGET=20 STEPS_DRAFT=20 TINY=1 bash scripts/make_default_pair.sh   # CPU smoke run
 #
 # Environment (defaults in brackets):
 #   PAIR_OUT [models/default; build/tiny_pair with TINY=1]   WORK [build/default_pair(_tiny)]
 #   TINY [0]  tiny model sizes and data, for a CPU check of the pipeline
+#   DRAFT_ONLY [0]  skip step 1: keep the target already in $PAIR_OUT/target (its train_log.json,
+#                   logs/train_target.log and the command in $PAIR_OUT/README.md)
 #   DEVICE [cuda if available else cpu]   PY [.venv/bin/python, else python3]
-#   STEPS_TARGET [6000]  TIME_TARGET [120 s]   target optimizer steps / wall-clock cap
-#   STEPS_DRAFT [6000]   TIME_DRAFT [150 s]    draft optimizer steps / wall-clock cap
-#   BLOCK [16]  DRAFT_LAYERS [2]  TARGET_LAYER_IDS [1,3,5]  LR_DRAFT [1e-3]
+#   STEPS_TARGET [800]   TIME_TARGET [60 s]    target optimizer steps / wall-clock cap
+#   STEPS_DRAFT [6000]   TIME_DRAFT [160 s]    draft optimizer steps / wall-clock cap
+#   BLOCK [8]  DRAFT_LAYERS [2]  TARGET_LAYER_IDS [auto]  LR_DRAFT [1e-3]
+#   (auto: DFlash's build_target_layer_ids, DRAFT_LAYERS ids spread evenly from 1 to L-3: [1, 3]
+#   for the 6-layer target; [0, 3] for TINY's 4-layer one, too shallow for that rule. Feature
+#   id l is transformers' hidden_states[l + 1], the last layer's after the final norm.)
 #   GEN_PROMPTS [16384]  GEN_TOKENS [256]  GEN_BATCH [1024]
 #   BENCH [1]  BENCH_PROMPTS [8]  BENCH_TOKENS [128]  BENCH_THREADS [2]  BENCH_TEMPS [0]
 # Training stops at the step count or the time cap, whichever comes first; the learning-rate
@@ -39,7 +45,7 @@ if [[ "$TINY" == 1 ]]; then
               --eval-prompts 3 --eval-tokens 24 --eval-prompt-len 32)
   GEN=(--gen-prompts "${GEN_PROMPTS:-64}" --gen-tokens "${GEN_TOKENS:-48}" --gen-prompt-len 32
        --gen-batch "${GEN_BATCH:-32}")
-  TARGET_LAYER_IDS=${TARGET_LAYER_IDS:-1,3}
+  TARGET_LAYER_IDS=${TARGET_LAYER_IDS:-auto}
   BLOCK=${BLOCK:-8}
   BENCH_ARGS=(--prompts "${BENCH_PROMPTS:-2}" --max-new-tokens "${BENCH_TOKENS:-24}" --prompt-tokens 32)
 else
@@ -51,14 +57,15 @@ else
               --eval-prompts 16 --eval-tokens 128 --eval-prompt-len 64)
   GEN=(--gen-prompts "${GEN_PROMPTS:-16384}" --gen-tokens "${GEN_TOKENS:-256}" --gen-prompt-len 64
        --gen-batch "${GEN_BATCH:-1024}")
-  TARGET_LAYER_IDS=${TARGET_LAYER_IDS:-1,3,5}
-  BLOCK=${BLOCK:-16}
+  TARGET_LAYER_IDS=${TARGET_LAYER_IDS:-auto}
+  BLOCK=${BLOCK:-8}
   BENCH_ARGS=(--prompts "${BENCH_PROMPTS:-8}" --max-new-tokens "${BENCH_TOKENS:-128}" --prompt-tokens 64)
 fi
-STEPS_TARGET=${STEPS_TARGET:-6000}
+STEPS_TARGET=${STEPS_TARGET:-800}
 STEPS_DRAFT=${STEPS_DRAFT:-6000}
-TIME_TARGET=${TIME_TARGET:-120}
-TIME_DRAFT=${TIME_DRAFT:-150}
+TIME_TARGET=${TIME_TARGET:-60}
+TIME_DRAFT=${TIME_DRAFT:-160}
+DRAFT_ONLY=${DRAFT_ONLY:-0}
 DRAFT_LAYERS=${DRAFT_LAYERS:-2}
 LR_DRAFT=${LR_DRAFT:-1e-3}
 BENCH=${BENCH:-1}
@@ -68,11 +75,21 @@ mkdir -p "$PAIR_OUT/target" "$PAIR_OUT/draft" "$LOGS" "$WORK"
 START=$(date +%s)
 stamp() { echo "[$(( $(date +%s) - START ))s] $*"; }
 
-stamp "device $DEVICE, out $PAIR_OUT, work $WORK, tiny $TINY"
-TARGET_CMD=($PY scripts/train_target.py --out "$PAIR_OUT/target" --device "$DEVICE" --seed "$SEED"
-            --steps "$STEPS_TARGET" --time-budget "$TIME_TARGET" "${TARGET_SIZE[@]}")
-stamp "1/4 train the target: ${TARGET_CMD[*]}"
-"${TARGET_CMD[@]}" 2>&1 | tee "$LOGS/train_target.log"
+stamp "device $DEVICE, out $PAIR_OUT, work $WORK, tiny $TINY, draft only $DRAFT_ONLY"
+if [[ "$DRAFT_ONLY" == 1 ]]; then
+  if [[ ! -f "$PAIR_OUT/target/train_log.json" ]]; then
+    echo "DRAFT_ONLY=1 needs a target made by this script in $PAIR_OUT/target" >&2; exit 1
+  fi
+  # The command that made the kept target, from the README of the run that made it.
+  TARGET_CMD=("$(grep -m1 -o '[^ ]*python[^ ]* scripts/train_target.py .*' "$PAIR_OUT/README.md" 2>/dev/null \
+                 || echo "scripts/train_target.py (command not recorded)")")
+  stamp "1/4 keep the target in $PAIR_OUT/target: ${TARGET_CMD[*]}"
+else
+  TARGET_CMD=($PY scripts/train_target.py --out "$PAIR_OUT/target" --device "$DEVICE" --seed "$SEED"
+              --steps "$STEPS_TARGET" --time-budget "$TIME_TARGET" "${TARGET_SIZE[@]}")
+  stamp "1/4 train the target: ${TARGET_CMD[*]}"
+  "${TARGET_CMD[@]}" 2>&1 | tee "$LOGS/train_target.log"
+fi
 
 MAX_FILES=()
 if [[ "$TINY" == 1 ]]; then MAX_FILES=(--max-files 40); fi
@@ -97,11 +114,11 @@ fi
 TOTAL=$(( $(date +%s) - START ))
 
 # README: how the pair was made, with the numbers from the logs.
-$PY - "$PAIR_OUT" "$TOTAL" "$DEVICE" "${TARGET_CMD[*]}" "${DRAFT_CMD[*]}" "${BENCH_CMD[*]:-}" <<'EOF'
+$PY - "$PAIR_OUT" "$TOTAL" "$DEVICE" "${TARGET_CMD[*]}" "${DRAFT_CMD[*]}" "${BENCH_CMD[*]:-}" "$DRAFT_ONLY" <<'EOF'
 import json, sys
 from pathlib import Path
 
-out, total, device, target_cmd, draft_cmd, bench_cmd = sys.argv[1:7]
+out, total, device, target_cmd, draft_cmd, bench_cmd, draft_only = sys.argv[1:8]
 out = Path(out)
 t = json.loads((out / "target/train_log.json").read_text())
 d = json.loads((out / "draft/train_log.json").read_text())
@@ -121,7 +138,8 @@ lines = [
     "A small Qwen3-architecture code model trained from scratch on the Python standard library",
     "(`target/`) and a DFlash block-diffusion draft trained for it (`draft/`). Made by",
     "`scripts/make_default_pair.sh` in "
-    f"{int(total)} s on {dev_name}, torch {t['torch']}, Python {t['python']}.",
+    f"{int(total)} s on {dev_name}, torch {t['torch']}, Python {t['python']}"
+    + (" (the draft only; the target was kept from an earlier run)." if draft_only == "1" else "."),
     "",
     "## Target",
     "",
@@ -139,8 +157,12 @@ lines = [
     "## Draft",
     "",
     f"- DFlash, {cfg['num_hidden_layers']} layers, block size {cfg['block_size']}, target layers "
-    f"{cfg['dflash_config']['target_layer_ids']}, mask token {cfg['dflash_config']['mask_token_id']}; "
+    f"{cfg['dflash_config']['target_layer_ids']}"
+    + (" (`--target-layer-ids auto`)" if d["args"]["target_layer_ids"] == "auto" else "")
+    + f", mask token {cfg['dflash_config']['mask_token_id']}; "
     f"{d['draft_params'] / 1e6:.2f}M parameters (embedding and LM head shared with the target, not stored).",
+    "- Features: target layer id l is transformers' `hidden_states[l + 1]` (DFlash's `extract_context_feature`; "
+    "the last layer's is taken after the final norm).",
     f"- Data: the target's greedy continuations of prompts cut from the held-in files: {d['train_sequences']} "
     f"sequences, {d['train_tokens']:,} tokens.",
     f"- {d['steps']} steps in {d['train_time_s']} s; validation loss {d['validation']['loss']:.3f}, per-position "

@@ -4,6 +4,12 @@ One forward serves prefill and tree verification alike: tokens carry explicit po
 and cache indices, and a boolean mask says which cache entries each token sees. The
 caller builds the mask (causal for prefill, ancestor-only for a tree), so the model has no
 notion of trees and keeps static shapes for CUDA-graph capture.
+
+Feature layer id l is transformers' `hidden_states[l + 1]`, as DFlash's
+`extract_context_feature` takes it: the output of decoder layer l (the residual stream), and
+for the last layer (l = num_layers - 1) the state after the final norm, since transformers'
+last hidden state is taken after it. Every path (prefill, eager and CUDA-graph verify,
+training) gets its features from `TargetModel.forward`.
 """
 from __future__ import annotations
 
@@ -121,7 +127,7 @@ class TargetModel(nn.Module):
         h = self.embed_tokens(input_ids)
         cos, sin = self.rotary(positions, h.dtype)
         attend = _ATTENTION[self.attention]
-        outputs = {}  # layer index -> its output (the residual stream after the layer)
+        outputs = {}  # feature layer id l -> hidden_states[l + 1] (see the module docstring)
         pending = None  # the last MLP's output, added to h by the next fused add + norm
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
@@ -134,7 +140,7 @@ class TargetModel(nn.Module):
             h, x = add_rms_norm(h, o, layer.post_attention_layernorm.weight, cfg.rms_norm_eps)
             pending = layer.mlp(x)
         h, x = add_rms_norm(h, pending, self.norm.weight, cfg.rms_norm_eps)
-        outputs[len(self.layers) - 1] = h
+        outputs[len(self.layers) - 1] = x  # hidden_states[-1] is after the final norm
         feats = (torch.cat([outputs[i] for i in self.feature_layer_ids], dim=-1) if self.feature_layer_ids
                  else h[..., :0])
         if self.feature_projection is not None and self.feature_layer_ids:
