@@ -37,7 +37,10 @@ size - 1, found by bisection) the drafter restarted with `--bench-oracle`
 (drafter_svc/oracle.py), fed the AR continuations, and tree mode (`--tree-budget`). The
 drafter runs with its default `--pipelining auto` (lockstep here: the two services share
 one device); with `--lockstep` every oracle setting runs twice in the same run, with the
-drafter started with `--pipelining on` and then `--pipelining off` (rows `SETTING-ls`).
+drafter started with `--pipelining on` and then `--pipelining off` (rows `SETTING-ls`). With
+`--budgets 8,16,32,adaptive` every oracle setting runs once per budget (rows `SETTING bB`, with
+the drafter's `--adaptive-budget off`) and once with `--adaptive-budget on` capped at the
+largest (row `SETTING adaptive`; the verifier then measures its cost table, `--measure-costs on`).
 
 Reported per (setting, N): completion tokens/s over all clients (tokens / wall time), tau
 (mean of the responses' `Stats.mean_acceptance`; `tau_rounds` in the JSON = emitted tokens /
@@ -49,7 +52,11 @@ tokens of the same prompt. Greedy decoding is lossless, so that is 1.0 up to rou
 bfloat16 the batch and tree shapes of the two runs round differently and near-ties flip
 (`--dtype float32` checks it exactly). `v-busy` (`verifier_busy` in the JSON): the share of the
 timed wall time the verifier spent in its model steps (the difference of its
-`InfoResponse.busy_s` before and after), an upper bound on how busy its GPU was.
+`InfoResponse.busy_s` before and after), an upper bound on how busy its GPU was. A second table
+splits the timed part of each run into its link messages, from both services' Prometheus
+histograms (the drafter's `--http-port` /metrics and the verifier's `--metrics-port`, scraped
+before and after): the drafter's draft step, tree build and link round trip, and the
+verifier's step inside that round trip, as means per message.
 """
 from __future__ import annotations
 
@@ -71,6 +78,7 @@ import signal
 import subprocess
 import tempfile
 import time
+import urllib.request
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -106,6 +114,17 @@ def int_list(text: str) -> list[int]:
     if not values or min(values) < 1:
         raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
     return values
+
+
+def budget_list(text: str) -> list[int | str]:
+    """Comma-separated budgets >= 0 and/or "adaptive"."""
+    try:
+        out = [x.strip() if x.strip() == "adaptive" else int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected budgets and/or 'adaptive', got {text!r}") from None
+    if not out or any(isinstance(x, int) and x < 0 for x in out):
+        raise argparse.ArgumentTypeError(f"expected budgets >= 0 and/or 'adaptive', got {text!r}")
+    return out
 
 
 def float_list(text: str) -> list[float]:
@@ -170,6 +189,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--delay-ms", type=float, default=0.0,
                    help="delay the drafter <-> verifier link this many ms each way, through bench/delay_proxy.py "
                         "(default 0: direct)")
+    p.add_argument("--budgets", type=budget_list, default=None,
+                   help="tree budgets to compare in each controlled-acceptance setting, e.g. 8,16,32,adaptive "
+                        "(adaptive: the drafter with --adaptive-budget on, capped at the largest fixed one; the "
+                        "others with --adaptive-budget off); default: --tree-budget alone, the drafter's default")
     p.add_argument("--out-json", help="write the results here")
     return p
 
@@ -187,9 +210,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a.target = str(Path(a.target).resolve()) if a.target else DEFAULT_TARGET
     a.draft = str(Path(a.draft).resolve()) if a.draft else DEFAULT_DRAFT
     a.max_sessions = a.max_sessions or max(a.concurrency)
+    if a.budgets is not None:  # the largest one sizes the trees
+        a.tree_budget = max([b for b in a.budgets if b != "adaptive"], default=a.tree_budget)
     a.max_seq_len = a.max_seq_len or -(-(a.prompt_len + a.max_new_tokens + a.tree_budget + 1) // 64) * 64
     a.graph_batches = a.graph_batches or sorted(set(a.concurrency))
-    a.graph_trees = a.graph_trees or f"0,{a.tree_budget}"
+    a.graph_trees = a.graph_trees or ",".join(map(str, sorted({0, a.tree_budget} | {
+        b for b in a.budgets or () if b != "adaptive"})))
     bad = [m for m in a.models if m not in ("default", "qwen3-8b")]
     if bad or not a.models:
         p.error(f"--models takes default and/or qwen3-8b, got {','.join(bad) or 'nothing'}")
@@ -232,6 +258,8 @@ class Setting:
     accept_prob: float | None = None  # None: no oracle (the draft's real acceptance)
     target_tau: float | None = None
     lockstep: bool = False  # the drafter started with --pipelining off
+    budget: int | None = None  # the requests' tree_budget (None: --tree-budget)
+    adaptive: bool = False  # the drafter started with --adaptive-budget on (the budget is then a cap)
 
 
 def oracle_settings(a: argparse.Namespace, block_size: int) -> list[Setting]:
@@ -248,9 +276,15 @@ def oracle_settings(a: argparse.Namespace, block_size: int) -> list[Setting]:
                 raise SystemExit(f"error: --taus: {exc}") from None
             log(f"tau {tau:g} with {depth} drafted tokens per block -> accept_prob {p:.4f}")
             settings.append(Setting(f"tau~{tau:g}", p, tau))
-    if not a.lockstep:
+    if a.lockstep:
+        settings = [x for s in settings for x in (s, Setting(s.name + "-ls", s.accept_prob, s.target_tau, lockstep=True))]
+    if a.budgets is None:
         return settings
-    return [x for s in settings for x in (s, Setting(s.name + "-ls", s.accept_prob, s.target_tau, lockstep=True))]
+    fixed = [b for b in a.budgets if b != "adaptive"]
+    cap = max(fixed, default=a.tree_budget)
+    return [Setting(f"{s.name} " + ("adaptive" if b == "adaptive" else f"b{b}"), s.accept_prob, s.target_tau,
+                    s.lockstep, cap if b == "adaptive" else b, b == "adaptive")
+            for s in settings for b in a.budgets]
 
 
 def write_oracle(path: Path, accept_prob: float, continuations: dict[tuple[int, ...], list[int]], seed: int) -> None:
@@ -272,11 +306,21 @@ def _die_with_parent() -> None:
         pass
 
 
+def free_port() -> int:
+    """A port free right now on loopback (for the services' HTTP endpoints, which take no port 0)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 class Service:
     """One service process: started on a free port, ready when it prints its port and is SERVING."""
 
-    def __init__(self, name: str, argv: list[str], log_path: Path):
+    def __init__(self, name: str, argv: list[str], log_path: Path, metrics_port: int = 0):
         self.name, self.argv, self.log_path = name, argv, log_path
+        self.metrics_port = metrics_port  # where it serves /metrics (the flag is in argv), 0 = nowhere
         self.proc: subprocess.Popen | None = None
         self.port = 0
         self.startup_s = 0.0
@@ -361,6 +405,7 @@ def common_verifier_flags(a: argparse.Namespace) -> list[str]:
              "--max-sessions", str(a.max_sessions),
              "--max-seq-len", str(a.max_seq_len), "--max-tree-nodes", str(a.tree_budget + 1),
              "--graph-batches", ",".join(map(str, a.graph_batches)), "--graph-trees", a.graph_trees]
+    flags += ["--measure-costs", "on"] if "adaptive" in (a.budgets or ()) else []
     return flags + (["--no-cuda-graphs"] if a.no_cuda_graphs else [])
 
 
@@ -481,21 +526,65 @@ async def client(stub, prompts: list[list[int]], budget: int, max_new: int, time
     return [await generate(stub, p, budget, max_new, timeout_s) for p in prompts]
 
 
+# Histograms of both services' /metrics whose means per observation make the step breakdown.
+STEP_PARTS = {"draft": "ddtree_drafter_draft_seconds", "build": "ddtree_drafter_tree_build_seconds",
+              "rpc": "ddtree_drafter_verify_rpc_seconds", "vstep": "ddtree_verifier_step_seconds"}
+
+
+def scrape(urls: list[str]) -> dict[str, float]:
+    """The _sum and _count samples of the STEP_PARTS histograms at these /metrics URLs."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    wanted = set(STEP_PARTS.values())
+    values: dict[str, float] = {}
+    for url in urls:
+        with urllib.request.urlopen(url, timeout=10) as reply:
+            text = reply.read().decode()
+        for family in text_string_to_metric_families(text):
+            if family.name in wanted:
+                for sample in family.samples:
+                    if sample.name.endswith(("_sum", "_count")):
+                        values[sample.name] = sample.value
+    return values
+
+
+def step_breakdown(before: dict[str, float], after: dict[str, float], wall: float) -> dict[str, float | None]:
+    """Per link message over a run (ms: each part's total time / the messages): the drafter's draft
+    and tree build, its round trip (rpc) and the verifier's steps (vstep); step = wall / messages,
+    other = step - draft - build - rpc."""
+    messages = after.get(STEP_PARTS["rpc"] + "_count", 0.0) - before.get(STEP_PARTS["rpc"] + "_count", 0.0)
+
+    def per_message(name: str) -> float | None:
+        return 1e3 * (after.get(name + "_sum", 0.0) - before.get(name + "_sum", 0.0)) / messages if messages else None
+
+    out: dict[str, float | None] = {f"{k}_ms": per_message(v) for k, v in STEP_PARTS.items()}
+    out["messages"] = messages
+    out["step_ms"] = 1e3 * wall / messages if messages else None
+    parts = [out[k] for k in ("step_ms", "draft_ms", "build_ms", "rpc_ms")]
+    out["other_ms"] = parts[0] - sum(parts[1:]) if None not in parts else None
+    return out
+
+
 async def run_load(address: str, verifier_address: str, prompts: list[list[list[int]]], budget: int, max_new: int,
-                   timeout_s: float) -> tuple[list[Request], list[Request], float, float]:
+                   timeout_s: float, metrics_urls: list[str] = ()) -> tuple[list[Request], list[Request], float, float,
+                                                                            dict]:
     """All clients' warm-up requests at once, then their timed requests: (warm-ups, timed, wall s,
-    the verifier's busy share of the timed wall time: InfoResponse.busy_s before and after)."""
+    the verifier's busy share of the timed wall time: InfoResponse.busy_s before and after, and
+    the step breakdown of the timed part from both services' /metrics)."""
     async with grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS) as channel, \
             grpc.aio.insecure_channel(verifier_address, options=CHANNEL_OPTIONS) as verifier_channel:
         stub, info = pb_grpc.GenerationStub(channel), pb_grpc.VerifierStub(verifier_channel).Info
         warm = await asyncio.gather(*(generate(stub, p[0], budget, min(WARMUP_TOKENS, max_new), timeout_s)
                                       for p in prompts))
+        before = scrape(list(metrics_urls)) if metrics_urls else {}
         busy = (await info(pb.InfoRequest())).busy_s
         start = time.perf_counter()
         timed = await asyncio.gather(*(client(stub, p[1:], budget, max_new, timeout_s) for p in prompts))
         wall = time.perf_counter() - start
         busy = (await info(pb.InfoRequest())).busy_s - busy
-    return list(warm), [r for per_client in timed for r in per_client], wall, busy / wall if wall > 0 else 0.0
+        parts = step_breakdown(before, scrape(list(metrics_urls)), wall) if metrics_urls else {}
+    return (list(warm), [r for per_client in timed for r in per_client], wall, busy / wall if wall > 0 else 0.0,
+            parts)
 
 
 async def run_sequential(address: str, prompts: list[list[list[int]]], budget: int, max_new: int,
@@ -581,17 +670,32 @@ def print_table(result: dict) -> None:
           "delta / its tokens, one sample per token; ==AR = fraction of requests with the AR tokens; v-busy = "
           "share of the wall time the verifier spent in its model steps (InfoResponse.busy_s); conc/seq "
           "(--sequential) = wall time of the N concurrent clients / the same requests one after another")
-    head = [("setting", 10), ("mode", 5), ("N", 4), ("reqs", 5), ("err", 4), ("tokens", 7), ("tok/s", 9),
+    head = [("setting", 16), ("mode", 5), ("N", 4), ("reqs", 5), ("err", 4), ("tokens", 7), ("tok/s", 9),
             ("vs AR", 6), ("tau", 5), ("ttft50", 8), ("ttft99", 8), ("itl50", 7), ("itl99", 7), ("==AR", 5),
             ("v-busy", 6), ("conc/seq", 8)]
     print(" ".join(f"{h:>{w}}" for h, w in head) + "   (latencies in ms)")
     for r in result["runs"]:
-        cells = [_cell(r["setting"], 10), _cell(r["mode"], 5), _cell(r["concurrency"], 4), _cell(r["requests"], 5),
+        cells = [_cell(r["setting"], 16), _cell(r["mode"], 5), _cell(r["concurrency"], 4), _cell(r["requests"], 5),
                  _cell(r["errors"], 4), _cell(r["completion_tokens"], 7), _cell(r["tokens_per_s"], 9),
                  _cell(r.get("speedup_vs_ar"), 6, 2), _cell(r["tau"], 5, 2), _cell(r["ttft_p50_ms"], 8),
                  _cell(r["ttft_p99_ms"], 8), _cell(r["itl_p50_ms"], 7, 2), _cell(r["itl_p99_ms"], 7, 2),
                  _cell(r["equals_ar"], 5, 2), _cell(r.get("verifier_busy"), 6, 2),
                  _cell(r.get("concurrent_over_sequential"), 8, 2)]
+        print(" ".join(cells))
+    print("\nstep breakdown of the timed runs, ms per link message (each part's total / the messages; both "
+          "services' /metrics): step = wall / messages; draft, build = the drafter's draft steps and tree builds; "
+          "rpc = its link round trips; vstep = the verifier's steps; link = rpc - vstep (codec, gRPC, queueing); "
+          "other = step - draft - build - rpc (the drafter's scheduling and deliveries)")
+    head = [("setting", 16), ("mode", 5), ("N", 4), ("msgs", 6), ("step", 7), ("draft", 7), ("build", 7),
+            ("rpc", 7), ("vstep", 7), ("link", 7), ("other", 7)]
+    print(" ".join(f"{h:>{w}}" for h, w in head))
+    for r in result["runs"]:
+        b = r.get("step_breakdown") or {}
+        link = b["rpc_ms"] - b["vstep_ms"] if b.get("rpc_ms") is not None and b.get("vstep_ms") is not None else None
+        cells = [_cell(r["setting"], 16), _cell(r["mode"], 5), _cell(r["concurrency"], 4),
+                 _cell(int(b["messages"]) if "messages" in b else None, 6)] + [
+                 _cell(b.get(k), 7, 2) for k in ("step_ms", "draft_ms", "build_ms", "rpc_ms", "vstep_ms")] + [
+                 _cell(link, 7, 2), _cell(b.get("other_ms"), 7, 2)]
         print(" ".join(cells))
 
 
@@ -604,16 +708,18 @@ def run_mode(drafter: Service, verifier: Service, mode: str, setting: Setting | 
              prompts: dict[int, list[list[list[int]]]], reference: dict | None,
              outputs: dict[tuple[int, ...], list[int]] | None, result: dict, save: Callable[[], None]) -> None:
     """Every N of one (mode, setting); AR runs fill `outputs` with each prompt's tokens."""
-    budget = 0 if mode == "ar" else a.tree_budget
+    budget = 0 if mode == "ar" else setting.budget if setting and setting.budget is not None else a.tree_budget
     label = mode if setting is None else f"{mode} {setting.name}"
     for n in a.concurrency:
         log(f"{label}: N={n}, {n} warm-up + {n * a.requests_per_client} timed requests")
-        warm, timed, wall, busy = asyncio.run(run_load(drafter.address, verifier.address, prompts[n], budget,
-                                                       a.max_new_tokens, a.request_timeout))
+        urls = [f"http://127.0.0.1:{port}/metrics" for port in (drafter.metrics_port, verifier.metrics_port)]
+        warm, timed, wall, busy, parts = asyncio.run(run_load(drafter.address, verifier.address, prompts[n], budget,
+                                                              a.max_new_tokens, a.request_timeout, urls))
         if outputs is not None:
             outputs.update({tuple(r.prompt): r.tokens for r in warm + timed if not r.error})
         row = summarise(mode, setting, n, timed, wall, reference)
         row["verifier_busy"] = busy
+        row["step_breakdown"] = parts
         if a.sequential and n > 1:
             alone, seq_wall = asyncio.run(run_sequential(drafter.address, prompts[n], budget, a.max_new_tokens,
                                                          a.request_timeout))
@@ -645,7 +751,9 @@ def run_setup(name: str, a: argparse.Namespace, work: Path, result: dict, save: 
                    "settings": [asdict(x) for x in settings], "runs": []})
     services: list[Service] = []
     try:
-        verifier = Service("verifier", setup.verifier_argv, work / f"{name}-verifier.log")
+        port = free_port()
+        verifier = Service("verifier", setup.verifier_argv + ["--metrics-port", str(port)], work / f"{name}-verifier.log",
+                           port)
         services.append(verifier)
         verifier.start(a.startup_timeout)
         result["startup_s"]["verifier"] = verifier.startup_s
@@ -657,12 +765,15 @@ def run_setup(name: str, a: argparse.Namespace, work: Path, result: dict, save: 
             services.append(link)
             link.start(a.startup_timeout)
 
-        def start_drafter(tag: str, oracle: Path | None, lockstep: bool = False) -> Service:
+        def start_drafter(tag: str, oracle: Path | None, lockstep: bool = False, adaptive: bool = False) -> Service:
             argv = setup.drafter_argv + ["--verifier", link.address]
             argv += ["--bench-oracle", str(oracle)] if oracle else []
             argv += ["--pipelining", "off" if lockstep else "on"] if a.lockstep else []
+            argv += ["--adaptive-budget", "on" if adaptive else "off"] if a.budgets is not None else []
+            port = free_port()
+            argv += ["--http-port", str(port)]  # its /metrics, for the step breakdown
             result["commands"]["drafters"].append(argv)
-            drafter = Service("drafter", argv, work / f"{name}-drafter-{tag}.log")
+            drafter = Service("drafter", argv, work / f"{name}-drafter-{tag}.log", port)
             services.append(drafter)
             drafter.start(a.startup_timeout)
             result["startup_s"][f"drafter {tag}"] = drafter.startup_s
@@ -671,12 +782,15 @@ def run_setup(name: str, a: argparse.Namespace, work: Path, result: dict, save: 
         drafter = start_drafter("plain", None)
         ar_tokens: dict[tuple[int, ...], list[int]] = {}
         run_mode(drafter, verifier, "ar", None, a, prompts, None, ar_tokens, result, save)
+        started = None  # (accept_prob, lockstep, adaptive) of the oracle drafter running
         for i, setting in enumerate(settings):
-            if setting.accept_prob is not None:  # the oracle's runs need a drafter of their own
+            wanted = (setting.accept_prob, setting.lockstep, setting.adaptive)
+            if setting.accept_prob is not None and wanted != started:  # the oracle's runs need a drafter of their own
                 drafter.stop()
                 oracle = work / f"{name}-oracle-{i}.json"
                 write_oracle(oracle, setting.accept_prob, ar_tokens, a.seed)
-                drafter = start_drafter(f"oracle-{i}", oracle, setting.lockstep)
+                drafter = start_drafter(f"oracle-{i}", oracle, setting.lockstep, setting.adaptive)
+                started = wanted
             run_mode(drafter, verifier, "tree", setting, a, prompts, ar_tokens, None, result, save)
     finally:
         for service in reversed(services):

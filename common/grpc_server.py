@@ -1,6 +1,7 @@
 """Starting a grpc.aio server the way both services do: a cap on inbound messages, no
 SO_REUSEPORT, keepalive permits, requests handed to the servicers unparsed, the standard
-health service and server reflection."""
+health service and server reflection; TLS or mutual TLS when given (`common.tls.ServerTls`),
+and interceptors (e.g. `common.auth.ApiKeyInterceptor`)."""
 from __future__ import annotations
 
 import grpc
@@ -10,6 +11,7 @@ from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection, reflection_pb2
 
 from common.rpc import KEEPALIVE_OPTIONS, pb
+from common.tls import ServerTls
 
 HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
 REFLECTION_SERVICES = ("grpc.reflection.v1.ServerReflection", reflection.SERVICE_NAME)
@@ -65,22 +67,27 @@ def add_reflection(server: grpc.aio.Server, service_names: tuple[str, ...]) -> N
             service, {"ServerReflectionInfo": handler}),))
 
 
-async def start_grpc_server(servicer, service_name: str, host: str, port: int,
-                            max_receive_bytes: int) -> tuple[grpc.aio.Server, int, health_aio.HealthServicer]:
+async def start_grpc_server(servicer, service_name: str, host: str, port: int, max_receive_bytes: int,
+                            tls: ServerTls | None = None, interceptors: tuple = ()
+                            ) -> tuple[grpc.aio.Server, int, health_aio.HealthServicer]:
     """Create, bind and start a server for `servicer` (see `add_raw_servicer`). Returns
     (server, bound port, health).
 
-    Health reports SERVING for "" and `service_name` once the server is started. Raises
-    OSError when the address cannot be bound (in use, or not an address of this host).
+    With `tls` enabled the port speaks TLS only (mutual TLS when it has a client CA). Health
+    reports SERVING for "" and `service_name` once the server is started. Raises OSError when
+    the address cannot be bound (in use, or not an address of this host), `common.tls.TlsError`
+    (a ValueError) when the TLS files are unusable.
     """
-    server = grpc.aio.server(options=server_options(max_receive_bytes))
+    credentials = tls.credentials() if tls is not None and tls.enabled else None  # checked before binding
+    server = grpc.aio.server(options=server_options(max_receive_bytes), interceptors=list(interceptors) or None)
     add_raw_servicer(server, service_name, servicer)
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     add_reflection(server, (service_name, HEALTH_SERVICE))
     address = listen_address(host, port)
     try:
-        bound = server.add_insecure_port(address)
+        bound = (server.add_secure_port(address, credentials) if credentials is not None
+                 else server.add_insecure_port(address))
     except RuntimeError:  # newer grpcio raises instead of returning 0
         bound = 0
     if bound == 0:

@@ -1,19 +1,13 @@
-"""The generated protobuf / gRPC modules of protos/ddtree/v1/ddtree.proto.
+"""The generated protobuf / gRPC modules of protos/ddtree/v1/ddtree.proto, and channel settings.
 
-The generated code (common/gen, committed) imports itself as `ddtree.v1`, so its folder
-goes on sys.path once, here; everything else imports `pb` and `pb_grpc` from this module.
+The generated code is the package `common.gen.ddtree.v1` (committed; scripts/gen_protos.py
+rewrites its imports to that package, so it needs no sys.path edit). Everything else imports
+`pb` and `pb_grpc` from this module.
 """
-import sys
-from pathlib import Path
-
 from google.protobuf.message import DecodeError
 
-_GEN = str(Path(__file__).resolve().parent / "gen")
-if _GEN not in sys.path:
-    sys.path.insert(0, _GEN)
-
-from ddtree.v1 import ddtree_pb2 as pb  # noqa: E402
-from ddtree.v1 import ddtree_pb2_grpc as pb_grpc  # noqa: E402
+from common.gen.ddtree.v1 import ddtree_pb2 as pb
+from common.gen.ddtree.v1 import ddtree_pb2_grpc as pb_grpc
 
 GENERATION_SERVICE = pb.DESCRIPTOR.services_by_name["Generation"].full_name
 VERIFIER_SERVICE = pb.DESCRIPTOR.services_by_name["Verifier"].full_name

@@ -1,7 +1,8 @@
 """OpenTelemetry set-up, once per process, and W3C trace-context helpers.
 
 Export goes over OTLP/gRPC when `OTEL_EXPORTER_OTLP_ENDPOINT` (or the traces-specific
-variable) is set, to the console with `console=True`, and nowhere otherwise. The services
+variable) is set, to the console with `console=True` (one compact line per span, see
+`CompactSpanExporter`), and nowhere otherwise. The services
 install a provider only when spans go somewhere (`exporting`): without one every span is a
 no-op, so a batched step of many sessions pays nothing for tracing.
 `OTEL_SERVICE_NAME` overrides the service name. Tests pass their own exporter.
@@ -9,16 +10,62 @@ no-op, so a batched step of many sessions pays nothing for tracing.
 from __future__ import annotations
 
 import os
+import sys
+from collections.abc import Sequence
+from typing import TextIO
 
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SimpleSpanProcessor, SpanExporter
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor, SpanExporter, SpanExportResult
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 _provider: TracerProvider | None = None
 _propagator = TraceContextTextMapPropagator()
+
+MAX_CONSOLE_ATTRIBUTES = 6  # attributes shown per span line
+MAX_CONSOLE_VALUE = 40      # characters shown per attribute value
+
+
+def _short(value) -> str:
+    text = ",".join(map(str, value)) if isinstance(value, (list, tuple)) else str(value)
+    if isinstance(value, float):
+        text = f"{value:.4g}"
+    return text if len(text) <= MAX_CONSOLE_VALUE else text[:MAX_CONSOLE_VALUE - 3] + "..."
+
+
+def format_span(span: ReadableSpan) -> str:
+    """`span NAME 12.3 ms trace 1a2b3c4d [ERROR] key=value ...`: one line, the first attributes."""
+    duration_ms = ((span.end_time or 0) - (span.start_time or 0)) / 1e6
+    trace_id = format(span.context.trace_id, "032x")[:8] if span.context is not None else "-"
+    parts = [f"span {span.name} {duration_ms:.1f} ms trace {trace_id}"]
+    if span.status is not None and span.status.status_code is trace.StatusCode.ERROR:
+        parts.append("ERROR" + (f" ({_short(span.status.description)})" if span.status.description else ""))
+    attributes = list((span.attributes or {}).items())
+    parts += [f"{key}={_short(value)}" for key, value in attributes[:MAX_CONSOLE_ATTRIBUTES]]
+    if len(attributes) > MAX_CONSOLE_ATTRIBUTES:
+        parts.append(f"(+{len(attributes) - MAX_CONSOLE_ATTRIBUTES} attributes)")
+    return " ".join(parts)
+
+
+class CompactSpanExporter(SpanExporter):
+    """Writes one `format_span` line per finished span to `stream` (stdout), flushed at once:
+    what `--trace-console` prints, readable beside the logs (the SDK's console exporter writes
+    a multi-line JSON document per span)."""
+
+    def __init__(self, stream: TextIO | None = None):
+        self._stream = stream
+
+    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        stream = self._stream or sys.stdout
+        for span in spans:
+            stream.write(format_span(span) + "\n")
+        stream.flush()
+        return SpanExportResult.SUCCESS
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        return True
 
 
 def exporting(console: bool = False) -> bool:
@@ -41,7 +88,7 @@ def setup_tracing(service_name: str, *, console: bool = False, exporter: SpanExp
 
         provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
     if console:
-        provider.add_span_processor(SimpleSpanProcessor(ConsoleSpanExporter()))
+        provider.add_span_processor(SimpleSpanProcessor(CompactSpanExporter()))
     trace.set_tracer_provider(provider)
     _provider = provider
     return provider

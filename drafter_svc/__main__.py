@@ -4,7 +4,7 @@
 
 Loads the DFlash draft plus the target's embed_tokens, lm_head and tokenizer, checks the
 verifier serves the same target, and serves the public Generation API with gRPC health
-and reflection. Every flag falls back to the environment variable named in its help.
+and reflection; with --http-port, also the OpenAI-compatible HTTP API and /metrics. Every flag falls back to the environment variable named in its help.
 """
 from __future__ import annotations
 
@@ -14,9 +14,12 @@ import signal
 
 import torch
 
+from common.auth import ApiKeyError, check_api_key, read_api_key
 from common.cli import FlagParser, fail
 from common.config import CheckpointError
+from common.logs import add_logging_flags, setup_logging
 from common.protocol import StatusError
+from common.tls import ChannelTls, ServerTls, TlsError
 from common.tracing import exporting, setup_tracing, shutdown_tracing
 from drafter_svc.server import DrafterConfig, DrafterEngine, serve
 
@@ -56,6 +59,10 @@ def parse_args(argv=None) -> DrafterConfig:
     p.flag("--queue-timeout", env="DRAFTER_QUEUE_TIMEOUT_S", default=d.queue_timeout_s, type=float,
            help="seconds a request waits for a free verifier session slot before RESOURCE_EXHAUSTED "
                 f"(default {d.queue_timeout_s:.0f})")
+    p.flag("--max-queue", env="DRAFTER_MAX_QUEUE", default=d.max_queue, type=int,
+           help="requests that may wait for a session slot beyond the free ones; past that a request gets "
+                "RESOURCE_EXHAUSTED at once, with a retry hint (trailing metadata retry-after-ms; HTTP Retry-After); "
+                f"0 = none wait (default {d.max_queue})")
     p.flag("--recovery-timeout", env="DRAFTER_RECOVERY_TIMEOUT_S", default=d.recovery_timeout_s, type=float,
            help="when the verifier link is lost (the verifier died or restarted), seconds each running session "
                 "keeps trying to re-open on it, by prefilling its prompt plus the tokens emitted so far, before it "
@@ -64,7 +71,7 @@ def parse_args(argv=None) -> DrafterConfig:
            help="on SIGTERM or SIGINT, seconds running generations get to finish before they are cut "
                 f"(default {d.grace_s:g})")
     p.switch("--trace-console", env="DRAFTER_TRACE_CONSOLE", default=d.trace_console,
-             help="also print spans to stdout")
+             help="also print one line per span to stdout (name, ms, trace id prefix, key attributes)")
     p.switch("--no-cuda-graphs", env="DRAFTER_NO_CUDA_GRAPHS", default=not d.cuda_graphs,
              help="run the draft step eagerly on CUDA instead of replaying captured CUDA graphs")
     p.flag("--pipelining", env="DRAFTER_PIPELINING", default=d.pipelining, choices=("auto", "on", "off"),
@@ -72,33 +79,95 @@ def parse_args(argv=None) -> DrafterConfig:
                 "drafting one half overlaps verifying the other and the round trip; off: lockstep rounds, each "
                 "reply awaited before drafting again; auto: on when --device is a GPU other than the verifier's "
                 "(default auto)")
+    p.flag("--adaptive-budget", env="DRAFTER_ADAPTIVE_BUDGET", default=d.adaptive_budget,
+           choices=("auto", "on", "off"),
+           help="on: each step cuts every DDTree to the one budget that the verifier's measured step times and "
+                "the observed acceptance promise the most tokens per second for (a request's tree_budget, or "
+                "--tree-budget, is then a cap; 0 = plain decoding is always a candidate); off: every request's "
+                "budget as given; auto: on when the verifier sends its cost table (--measure-costs) (default auto)")
     p.flag("--bench-oracle", env="DRAFTER_BENCH_ORACLE", default=d.bench_oracle,
            help="benchmarks only: a controlled-acceptance JSON file (see drafter_svc/oracle.py); the draft still "
                 "runs, then its proposals are made to contain the target's greedy continuation at a set rate")
+    p.flag("--http-port", env="DRAFTER_HTTP_PORT", default=d.http_port, type=int,
+           help="port of the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models), "
+                f"/health and /metrics, on --host; 0 = no HTTP server (default {d.http_port})")
+    p.flag("--served-model-name", env="DRAFTER_SERVED_MODEL_NAME", default=d.served_model_name,
+           help="model id of the HTTP API (default: the --target folder's name)")
+    add_security_flags(p, d)
+    add_logging_flags(p, "DRAFTER", d.log_level, d.log_format)
     a = p.parse_args(argv)
+    tls, verifier_tls, api_key = security_settings(a)
     if not a.draft or not a.target:
         fail("--draft and --target are required (or DRAFTER_DRAFT_DIR and DRAFTER_TARGET_DIR)")
     if a.recovery_timeout < 0 or a.grace < 0:
         fail("--recovery-timeout and --grace must be >= 0")
+    if a.max_queue < 0:
+        fail(f"--max-queue must be >= 0, got {a.max_queue}")
     if a.tree_budget < 0 or a.max_new_tokens < 1 or a.max_concurrent < 1:
         fail("--tree-budget must be >= 0, --max-new-tokens and --max-concurrent >= 1")
     if a.max_message_mb < 1 or a.max_prompt_bytes < 1:
         fail("--max-message-mb and --max-prompt-bytes must be >= 1")
+    if not 0 <= a.http_port <= 65535:
+        fail(f"--http-port must be in [0, 65535], got {a.http_port}")
     return DrafterConfig(draft_dir=a.draft, target_dir=a.target, verifier=a.verifier, host=a.host, port=a.port,
                          device=a.device, dtype=a.dtype, tree_budget=a.tree_budget, chain=a.chain,
                          max_new_tokens=a.max_new_tokens, max_concurrent=a.max_concurrent,
                          verifier_wait_s=a.verifier_wait, queue_timeout_s=a.queue_timeout,
+                         max_queue=a.max_queue,
                          recovery_timeout_s=a.recovery_timeout, grace_s=a.grace,
                          trace_console=a.trace_console, cuda_graphs=not a.no_cuda_graphs,
                          max_message_mb=a.max_message_mb, max_prompt_bytes=a.max_prompt_bytes,
-                         pipelining=a.pipelining, bench_oracle=a.bench_oracle)
+                         pipelining=a.pipelining, adaptive_budget=a.adaptive_budget, bench_oracle=a.bench_oracle,
+                         tls=tls, verifier_tls=verifier_tls, api_key=api_key, http_port=a.http_port,
+                         served_model_name=a.served_model_name, log_level=a.log_level, log_format=a.log_format)
+
+
+def add_security_flags(p: FlagParser, d: DrafterConfig) -> None:
+    """TLS of the public port and of the verifier link, and the public API's key."""
+    p.flag("--tls-cert", env="DRAFTER_TLS_CERT", default=d.tls.cert,
+           help="PEM certificate (chain) for the public port; with --tls-key it speaks TLS only")
+    p.flag("--tls-key", env="DRAFTER_TLS_KEY", default=d.tls.key, help="PEM private key of --tls-cert")
+    p.flag("--tls-client-ca", env="DRAFTER_TLS_CLIENT_CA", default=d.tls.client_ca,
+           help="PEM CA bundle: clients must present a certificate it signed (mutual TLS)")
+    p.flag("--verifier-ca", env="DRAFTER_VERIFIER_CA", default=d.verifier_tls.ca,
+           help="PEM CA bundle that signed the verifier's certificate: the link speaks TLS")
+    p.flag("--verifier-cert", env="DRAFTER_VERIFIER_CERT", default=d.verifier_tls.cert,
+           help="PEM client certificate (chain) presented to the verifier (mutual TLS; needs --verifier-ca)")
+    p.flag("--verifier-key", env="DRAFTER_VERIFIER_KEY", default=d.verifier_tls.key,
+           help="PEM private key of --verifier-cert")
+    p.flag("--verifier-server-name", env="DRAFTER_VERIFIER_SERVER_NAME", default=d.verifier_tls.server_name,
+           help="name the verifier's certificate must carry, when it is not the host of --verifier")
+    p.flag("--api-key", env="DRAFTER_API_KEY", default=d.api_key,
+           help="require 'authorization: Bearer KEY' metadata on every Generation call (health and reflection "
+                "stay open); prefer --api-key-file, command lines are visible to other users")
+    p.flag("--api-key-file", env="DRAFTER_API_KEY_FILE", default="", help="file holding the API key (see --api-key)")
+
+
+def security_settings(a) -> tuple[ServerTls, ChannelTls, str]:
+    """The TLS settings and API key from the flags, checked (files readable, keys matching their
+    certificates); exits with one line otherwise."""
+    tls = ServerTls(cert=a.tls_cert, key=a.tls_key, client_ca=a.tls_client_ca)
+    verifier_tls = ChannelTls(ca=a.verifier_ca, cert=a.verifier_cert, key=a.verifier_key,
+                              server_name=a.verifier_server_name, flag_prefix="--verifier-")
+    if a.api_key and a.api_key_file:
+        fail("give --api-key or --api-key-file, not both")
+    try:
+        tls.check()
+        verifier_tls.check()
+        api_key = read_api_key(a.api_key_file) if a.api_key_file else a.api_key
+        if api_key:
+            check_api_key(api_key)
+    except (TlsError, ApiKeyError) as exc:
+        fail(str(exc))
+    return tls, verifier_tls, api_key
 
 
 async def run(cfg: DrafterConfig) -> None:
     dtype = DTYPES[cfg.dtype] or (torch.bfloat16 if cfg.device.startswith("cuda") else torch.float32)
     engine = await asyncio.to_thread(DrafterEngine.start, cfg, dtype)
-    server, port = await serve(engine, cfg.host, cfg.port)
-    print(f"drafter listening on {cfg.host}:{port} (verifier {cfg.verifier})", flush=True)
+    server, port = await serve(engine, cfg.host, cfg.port, http_port=cfg.http_port or None)
+    http = f", HTTP on {cfg.host}:{server.http_port}" if server.http is not None else ""
+    print(f"drafter listening on {cfg.host}:{port}{http} (verifier {cfg.verifier})", flush=True)
     stopping = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -110,7 +179,7 @@ async def run(cfg: DrafterConfig) -> None:
 
 def main(argv=None) -> None:
     cfg = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    setup_logging(cfg.log_level, cfg.log_format)
     if exporting(cfg.trace_console):
         setup_tracing("drafter", console=cfg.trace_console)
     try:

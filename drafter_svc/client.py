@@ -2,46 +2,59 @@
 
     python -m drafter_svc.client --server HOST:PORT "prompt" [--max-new-tokens N] [--temperature T] ...
 
-`--chat` sends the prompt as one user message (after a `--system` message, if given), rendered
-by the server with the model's chat template; `--template-kwarg enable_thinking=false` sets a
-template variable ("true" and "false" are booleans).
+A thin user of `drafter_svc.client_lib`. `--chat` sends the prompt as one user message (after a
+`--system` message, if given), rendered by the server with the model's chat template;
+`--template-kwarg enable_thinking=false` sets a template variable ("true" and "false" are
+booleans). `--ca` (with `--cert`/`--key` for mutual TLS) dials a drafter that serves TLS;
+`--api-key` (or `--api-key-file`) presents its key. `--stats` adds a table of the rounds, from
+what the stream carries.
 """
 from __future__ import annotations
 
 import json
 import sys
+import time
+from dataclasses import dataclass
 
-import grpc
-
+from common.auth import ApiKeyError, read_api_key
 from common.cli import FlagParser, fail
-from common.rpc import CHANNEL_OPTIONS, pb, pb_grpc
+from common.rpc import pb
+from common.tls import ChannelTls, TlsError
+from drafter_svc import client_lib
+from drafter_svc.client_lib import GenerationClient, GenerationDelta, GenerationError, GenerationResult
 
 
-def build_request(a) -> pb.GenerateRequest:
-    sampling = pb.SamplingParams(temperature=a.temperature, top_k=a.top_k, top_p=a.top_p)
-    if a.seed is not None:
-        sampling.seed = a.seed
-    req = pb.GenerateRequest(sampling=sampling, stop_token_ids=a.stop_token_id or [], stop=a.stop or [],
-                             max_new_tokens=a.max_new_tokens)
+def request_options(a) -> dict:
+    """`client_lib.build_request`'s arguments from the parsed flags (exits on a malformed one)."""
+    options = dict(max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,
+                   seed=a.seed, stop=a.stop or [], stop_token_ids=a.stop_token_id or [], tree_budget=a.tree_budget)
     if a.prompt_ids is not None:
         try:
-            req.token_ids.ids.extend(int(x) for x in a.prompt_ids.split(",") if x.strip())
+            options["token_ids"] = [int(x) for x in a.prompt_ids.split(",") if x.strip()]
         except ValueError:
             fail(f"--prompt-ids must be comma-separated integers, got {a.prompt_ids!r}")
     elif a.chat:
-        if a.system is not None:
-            req.chat.messages.add(role="system", content=a.system)
-        req.chat.messages.add(role="user", content=a.prompt)
+        system = [{"role": "system", "content": a.system}] if a.system is not None else []
+        options["messages"] = [*system, {"role": "user", "content": a.prompt}]
+        kwargs = {}
         for item in a.template_kwarg or []:
             key, sep, value = item.partition("=")
             if not sep or not key:
                 fail(f"--template-kwarg must be KEY=VALUE, got {item!r}")
-            req.chat.template_kwargs[key] = value
+            kwargs[key] = value
+        if kwargs:
+            options["template_kwargs"] = kwargs
     else:
-        req.text = a.prompt
-    if a.tree_budget is not None:
-        req.tree_budget = a.tree_budget
-    return req
+        options["prompt"] = a.prompt
+    return options
+
+
+def build_request(a) -> pb.GenerateRequest:
+    """The GenerateRequest of the parsed flags (exits with one line on a bad one)."""
+    try:
+        return client_lib.build_request(**request_options(a))
+    except GenerationError as exc:
+        fail(exc.message)
 
 
 def parse_args(argv=None):
@@ -64,6 +77,15 @@ def parse_args(argv=None):
     p.add_argument("--tree-budget", type=int, help="DDTree nodes per round (default: the server's)")
     p.add_argument("--timeout", type=float, default=300.0, help="deadline of the call in seconds (default 300)")
     p.add_argument("--json", action="store_true", help="print one JSON object at the end instead of streaming")
+    p.add_argument("--stats", action="store_true",
+                   help="after the generation, print a table of its rounds (with --json: a per_round list)")
+    p.flag("--ca", env="DDTREE_CA", default="", help="PEM CA bundle that signed the drafter's certificate: dial TLS")
+    p.flag("--cert", env="DDTREE_CERT", default="", help="PEM client certificate (chain), for mutual TLS; needs --ca")
+    p.flag("--key", env="DDTREE_KEY", default="", help="PEM private key of --cert")
+    p.flag("--server-name", env="DDTREE_SERVER_NAME", default="",
+           help="name the drafter's certificate must carry, when it is not the host of --server")
+    p.flag("--api-key", env="DDTREE_API_KEY", default="", help="the drafter's API key (sent as 'authorization: Bearer')")
+    p.flag("--api-key-file", env="DDTREE_API_KEY_FILE", default="", help="file holding the API key")
     a = p.parse_args(argv)
     if (a.prompt is None) == (a.prompt_ids is None):
         fail("give a prompt text or --prompt-ids (one of them)")
@@ -71,39 +93,100 @@ def parse_args(argv=None):
         fail("--system and --template-kwarg need --chat")
     if a.chat and a.prompt_ids is not None:
         fail("--chat sends the prompt text as a message: it does not take --prompt-ids")
+    if a.api_key and a.api_key_file:
+        fail("give --api-key or --api-key-file, not both")
+    a.tls = ChannelTls(ca=a.ca, cert=a.cert, key=a.key, server_name=a.server_name)
+    try:
+        a.tls.check()
+        if a.api_key_file:
+            a.api_key = read_api_key(a.api_key_file)
+    except (TlsError, ApiKeyError) as exc:
+        fail(str(exc))
     return a
+
+
+@dataclass
+class RoundRow:
+    """One round as the stream shows it: tokens emitted (Stats.acceptance_lengths), tokens and text
+    streamed for it, and when its first delta arrived on the client's clock."""
+    round: int
+    emitted: int
+    delivered: int = 0
+    text: str = ""
+    arrived_s: float | None = None
+
+
+ROUND_TABLE_NOTE = ("per round, from the stream (tree nodes and the draft / build / verify times of a round are not "
+                    "on the wire): emitted = tokens the round emitted, accepted + bonus (round 0: the prefill's "
+                    "first token); delivered = tokens streamed for it, after stop cuts; arrived = client clock")
+
+
+def round_rows(deltas: list[tuple[float, GenerationDelta]], result: GenerationResult) -> list[RoundRow]:
+    """The per-round table of a finished stream: round 0 is the prefill, round i the i-th verify."""
+    rows = [RoundRow(0, 1 if result.completion_tokens else 0)]
+    rows += [RoundRow(i + 1, n) for i, n in enumerate(result.acceptance_lengths)]
+    seen = 0
+    for arrived, delta in deltas:
+        # The text released at the end (no tokens) comes as round 0: it belongs to the last round seen.
+        index = delta.round if delta.round > seen or delta.token_ids else seen
+        if index >= len(rows):
+            rows += [RoundRow(i, 0) for i in range(len(rows), index + 1)]
+        row = rows[index]
+        row.delivered += len(delta.token_ids)
+        row.text += delta.text
+        if row.arrived_s is None:
+            row.arrived_s = arrived
+        seen = max(seen, index)
+    return rows
+
+
+def print_round_table(rows: list[RoundRow], file) -> None:
+    print(f"# {ROUND_TABLE_NOTE}", file=file)
+    print(f"{'round':>5} {'emitted':>7} {'delivered':>9} {'total':>6} {'arrived_ms':>10}  text", file=file)
+    total = 0
+    for r in rows:
+        total += r.delivered
+        arrived = f"{r.arrived_s * 1000:.1f}" if r.arrived_s is not None else "-"
+        text = repr(r.text) if len(r.text) <= 40 else repr(r.text[:37]) + "..."
+        print(f"{r.round:>5} {r.emitted:>7} {r.delivered:>9} {total:>6} {arrived:>10}  {text}", file=file)
 
 
 def main(argv=None) -> None:
     a = parse_args(argv)
-    request = build_request(a)
-    tokens, text, final = [], [], None
-    with grpc.insecure_channel(a.server, options=CHANNEL_OPTIONS) as channel:
-        stub = pb_grpc.GenerationStub(channel)
-        try:
-            for reply in stub.Generate(request, timeout=a.timeout):
-                if reply.HasField("final"):
-                    final = reply.final
+    options = request_options(a)
+    deltas: list[tuple[float, GenerationDelta]] = []
+    result = None
+    try:
+        with GenerationClient(a.server, tls=a.tls, api_key=a.api_key) as client:
+            started = time.perf_counter()
+            for item in client.stream(timeout=a.timeout, **options):
+                if isinstance(item, GenerationResult):
+                    result = item
                     continue
-                tokens.extend(reply.delta.token_ids)
-                text.append(reply.delta.text)
+                deltas.append((time.perf_counter() - started, item))
                 if not a.json:
-                    print(reply.delta.text, end="", flush=True)
-        except grpc.RpcError as exc:
-            fail(f"{exc.code().name}: {exc.details()}", code=1)
-    s = final.stats
+                    print(item.text, end="", flush=True)
+    except GenerationError as exc:
+        fail(f"{exc.code}: {exc.message}", code=1)
+    if result is None:
+        fail("the stream ended without a final message", code=1)
+    rows = round_rows(deltas, result) if a.stats else []
     if a.json:
-        print(json.dumps({"tokens": tokens, "text": "".join(text), "finish_reason": final.finish_reason,
-                          "prompt_tokens": final.usage.prompt_tokens,
-                          "completion_tokens": final.usage.completion_tokens, "rounds": s.rounds,
-                          "acceptance_lengths": list(s.acceptance_lengths), "mean_acceptance": s.mean_acceptance,
-                          "time_to_first_token_s": s.time_to_first_token_s, "tokens_per_s": s.tokens_per_s,
-                          "elapsed_s": s.elapsed_s}))
+        out = {"tokens": list(result.token_ids), "text": result.text, "finish_reason": result.finish_reason,
+               "prompt_tokens": result.prompt_tokens, "completion_tokens": result.completion_tokens,
+               "rounds": result.rounds, "acceptance_lengths": list(result.acceptance_lengths),
+               "mean_acceptance": result.mean_acceptance, "time_to_first_token_s": result.time_to_first_token_s,
+               "tokens_per_s": result.tokens_per_s, "elapsed_s": result.elapsed_s}
+        if a.stats:
+            out["per_round"] = [vars(r) for r in rows]
+        print(json.dumps(out))
         return
     print()
-    print(f"[{final.finish_reason}] {final.usage.completion_tokens} tokens in {s.rounds} rounds, mean acceptance "
-          f"{s.mean_acceptance:.2f}, {s.tokens_per_s:.1f} tokens/s, first token {s.time_to_first_token_s * 1000:.0f} ms, "
-          f"{s.elapsed_s:.2f} s", file=sys.stderr)
+    print(f"[{result.finish_reason}] {result.completion_tokens} tokens in {result.rounds} rounds, mean acceptance "
+          f"{result.mean_acceptance:.2f}, {result.tokens_per_s:.1f} tokens/s, first token "
+          f"{result.time_to_first_token_s * 1000:.0f} ms, {result.elapsed_s:.2f} s", file=sys.stderr)
+    if a.stats:
+        print_round_table(rows, sys.stderr)
 
 
 if __name__ == "__main__":

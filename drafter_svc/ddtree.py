@@ -29,6 +29,7 @@ its children at that depth.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -103,14 +104,49 @@ def _retrieve_buffers(parents: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return next_token, next_sibling
 
 
+@dataclass
+class DDTreeSelection:
+    """The best-first nodes of S sessions' DDTrees, in key order, before they become trees.
+
+    Node i of session s (i >= 1) has cumulative draft log-prob scores[s, i - 1]: the draft's
+    own probability that the target takes that path. Since node index = position in key
+    order and a parent comes before its children, the first b nodes of a tree built with a
+    budget B >= b are exactly the tree of budget b (`trees(budgets)` cuts them there).
+    """
+    tokens: np.ndarray     # [S, 1 + width] int64, the root first
+    parents: np.ndarray    # [S, 1 + width] node indices, -1 for the root
+    num_nodes: np.ndarray  # [S] root included
+    scores: np.ndarray     # [S, width] float64, NaN past num_nodes - 1
+
+    def trees(self, budgets: Sequence[int] | np.ndarray | None = None) -> list[DraftTree]:
+        """The trees, each cut to at most budgets[s] drafted nodes (None: as selected)."""
+        num_nodes = self.num_nodes if budgets is None else np.minimum(self.num_nodes, 1 + np.asarray(budgets))
+        return _trees(self.tokens, self.parents, num_nodes)
+
+    def expected_gains(self) -> np.ndarray:
+        """[S, 1 + width]: column b is the expected number of drafted tokens a tree cut to b
+        nodes gets accepted under greedy verification, if the draft's probabilities were the
+        target's: the sum of the path probabilities of its first b nodes."""
+        probs = np.nan_to_num(np.exp(self.scores), nan=0.0)
+        return np.concatenate((np.zeros((probs.shape[0], 1)), np.cumsum(probs, axis=1)), axis=1)
+
+
 def build_ddtrees(block_logits: Tensor, root_tokens: Sequence[int], budgets: Sequence[int]) -> list[DraftTree]:
     """Best-first DDTrees for S sessions at once; tree s has at most `budgets[s]` drafted nodes.
 
     block_logits: [S, D, V] draft logits for depths 1..D, any float dtype, any device.
+    The trees are on the CPU. See `select_ddtrees`.
+    """
+    return select_ddtrees(block_logits, root_tokens, budgets).trees()
+
+
+def select_ddtrees(block_logits: Tensor, root_tokens: Sequence[int], budgets: Sequence[int]) -> DDTreeSelection:
+    """The nodes of S sessions' best-first DDTrees, at most `budgets[s]` drafted nodes each.
+
     Per depth the candidates are the top min(budget, V) tokens of log_softmax. One top-k of
     the largest budget and one device->host copy serve all sessions: a tree of b nodes never
     uses a rank >= b, since a node's elder siblings come before it. Siblings come out in
-    descending cumulative log-prob; budget 0 gives the root only. The trees are on the CPU.
+    descending cumulative log-prob; budget 0 gives the root only.
     """
     if block_logits.dim() != 3:
         raise ValueError(f"block_logits must be [sessions, depth, vocab], got shape {tuple(block_logits.shape)}")
@@ -127,7 +163,8 @@ def build_ddtrees(block_logits: Tensor, root_tokens: Sequence[int], budgets: Seq
     ranks = min(width, vocab_size)
     roots = np.array(root_tokens, dtype=np.int64).reshape(num_sessions)
     if ranks == 0 or num_depths == 0:
-        return _trees(roots[:, None], np.full((num_sessions, 1), -1), np.ones(num_sessions, dtype=np.int64))
+        return DDTreeSelection(roots[:, None], np.full((num_sessions, 1), -1), np.ones(num_sessions, dtype=np.int64),
+                               np.zeros((num_sessions, 0)))
 
     top = torch.topk(torch.log_softmax(block_logits.float(), dim=-1), ranks, dim=-1)
     # One device->host copy for both; float64 holds token ids exactly.
@@ -197,7 +234,7 @@ def build_ddtrees(block_logits: Tensor, root_tokens: Sequence[int], budgets: Seq
     node_of_id[:, 0] = 0  # ids of unused slots may be 0: the root stays node 0
     tokens = np.concatenate((roots[:, None], id_tokens[rows, best_id]), axis=1)
     parents = np.concatenate((np.full((num_sessions, 1), -1), node_of_id[rows, id_parents[rows, best_id]]), axis=1)
-    return _trees(tokens, parents, num_nodes)
+    return DDTreeSelection(tokens, parents, num_nodes, best_score)
 
 
 def _trees(tokens: np.ndarray, parents: np.ndarray, num_nodes: np.ndarray) -> list[DraftTree]:

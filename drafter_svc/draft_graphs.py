@@ -115,14 +115,17 @@ class DraftInputs:
         slot.fill_(scratch_slot)
         # Rows past a session's k new ones keep whatever finite values an earlier step left: their
         # K/V land where the block's K/V overwrite them, so they need no zeroing.
+        n = len(rows)
+        if n:  # the scalar fields in one copy each, the feature rows one session at a time
+            counts = [row.features.shape[0] for row in rows]
+            tokens[:n, 0] = torch.tensor([row.root for row in rows])
+            past[:n] = torch.tensor([row.past for row in rows])
+            new_length[:n] = past[:n] + torch.tensor(counts)
+            slot[:n] = torch.tensor([row.slot for row in rows])
         feats = self._host_features
         for i, row in enumerate(rows):
-            k = row.features.shape[0]
-            tokens[i, 0] = row.root
-            past[i] = row.past
-            new_length[i] = row.past + k
-            slot[i] = row.slot
-            feats[i, :k] = row.features
+            if row.features.shape[0]:
+                feats[i, : row.features.shape[0]] = row.features
         self._staging.commit()
 
 

@@ -20,7 +20,8 @@ from common.config import check_draft_fits_target, load_target_config
 from common.feature_projection import projection_fingerprint
 from common.protocol import StatusError
 from common.tree import DraftTree
-from drafter_svc.ddtree import build_chains, build_ddtrees
+from drafter_svc.budget import BudgetChoice, BudgetPlanner
+from drafter_svc.ddtree import build_chains, select_ddtrees
 from drafter_svc.draft_graphs import (DraftGraphConfig, DraftGraphs, DraftInputs, DraftRow, context_capacity, draft_step,
                                       feature_dim)
 from drafter_svc.draft_model import DFlashDraftModel, DraftKVPool
@@ -60,11 +61,15 @@ class BlockProposer(Protocol):
 
 
 def build_trees(modes: Sequence[DraftMode], block_logits: torch.Tensor, roots: Sequence[int],
-                rooms: Sequence[int]) -> list[DraftTree]:
+                rooms: Sequence[int], planner: BudgetPlanner | None = None, batch: int = 0,
+                adaptive: Sequence[bool] | None = None) -> tuple[list[DraftTree], BudgetChoice | None]:
     """Each drafted session's tree under its mode, with at most `rooms[i]` nodes besides the root.
 
     block_logits [S, D, V], row i for session i. All DDTrees are built in one batched call,
-    all chains in another."""
+    all chains in another. With a `planner` (the adaptive budget), the DDTrees of the sessions
+    marked `adaptive` are selected at most `BudgetPlanner.build_width` wide, then cut to the one
+    budget it chooses for this step of `batch` sessions; its choice is returned for
+    `BudgetPlanner.observe`."""
     trees: list[DraftTree | None] = [None] * len(modes)
     tree_rows, chain_rows = [], []
     for i, (mode, root, room) in enumerate(zip(modes, roots, rooms)):
@@ -78,13 +83,27 @@ def build_trees(modes: Sequence[DraftMode], block_logits: torch.Tensor, roots: S
                              [rooms[i] for i in chain_rows])
         for i, tree in zip(chain_rows, built):
             trees[i] = tree
+    choice = None
     if tree_rows:
         index = torch.tensor(tree_rows, device=block_logits.device)
-        built = build_ddtrees(block_logits.index_select(0, index), [roots[i] for i in tree_rows],
-                              [min(modes[i].budget, rooms[i]) for i in tree_rows])
-        for i, tree in zip(tree_rows, built):
+        caps = [min(modes[i].budget, rooms[i]) for i in tree_rows]
+        adapting = [planner is not None and (adaptive is None or adaptive[i]) for i in tree_rows]
+        if any(adapting):  # select no wider than the planner may choose this step
+            width = planner.build_width(max(c for c, a in zip(caps, adapting) if a))
+            caps = [min(c, width) if a else c for c, a in zip(caps, adapting)]
+        selection = select_ddtrees(block_logits.index_select(0, index), [roots[i] for i in tree_rows], caps)
+        budgets = caps
+        if any(adapting):
+            gains = selection.expected_gains()
+            fixed = [j for j, a in enumerate(adapting) if not a]
+            floor = max([1] + [t.num_nodes for t in trees if t is not None] + [1 + caps[j] for j in fixed])
+            choice = planner.choose([gains[j] for j, a in enumerate(adapting) if a],
+                                    [c for c, a in zip(caps, adapting) if a], max(batch, len(modes)),
+                                    floor_nodes=floor, fixed_gain=float(sum(gains[j, caps[j]] for j in fixed)))
+            budgets = [min(c, choice.budget) if a else c for c, a in zip(caps, adapting)]
+        for i, tree in zip(tree_rows, selection.trees(budgets)):
             trees[i] = tree
-    return trees
+    return trees, choice
 
 
 class DFlashProposer:

@@ -23,6 +23,8 @@ import grpc
 from common.config import DraftConfig, TargetConfig
 from common.protocol import CloseEntry, Entry, OpenEntry, Prefilled, StatusError, StepResult, TreeEntry, Verified
 from common.rpc import CHANNEL_OPTIONS, pb, pb_grpc
+from common.tls import ChannelTls
+from common.tls import open_channel as open_tls_channel
 from common.wire import WireError, decode_link_response, encode_link_request
 
 _END = object()
@@ -52,8 +54,20 @@ class _Lockstep:
         return self.receive()
 
 
-def open_channel(address: str) -> grpc.Channel:
-    return grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+def open_channel(address: str, tls: ChannelTls | None = None) -> grpc.Channel:
+    """The channel to a verifier: plaintext, or TLS / mutual TLS per `tls` (`--verifier-ca`, ...)."""
+    return open_tls_channel(address, tls, CHANNEL_OPTIONS)
+
+
+def connect_error(stub: pb_grpc.VerifierStub, exc: grpc.RpcError) -> grpc.RpcError:
+    """Why the verifier does not answer: a call that does not wait for the connection reports
+    its last error (refused, a failed TLS handshake, ...) where a waiting one, `exc`, only says
+    that its deadline passed."""
+    try:
+        stub.Info(pb.InfoRequest(), timeout=2.0)
+    except grpc.RpcError as fresh:
+        return fresh
+    return exc
 
 
 def status_error(exc: grpc.RpcError) -> StatusError:

@@ -7,13 +7,16 @@ delivers (a callback per session, called on the scheduler's thread). Each step:
 2. closes the sessions that ended (Close entries; their draft slots go back);
 3. admits waiting requests while draft slots are free (Open entries);
 4. drafts every running session in one batched draft step and builds all their trees in one
-   batched call (`DFlashProposer.propose`, `drafter.build_trees`);
+   batched call (`DFlashProposer.propose`, `drafter.build_trees`), all cut to the step's
+   adaptive budget when there is a planner (`drafter_svc.budget`);
 5. sends everything as one link message and waits for its one reply (`VerifierLink.step`);
 6. hands each session its new tokens, and finishes those that reached a stop token, their
    length limit or the verifier's capacity.
 
-An open the verifier refuses for capacity (RESOURCE_EXHAUSTED) goes back to the queue and
-is retried until `queue_timeout_s`. A failed session gets its error; if the link itself
+Requests beyond the free slots wait in a queue of at most `max_queue`; one arriving when it
+is full is refused at once (`QueueFull`: RESOURCE_EXHAUSTED with a retry hint). An open the
+verifier refuses for capacity (RESOURCE_EXHAUSTED) goes back to the queue and is retried
+until `queue_timeout_s`. A failed session gets its error; if the link itself
 fails, every session on it does. Sampling coins live on the verifier, per session, so a
 seeded request gives the same tokens whatever else is batched with it.
 
@@ -38,8 +41,10 @@ from torch import Tensor
 
 from common.protocol import (CloseEntry, Entry, OpenEntry, Prefilled, SamplingParams, StatusError, StepResult,
                              TreeEntry, Verified)
+from common import metrics
 from common.tracing import traceparent_of, tracer
 from common.tree import DraftTree
+from drafter_svc.budget import BudgetChoice, BudgetPlanner
 from drafter_svc.drafter import BlockProposer, DraftMode, build_trees
 from drafter_svc.link import VerifierLink
 
@@ -104,10 +109,23 @@ class _InFlight:
     rounds: dict[int, trace.Span]
     step_span: trace.Span
     rpc_span: trace.Span
+    started: float = 0.0  # perf_counter when its step began drafting
+    budget: BudgetChoice | None = None  # the adaptive budget's choice for its trees
+    rpc_started: float = field(default_factory=time.perf_counter)  # made as its verify RPC starts (metrics)
 
     def end(self) -> None:
         for span in (*self.rounds.values(), self.rpc_span, self.step_span):
             span.end()
+
+
+class QueueFull(StatusError):
+    """A request refused at once because the queue is full; `retry_after_s` hints when to try again."""
+
+    def __init__(self, waiting: int, retry_after_s: float):
+        self.retry_after_ms = max(1, round(retry_after_s * 1000))
+        self.retry_after_s = self.retry_after_ms / 1000
+        super().__init__("RESOURCE_EXHAUSTED", f"the drafter's queue is full ({waiting} requests wait for a "
+                                               f"session slot); retry in {self.retry_after_s:g} s")
 
 
 class _Session:
@@ -120,6 +138,8 @@ class _Session:
         self.admission_deadline = admission_deadline
         self.result = GenerationResult()
         self.start = time.perf_counter()
+        self.queued = True  # counted in the queue bound until first admitted (or ended)
+        self.admitted = 0.0  # perf_counter when last admitted
         self.open_on_verifier = False
         self.in_flight = False  # an open or a tree of it is in a message awaiting its reply
         # Set once the verifier link failed under it: until then it re-opens (prompt + tokens so far).
@@ -172,8 +192,14 @@ class DraftScheduler:
     def __init__(self, link: VerifierLink, proposer: BlockProposer | None, *, max_sessions: int,
                  feature_layer_ids: tuple[int, ...] = (), eos_token_ids: tuple[int, ...] = (),
                  queue_timeout_s: float = 30.0, logits_hook: LogitsHook | None = None, pipelined: bool = True,
-                 recovery_timeout_s: float = 0.0):
+                 recovery_timeout_s: float = 0.0, planner: BudgetPlanner | None = None,
+                 adapt_sampled: bool = False, max_queue: int = 256):
         self.link, self.proposer = link, proposer
+        # The adaptive tree budget (None: each request's budget as given). It adapts greedy
+        # sessions, and sampled ones only when `adapt_sampled` (the verifier samples keyed by
+        # position): under the coin walk a seeded output depends on its trees, and a budget
+        # that follows the batch would make it depend on the other sessions.
+        self.planner, self.adapt_sampled = planner, adapt_sampled
         self.pipelined = pipelined
         # After the link fails with UNAVAILABLE, sessions re-open for this long (0: they fail).
         self.recovery_timeout_s = recovery_timeout_s
@@ -188,6 +214,11 @@ class DraftScheduler:
         self.feature_layer_ids = tuple(feature_layer_ids)
         self.eos_token_ids = frozenset(eos_token_ids)
         self.queue_timeout_s = queue_timeout_s
+        # Requests submitted and not yet admitted, beyond the free slots, at most max_queue (0 = none wait).
+        self.max_queue = max_queue
+        self._queued = 0  # submitted, not yet admitted for the first time nor ended (under _queue_lock)
+        self._queue_lock = threading.Lock()
+        self._mean_run_s = 0.0  # moving average of how long admitted sessions run (the retry hint)
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._ids = itertools.count(1)
         self._waiting: collections.deque[_Session] = collections.deque()
@@ -205,12 +236,33 @@ class DraftScheduler:
         config.check()
         if config.mode.kind != "ar" and self.proposer is None:
             raise ValueError(f"draft mode {config.mode.kind!r} needs a draft model")
+        with self._queue_lock:  # len() of the running dict is atomic: a snapshot of the free slots
+            waiting = self._queued - max(0, self.max_sessions - len(self._running))
+            if waiting >= self.max_queue:
+                raise QueueFull(max(waiting, 0), self.retry_after_s(max(waiting, 0)))
+            self._queued += 1
         sid = next(self._ids)
         stop_ids = frozenset(config.stop_token_ids) | self.eos_token_ids
         session = _Session(sid, list(prompt_ids), config, stop_ids, deliver,
                            time.monotonic() + self.queue_timeout_s)
         self._commands.put(("submit", session))
         return sid
+
+    def retry_after_s(self, waiting: int) -> float:
+        """When a refused request may find room: how long the queue takes to drain at the recent
+        session run time (waiting / slots x the mean run time), within [0.1 s, queue_timeout_s];
+        1 s before any session has ended."""
+        if self._mean_run_s <= 0:
+            return min(1.0, self.queue_timeout_s)
+        drain = self._mean_run_s * max(1, waiting) / self.max_sessions
+        return max(0.1, min(drain, self.queue_timeout_s))
+
+    def _dequeued(self, s: _Session) -> None:
+        """`s` leaves the queue bound: admitted for the first time, or ended while waiting."""
+        if s.queued:
+            s.queued = False
+            with self._queue_lock:
+                self._queued -= 1
 
     def cancel(self, sid: int, reason: str = "cancelled") -> None:
         """End a session after its current step; it is delivered its result with `reason` as the
@@ -230,6 +282,7 @@ class DraftScheduler:
         self._take_commands()
         error = StatusError("UNAVAILABLE", "the drafter is shutting down")
         for s in list(self._waiting) + list(self._running.values()):
+            self._dequeued(s)
             self._fail(s, error)
         self._waiting.clear()
         self._running.clear()
@@ -283,6 +336,7 @@ class DraftScheduler:
         for s in self._waiting:
             if s.sid == sid:
                 self._waiting.remove(s)
+                self._dequeued(s)
                 s.result.finish_reason = reason
                 self._finish(s)
                 return
@@ -328,14 +382,16 @@ class DraftScheduler:
             ready = ready[: (total + 1) // 2] if total >= 2 else ready
         if not entries and not ready:
             return False
+        started = time.perf_counter()
         step_span = _tracer.start_span("draft_step", attributes={"sessions": len(ready)})
         with trace.use_span(step_span, end_on_exit=False):
             rounds = self._round_spans(ready, step_span)
-            entries += self._trees(ready, rounds)
+            trees, budget = self._trees(ready, rounds)
+            entries += trees
             rpc_span = _tracer.start_span("verify_rpc")
         for s in list(opening) + ready:
             s.in_flight = True
-        self._inflight.append(_InFlight(list(opening) + ready, rounds, step_span, rpc_span))
+        self._inflight.append(_InFlight(list(opening) + ready, rounds, step_span, rpc_span, started, budget))
         try:
             self.link.send(entries)
         except StatusError as exc:
@@ -352,6 +408,7 @@ class DraftScheduler:
             self._link_failed(exc)
             return
         message.rpc_span.end()
+        metrics.VERIFY_RPC.observe(time.perf_counter() - message.rpc_started)
         for s in message.sessions:
             s.in_flight = False
         self.steps += 1
@@ -359,6 +416,15 @@ class DraftScheduler:
         self._set_link(True)
         with trace.use_span(message.step_span, end_on_exit=True):
             self._apply(results, message.rounds)
+        if message.budget is not None:
+            adapted = {s.sid for s in message.sessions if self._adapts(s)}
+            accepted = sum(len(r.outcome.accepted_tokens) for r in results
+                           if isinstance(r.outcome, Verified) and r.session_id in adapted)
+            self.planner.observe(message.budget, time.perf_counter() - message.started, accepted)
+
+    def _adapts(self, s: _Session) -> bool:
+        """Whether the adaptive budget may cut this session's DDTree."""
+        return s.config.mode.kind == "tree" and (s.config.sampling.greedy or self.adapt_sampled)
 
     def _set_link(self, up: bool) -> None:
         if up != self.link_up:
@@ -410,7 +476,11 @@ class DraftScheduler:
         while self._waiting and free > 0:
             s = self._waiting.popleft()
             self._running[s.sid] = s
+            s.admitted = time.perf_counter()
+            self._dequeued(s)
             opening.append(s)
+            if not s.result.tokens:  # not a re-open after a lost verifier: a first admission (or a retry)
+                metrics.QUEUE_WAIT.observe(time.perf_counter() - s.start)
             free -= 1
         return opening
 
@@ -418,6 +488,7 @@ class DraftScheduler:
         now = time.monotonic()
         for s in [s for s in self._waiting if s.admission_deadline < now]:
             self._waiting.remove(s)
+            self._dequeued(s)
             if s.recovery_deadline is not None:
                 self._fail(s, StatusError("UNAVAILABLE", f"verifier unavailable for {self.recovery_timeout_s:g} s"))
             else:
@@ -432,33 +503,40 @@ class DraftScheduler:
                                           attributes={"round": s.rounds + 1})
                 for s in drafting if s.span.is_recording()}
 
-    def _trees(self, drafting: Sequence[_Session], rounds: dict[int, trace.Span]) -> list[TreeEntry]:
-        """Draft every session that drafts and has room, in one batched step; build all trees."""
+    def _trees(self, drafting: Sequence[_Session], rounds: dict[int, trace.Span]
+               ) -> tuple[list[TreeEntry], BudgetChoice | None]:
+        """Draft every session that drafts and has room, in one batched step; build all trees
+        (under the adaptive budget's choice, which is returned, when there is a planner)."""
         if not drafting:
-            return []
+            return [], None
+        metrics.STEP_BATCH_SIZE.observe(len(drafting))
         rooms = [s.room() for s in drafting]
         busy = [i for i, s in enumerate(drafting) if s.drafts and rooms[i] > 0]
-        trees = [DraftTree.root_only(s.root) for s in drafting]
+        trees: list[DraftTree | None] = [None] * len(drafting)  # None: a root-only tree (below)
+        budget = None
         if busy:
             sessions = [drafting[i] for i in busy]
-            with _tracer.start_as_current_span("draft"):
+            with _tracer.start_as_current_span("draft"), metrics.DRAFT_STEP.time():
                 block = self.proposer.propose([s.draft_state for s in sessions], [s.root for s in sessions],
                                               [s.new_tokens for s in sessions], [s.new_features for s in sessions])
                 if self.logits_hook is not None:
                     self.logits_hook([s.prompt_ids for s in sessions], [s.result.tokens for s in sessions], block)
             for s in sessions:
                 s.new_features = s.new_features[:0]
-            with _tracer.start_as_current_span("tree_build"):
-                built = build_trees([s.config.mode for s in sessions], block, [s.root for s in sessions],
-                                    [rooms[i] for i in busy])
+            with _tracer.start_as_current_span("tree_build"), metrics.TREE_BUILD.time():
+                built, budget = build_trees([s.config.mode for s in sessions], block, [s.root for s in sessions],
+                                            [rooms[i] for i in busy], self.planner, len(drafting),
+                                            [self._adapts(s) for s in sessions])
+                if budget is not None:
+                    trace.get_current_span().set_attribute("tree.budget", budget.budget)
             for i, tree in zip(busy, built):
                 trees[i] = tree
         entries = []
         for s, tree in zip(drafting, trees):
-            s.tree = tree
+            s.tree = tree = tree if tree is not None else DraftTree.root_only(s.root)
             span = rounds.get(s.sid)
             entries.append(TreeEntry(s.sid, s.rounds - s.round_base + 1, tree, traceparent_of(span) if span else ""))
-        return entries
+        return entries, budget
 
     def _apply(self, results: Sequence[StepResult], rounds: dict[int, trace.Span]) -> None:
         for r in results:
@@ -543,6 +621,9 @@ class DraftScheduler:
             s.open_on_verifier = False
             self._ending.append(s.sid)
         s.result.elapsed_s = time.perf_counter() - s.start
+        if s.admitted:
+            run, s.admitted = time.perf_counter() - s.admitted, 0.0
+            self._mean_run_s = run if self._mean_run_s <= 0 else 0.9 * self._mean_run_s + 0.1 * run
 
     def _finish(self, s: _Session) -> None:
         """Deliver the result of a session that ended normally (or was cancelled)."""

@@ -6,35 +6,48 @@ to the `DraftScheduler` (which owns the draft model and the verifier link, and b
 session into one draft step and one link message per step) and streams what the scheduler delivers: deliveries
 come back to the event loop through an asyncio queue, so the handlers never wait on the
 model. Stop strings are cut here (`TextStream`); the session is then cancelled.
+
+`GenerationService.generate` is that one path, shared by the gRPC servicer and the
+OpenAI-compatible HTTP API (`drafter_svc.http_api`, on `--http-port`), and counts the request
+metrics (`common.metrics`).
 """
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import threading
 import time
-from dataclasses import dataclass
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import AsyncIterator
 
 import grpc
 from grpc_health.v1 import health_pb2
 
+from common.auth import ApiKeyInterceptor
+from common import metrics
 from common.checkpoint import load_tokenizer
 from common.config import load_draft_config, load_target_config
 from common.devices import device_id
 from common.grpc_server import MIB, start_grpc_server
+from common.logs import memory_summary
 from common.protocol import StatusError
 from common.rpc import GENERATION_SERVICE, decode_message, pb, pb_grpc
+from common.tls import ChannelTls, ServerTls
 from common.wire import decode_sampling
+from drafter_svc.budget import BudgetPlanner
 from drafter_svc.chat import ChatPrompt, ChatTemplate, load_chat_template
 from drafter_svc.drafter import DFlashProposer, DraftMode
 from drafter_svc.oracle import ControlledAcceptance
-from drafter_svc.link import GrpcLink, check_verifier, open_channel, status_error
-from drafter_svc.scheduler import DraftScheduler, GenerationConfig, GenerationResult, RoundUpdate
+from drafter_svc.link import GrpcLink, check_verifier, connect_error, open_channel, status_error
+from drafter_svc.scheduler import DraftScheduler, GenerationConfig, GenerationResult, QueueFull, RoundUpdate
 from drafter_svc.text_stream import TextStream
 
 log = logging.getLogger("drafter_svc")
+WAIT_REPORT_S = 5.0  # while start-up waits for the verifier, a progress line this often
 
 
 @dataclass(frozen=True)
@@ -55,6 +68,7 @@ class DrafterConfig:
     max_prompt_bytes: int = 4 << 20  # text prompts (and rendered chats) past this many UTF-8 bytes are not tokenised
     verifier_wait_s: float = 60.0    # how long start-up waits for the verifier
     queue_timeout_s: float = 30.0    # how long a request waits for a free session slot
+    max_queue: int = 256             # requests waiting beyond the free slots; more get RESOURCE_EXHAUSTED at once
     recovery_timeout_s: float = 30.0  # after a lost verifier link, how long sessions try to re-open (0 = fail)
     grace_s: float = 25.0  # on SIGTERM, how long running generations may finish (compose waits 30 s)
     trace_console: bool = False
@@ -63,8 +77,41 @@ class DrafterConfig:
     # "auto": on when the draft runs on a GPU other than the verifier's (on a CPU, or on the
     # verifier's own GPU, the two halves would only compete for the same device).
     pipelining: str = "auto"
+    # "auto"/"on": each step's DDTrees are cut to the budget that the verifier's cost table and
+    # the observed acceptance promise the most tokens per second for (`drafter_svc.budget`;
+    # a request's tree_budget is then a cap); "auto" falls back to the fixed budget when the
+    # verifier sends no cost table, "on" refuses to start. "off": every request's budget as given.
+    adaptive_budget: str = "auto"
     bench_oracle: str = ""           # benchmarks only: controlled-acceptance file (drafter_svc.oracle)
+    http_port: int = 0               # the OpenAI-compatible HTTP API and /metrics; 0 = no HTTP server
+    served_model_name: str = ""      # the model id of the HTTP API; "" = the target folder's name
+    tls: ServerTls = ServerTls()     # the public port: plaintext, TLS, or mutual TLS (--tls-*)
+    verifier_tls: ChannelTls = ChannelTls(flag_prefix="--verifier-")  # the link: plaintext or (m)TLS
+    api_key: str = field(default="", repr=False)  # set = Generation calls need "authorization: Bearer <key>"
+    log_level: str = "INFO"          # DEBUG, INFO, WARNING or ERROR (common.logs)
+    log_format: str = "text"         # text lines, or json: one object per line
 
+
+    def budget_planner(self, info: pb.InfoResponse) -> BudgetPlanner | None:
+        """The adaptive budget's planner over the verifier's cost table, or None (fixed budgets)."""
+        if self.adaptive_budget not in ("auto", "on", "off"):
+            raise ValueError(f"adaptive_budget must be auto, on or off, got {self.adaptive_budget!r}")
+        if self.adaptive_budget == "off" or (self.adaptive_budget == "auto" and not info.verify_costs):
+            return None
+        if not info.verify_costs:
+            raise StatusError("FAILED_PRECONDITION", "--adaptive-budget on needs a verifier that measures its verify "
+                                                     "costs (start it with --measure-costs on)")
+        if len(info.verify_costs) > 4096:
+            raise StatusError("FAILED_PRECONDITION", f"the verifier sent {len(info.verify_costs)} verify costs")
+        try:
+            return BudgetPlanner({(c.batch, c.tokens): c.seconds for c in info.verify_costs})
+        except ValueError as exc:
+            raise StatusError("FAILED_PRECONDITION", f"the verifier's cost table: {exc}") from None
+
+    @property
+    def model_name(self) -> str:
+        """The model id the HTTP API lists and answers with."""
+        return self.served_model_name or Path(self.target_dir).resolve().name or "target"
 
     def pipelined(self, verifier_device_id: str) -> bool:
         """Whether to pipeline rounds, given the verifier's InfoResponse.device_id."""
@@ -98,18 +145,25 @@ class DrafterEngine:
         draft_cfg = load_draft_config(cfg.draft_dir)
         tokenizer = load_tokenizer(cfg.target_dir)
         chat_template = load_chat_template(cfg.target_dir)
-        channel = open_channel(cfg.verifier)
+        channel = open_channel(cfg.verifier, cfg.verifier_tls)
         stub = pb_grpc.VerifierStub(channel)
-        deadline = time.monotonic() + cfg.verifier_wait_s
+        waiting_since = time.monotonic()
+        deadline, next_report = waiting_since + cfg.verifier_wait_s, waiting_since + WAIT_REPORT_S
         while True:
             try:
                 info = stub.Info(pb.InfoRequest(), timeout=5.0, wait_for_ready=True)
                 break
             except grpc.RpcError as exc:
-                if time.monotonic() >= deadline:
+                now = time.monotonic()
+                if now >= next_report and now < deadline:
+                    log.info("waiting for the verifier at %s (%.0f s of %.0f)", cfg.verifier, now - waiting_since,
+                             cfg.verifier_wait_s)
+                    next_report = now + WAIT_REPORT_S
+                if now >= deadline:
+                    reason = status_error(connect_error(stub, exc)).message
                     channel.close()
                     raise StatusError("UNAVAILABLE", f"verifier at {cfg.verifier} did not answer within "
-                                                     f"{cfg.verifier_wait_s:.0f} s: {status_error(exc).message}")
+                                                     f"{cfg.verifier_wait_s:.0f} s: {reason}")
         check_verifier(info, target_cfg, draft_cfg)
         # One context slot per session that can be drafting at once: the verifier admits no more.
         slots = max(1, min(info.max_sessions, cfg.max_concurrent))
@@ -130,11 +184,25 @@ class DrafterEngine:
                                    feature_layer_ids=draft_cfg.target_layer_ids,
                                    eos_token_ids=target_cfg.eos_token_ids, queue_timeout_s=cfg.queue_timeout_s,
                                    logits_hook=hook, pipelined=cfg.pipelined(info.device_id),
-                                   recovery_timeout_s=cfg.recovery_timeout_s)
-        log.info("rounds %s (--pipelining %s; verifier on %s)", "pipelined" if scheduler.pipelined else "in lockstep",
-                 cfg.pipelining, info.device_id or "?")
+                                   recovery_timeout_s=cfg.recovery_timeout_s, planner=cfg.budget_planner(info),
+                                   adapt_sampled=info.sampling == "keyed", max_queue=cfg.max_queue)
+        log.info("rounds %s (--pipelining %s; verifier on %s); tree budget %s", "pipelined" if scheduler.pipelined
+                 else "in lockstep", cfg.pipelining, info.device_id or "?",
+                 "adaptive (requests' budgets are caps)" if scheduler.planner else "as each request sets it")
         scheduler.start()
         return cls(cfg, scheduler, tokenizer, channel, info, chat_template)
+
+    def summary(self) -> str:
+        """The start-up line's facts: device, dtype, draft context slots, CUDA graphs, memory."""
+        proposer = self.scheduler.proposer
+        if proposer is None:
+            return f"no draft model, verifier {self.cfg.verifier}"
+        pool = proposer.pool
+        graphs = proposer.graphs.num_graphs if proposer.graphs is not None else 0
+        return (f"device {proposer.device}, dtype {str(pool.kv.dtype).removeprefix('torch.')}, "
+                f"{pool.num_slots - 1} draft context slots x {pool.capacity} positions, "
+                f"{graphs} draft CUDA graphs{'' if graphs else ' (eager)'}, verifier {self.cfg.verifier} "
+                f"({self.info.max_sessions} sessions x {self.info.max_seq_len} tokens), {memory_summary(proposer.device)}")
 
     def stop(self) -> None:
         self.scheduler.stop()
@@ -214,28 +282,131 @@ class _Mailbox:
             queue.put_nowait(item)
 
 
-class GenerationServicer(pb_grpc.GenerationServicer):
+@dataclass
+class TextDelta:
+    """Newly final output: a round's delivered tokens and the text they completed (round -1: the
+    text released at the end)."""
+    tokens: list[int]
+    text: str
+    round: int
+
+
+@dataclass
+class Finished:
+    """A generation's end: the scheduler's result (its tokens cut at a stop string) and the prompt's length."""
+    result: GenerationResult
+    prompt_tokens: int
+
+
+@dataclass
+class RequestRecord:
+    """What the drafter logs, in one line, when a request ends (however it ends)."""
+    request_id: str
+    api: str
+    arrived: float  # time.perf_counter()
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    rounds: int = 0
+    mean_acceptance: float | None = None  # known when the generation finished
+    finish_reason: str = ""
+    status: str = "CANCELLED"  # a gRPC status name; CANCELLED unless it ends otherwise
+    error: str = ""
+
+    def log(self) -> None:
+        latency = time.perf_counter() - self.arrived
+        ended = f"{self.status} {self.finish_reason}" if self.finish_reason else self.status
+        if self.error:
+            ended += f" ({self.error[:200]})"
+        acceptance = f", mean acceptance {self.mean_acceptance:.2f}" if self.mean_acceptance is not None else ""
+        fields = {"request_id": self.request_id, "api": self.api, "status": self.status,
+                  "finish_reason": self.finish_reason or None, "prompt_tokens": self.prompt_tokens,
+                  "completion_tokens": self.completion_tokens, "rounds": self.rounds,
+                  "mean_acceptance": self.mean_acceptance, "latency_s": round(latency, 6)}
+        # A client's mistake or leaving is routine; anything else failed on the server's side.
+        level = logging.INFO if self.status in ("OK", "CANCELLED", "INVALID_ARGUMENT") else logging.WARNING
+        log.log(level, "request %s (%s) %s: %d prompt + %d completion tokens, %d rounds%s, %.3f s", self.request_id,
+                self.api, ended, self.prompt_tokens, self.completion_tokens, self.rounds, acceptance, latency,
+                extra=fields)
+
+
+class GenerationService:
+    """The one path of a generation request, shared by the gRPC servicer and the HTTP API:
+    validate it (off the event loop), submit it to the scheduler, cut stop strings and yield
+    what the scheduler delivers; the request metrics are counted here."""
+
     def __init__(self, engine: DrafterEngine):
         self.engine = engine
+        self.draining = False  # set on shutdown: new requests get UNAVAILABLE, health reports not serving
         self._mailbox: _Mailbox | None = None
 
-    async def _parse(self, data: bytes, context) -> _Request:
-        """Decode and check a request (it arrives as bytes: `add_raw_servicer`) in a worker thread,
-        so that tokenising a long prompt stalls no other stream and no health check."""
-        try:
-            return await asyncio.to_thread(lambda: self.engine.parse(decode_message(pb.GenerateRequest, data)))
-        except ValueError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+    @property
+    def serving(self) -> bool:
+        """What health reports: the verifier answers and the drafter is not shutting down."""
+        return self.engine.scheduler.link_up and not self.draining
 
-    async def _run(self, req: _Request) -> AsyncIterator[tuple[list[int], str, int] | GenerationResult]:
-        """Yield (tokens, text delta, round) per round, then the GenerationResult."""
+    async def _parse(self, request: pb.GenerateRequest | bytes) -> _Request:
+        """Decode and check a request in a worker thread, so that tokenising a long prompt stalls
+        no other stream and no health check. StatusError INVALID_ARGUMENT when it is bad."""
+        def parse() -> _Request:
+            message = decode_message(pb.GenerateRequest, request) if isinstance(request, bytes) else request
+            return self.engine.parse(message)
+        try:
+            return await asyncio.to_thread(parse)
+        except ValueError as exc:
+            raise StatusError("INVALID_ARGUMENT", str(exc)) from None
+
+    async def generate(self, request: pb.GenerateRequest | bytes, api: str) -> AsyncIterator[TextDelta | Finished]:
+        """Yield a TextDelta per round with new output, then one Finished. Raises StatusError for a
+        bad request (INVALID_ARGUMENT, before anything is yielded) or a failed generation. `api`
+        labels the metrics ("grpc", "http"). Close the generator to cancel the generation."""
+        arrived = time.perf_counter()
+        outcome = ("cancelled", "CANCELLED")  # unless it ends otherwise: the consumer went away
+        record = RequestRecord(uuid.uuid4().hex[:16], api, arrived)
+        try:
+            if self.draining:
+                raise StatusError("UNAVAILABLE", "the drafter is shutting down")
+            req = await self._parse(request)
+            record.prompt_tokens = len(req.prompt_ids)
+            metrics.PROMPT_TOKENS.inc(len(req.prompt_ids))
+            async with contextlib.aclosing(self._run(req, arrived)) as items:  # closed with this one
+                async for item in items:
+                    if isinstance(item, GenerationResult):
+                        outcome = (item.finish_reason, "OK")
+                        record.status, record.finish_reason = "OK", item.finish_reason
+                        record.completion_tokens, record.rounds = len(item.tokens), item.rounds
+                        record.mean_acceptance = item.mean_acceptance
+                        metrics.REQUEST_LATENCY.observe(time.perf_counter() - arrived)
+                        yield Finished(item, len(req.prompt_ids))
+                    else:
+                        record.completion_tokens += len(item.tokens)
+                        record.rounds = max(record.rounds, item.round)
+                        metrics.GENERATED_TOKENS.inc(len(item.tokens))
+                        yield item
+        except StatusError as exc:
+            outcome = ("none", exc.status)
+            record.status, record.error = exc.status, exc.message
+            raise
+        except Exception as exc:  # unexpected: the request's line says what it was
+            record.status, record.error = "INTERNAL", f"{type(exc).__name__}: {exc}"
+            raise
+        finally:
+            metrics.REQUESTS.labels(api, *outcome).inc()
+            record.log()
+
+    async def _run(self, req: _Request, arrived: float) -> AsyncIterator[TextDelta | GenerationResult]:
+        """Submit, then yield a TextDelta per round with new output, then the GenerationResult."""
         if self._mailbox is None:
             self._mailbox = _Mailbox(asyncio.get_running_loop())
         updates: asyncio.Queue = asyncio.Queue()
         scheduler = self.engine.scheduler
-        sid = scheduler.submit(req.prompt_ids, req.config, functools.partial(self._mailbox.put, updates))
+        try:
+            sid = scheduler.submit(req.prompt_ids, req.config, functools.partial(self._mailbox.put, updates))
+        except ValueError as exc:
+            raise StatusError("INVALID_ARGUMENT", str(exc)) from None
+        metrics.ACTIVE_SESSIONS.inc()
         text = TextStream(self.engine.tokenizer, req.stop)
         finished = stopped = False
+        last_round = 0.0  # when the last round with tokens arrived; 0 before the first token
         try:
             while True:
                 item = await updates.get()
@@ -246,96 +417,148 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                     finished = True
                     tail = text.finish()
                     if tail:
-                        yield [], tail, -1
+                        yield TextDelta([], tail, -1)
                     if text.stopped:  # the result counts only the tokens up to the stop string's end
                         item.finish_reason = "stop"
                         item.tokens = item.tokens[:text.kept]
                     yield item
                     return
+                assert isinstance(item, RoundUpdate)
+                if item.round > 0:
+                    metrics.ROUNDS.inc()
+                    metrics.ACCEPTED_TOKENS.inc(len(item.tokens))
                 if stopped:  # a round delivered before the cancel took effect: dropped
                     continue
-                assert isinstance(item, RoundUpdate)
                 tokens, delta = text.push(item.tokens)  # after a stop, the round's later tokens are dropped
+                if tokens:
+                    now = time.perf_counter()
+                    if last_round:
+                        metrics.observe_inter_token_latency(len(tokens), now - last_round)
+                    else:
+                        metrics.TIME_TO_FIRST_TOKEN.observe(now - arrived)
+                    last_round = now
                 if tokens or delta:
-                    yield tokens, delta, item.round
+                    yield TextDelta(tokens, delta, item.round)
                 if text.stopped:
                     stopped = True
                     scheduler.cancel(sid, "stop")  # the scheduler closes the session and sends the result
         finally:
+            metrics.ACTIVE_SESSIONS.dec()
             if not finished:  # the client went away
                 scheduler.cancel(sid)
 
+
+class GenerationServicer(pb_grpc.GenerationServicer):
+    """The gRPC Generation API over `GenerationService`."""
+
+    def __init__(self, service: GenerationService):
+        self.service = service
+
     @staticmethod
-    def _final(result: GenerationResult, prompt_len: int) -> pb.GenerateFinal:
+    def _final(end: Finished) -> pb.GenerateFinal:
+        result = end.result
         return pb.GenerateFinal(
             finish_reason=result.finish_reason,
-            usage=pb.Usage(prompt_tokens=prompt_len, completion_tokens=len(result.tokens)),
+            usage=pb.Usage(prompt_tokens=end.prompt_tokens, completion_tokens=len(result.tokens)),
             stats=pb.Stats(rounds=result.rounds, mean_acceptance=result.mean_acceptance,
                            time_to_first_token_s=result.time_to_first_token_s, tokens_per_s=result.tokens_per_s,
                            elapsed_s=result.elapsed_s, acceptance_lengths=result.acceptance_lengths),
         )
 
     async def Generate(self, request: bytes, context):
-        req = await self._parse(request, context)
         try:
-            async for item in self._run(req):
-                if isinstance(item, GenerationResult):
-                    yield pb.GenerateResponse(final=self._final(item, len(req.prompt_ids)))
-                else:
-                    tokens, delta, r = item
-                    yield pb.GenerateResponse(delta=pb.TokenDelta(round=max(r, 0), token_ids=tokens, text=delta))
+            async with contextlib.aclosing(self.service.generate(request, "grpc")) as items:
+                async for item in items:
+                    if isinstance(item, Finished):
+                        yield pb.GenerateResponse(final=self._final(item))
+                    else:
+                        yield pb.GenerateResponse(delta=pb.TokenDelta(round=max(item.round, 0),
+                                                                      token_ids=item.tokens, text=item.text))
         except StatusError as exc:
-            await context.abort(grpc.StatusCode[exc.status], exc.message)
+            await _abort(context, exc)
 
     async def GenerateOnce(self, request: bytes, context):
-        req = await self._parse(request, context)
         tokens, text = [], []
         try:
-            async for item in self._run(req):
-                if isinstance(item, GenerationResult):
-                    return pb.GenerateOnceResponse(token_ids=tokens, text="".join(text),
-                                                   final=self._final(item, len(req.prompt_ids)))
-                tokens.extend(item[0])
-                text.append(item[1])
+            async with contextlib.aclosing(self.service.generate(request, "grpc")) as items:
+                async for item in items:
+                    if isinstance(item, Finished):
+                        return pb.GenerateOnceResponse(token_ids=tokens, text="".join(text), final=self._final(item))
+                    tokens.extend(item.tokens)
+                    text.append(item.text)
         except StatusError as exc:
-            await context.abort(grpc.StatusCode[exc.status], exc.message)
+            await _abort(context, exc)
+
+
+async def _abort(context, exc: StatusError) -> None:
+    """End the call with the error's status; a full queue's retry hint rides as `retry-after-ms`."""
+    metadata = (("retry-after-ms", str(exc.retry_after_ms)),) if isinstance(exc, QueueFull) else ()
+    await context.abort(grpc.StatusCode[exc.status], exc.message, trailing_metadata=metadata)
 
 
 class DrafterServer:
-    """A running drafter: the gRPC server, its scheduler and its health status."""
+    """A running drafter: the gRPC server, the HTTP API when enabled, the scheduler and health."""
 
-    def __init__(self, server: grpc.aio.Server, health_servicer, engine: DrafterEngine):
-        self.server, self.health, self.engine = server, health_servicer, engine
+    def __init__(self, server: grpc.aio.Server, health_servicer, service: GenerationService, http=None):
+        self.server, self.health, self.service, self.engine = server, health_servicer, service, service.engine
+        self.http = http  # drafter_svc.http_api.HttpServer, or None
+        self.http_port = http.port if http is not None else 0
 
     async def stop(self, grace: float | None = None) -> None:
+        """Report not serving, refuse new requests, give running ones `grace` seconds, stop the scheduler."""
+        self.service.draining = True
         await self.health.enter_graceful_shutdown()
-        await self.server.stop(grace)
+        stopping = [self.server.stop(grace)]
+        if self.http is not None:
+            stopping.append(self.http.stop(grace or 0.0))
+        await asyncio.gather(*stopping)
         await asyncio.to_thread(self.engine.stop)
 
 
-async def serve(engine: DrafterEngine, host: str, port: int) -> tuple[DrafterServer, int]:
-    """Start the Generation server (plus health and reflection); returns it and its bound port.
+async def serve(engine: DrafterEngine, host: str, port: int,
+                http_port: int | None = None) -> tuple[DrafterServer, int]:
+    """Start the Generation server (plus health and reflection) and, given `http_port` (0 = any
+    free port), the OpenAI-compatible HTTP API on the same host; returns the server (its
+    `http_port` is the HTTP one) and the bound gRPC port.
 
     The server owns the engine: it is stopped with it, or at once when the server cannot start
-    (OSError: the address cannot be bound)."""
+    (OSError: an address cannot be bound)."""
+    from drafter_svc.http_api import serve_http  # it imports this module's domain types
+
+    service = GenerationService(engine)
+    http = None
     try:
+        # An API key guards the Generation API only: health and reflection stay open.
+        interceptors = (ApiKeyInterceptor(engine.cfg.api_key, (GENERATION_SERVICE,)),) if engine.cfg.api_key else ()
         server, bound, health_servicer = await start_grpc_server(
-            GenerationServicer(engine), GENERATION_SERVICE, host, port, engine.cfg.max_message_mb * MIB)
+            GenerationServicer(service), GENERATION_SERVICE, host, port, engine.cfg.max_message_mb * MIB,
+            tls=engine.cfg.tls, interceptors=interceptors)
+        if http_port is not None:
+            try:
+                http = await serve_http(service, host, http_port)
+            except BaseException:
+                await server.stop(0)
+                raise
     except BaseException:
         await asyncio.to_thread(engine.stop)
         raise
     loop = asyncio.get_running_loop()
 
     def link_state(up: bool) -> None:  # on the scheduler's thread
+        metrics.VERIFIER_UP.set(1 if up else 0)
         status = health_pb2.HealthCheckResponse.SERVING if up else health_pb2.HealthCheckResponse.NOT_SERVING
-        for service in ("", GENERATION_SERVICE):
+        for service_name in ("", GENERATION_SERVICE):
             try:
-                asyncio.run_coroutine_threadsafe(health_servicer.set(service, status), loop)
+                asyncio.run_coroutine_threadsafe(health_servicer.set(service_name, status), loop)
             except RuntimeError:  # the server's loop is gone: it is shutting down
                 return
 
     # Health follows the verifier: NOT_SERVING while it does not answer (load balancers look elsewhere).
+    # The HTTP API's /health reads the same state (GenerationService.serving).
     engine.scheduler.on_link_state = link_state
+    metrics.VERIFIER_UP.set(1 if engine.scheduler.link_up else 0)
     if not engine.scheduler.link_up:
         link_state(False)
-    return DrafterServer(server, health_servicer, engine), bound
+    served = f", HTTP on {host}:{http.port}" if http is not None else ""
+    log.info("drafter ready on %s:%d%s: %s", host, bound, served, engine.summary())
+    return DrafterServer(server, health_servicer, service, http), bound

@@ -18,7 +18,12 @@ keys resolved), applies Compose's `${VAR:-default}` interpolation with an empty 
   port with explicit interval, timeout, retries and start_period;
 - the drafter reaches the verifier at ${VERIFIER_ADDR:-verifier:50051} and depends on it
   with condition service_healthy (and on jaeger);
-- published ports: drafter 50050, verifier 50051, jaeger 16686;
+- published ports: drafter 50050 and jaeger 16686; the verifier's internal port is not
+  published to the world: unpublished, or bound to a loopback address by default;
+- TLS: both model services mount ${TLS_DIR:-./certs} read-only at /certs; the verifier serves
+  mutual TLS (--tls-cert, --tls-key, --tls-client-ca from /certs); the drafter dials it with a
+  CA and a client certificate (--verifier-ca, --verifier-cert, --verifier-key from /certs);
+  a healthcheck of a TLS port passes --ca (and a client certificate where one is required);
 - the Dockerfile uses a pinned pytorch/pytorch CUDA runtime base, WORKDIR /app, a non-root
   USER, PYTHONUNBUFFERED=1, keeps torch through a pip constraint, and COPYs only paths that
   exist and that .dockerignore does not exclude.
@@ -38,7 +43,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL_SERVICES = {"verifier": ("verifier_svc", 50051), "drafter": ("drafter_svc", 50050)}
-PUBLISHED = {"drafter": [50050], "verifier": [50051], "jaeger": [16686]}
+PUBLISHED = {"drafter": [50050], "jaeger": [16686]}
+INTERNAL = {"verifier": 50051}  # never published beyond loopback by default
+LOOPBACK = ("127.0.0.1", "::1", "[::1]", "localhost")
+CERTS = "/certs"
 DURATION = re.compile(r"^(\d+(\.\d+)?(ns|us|µs|ms|s|m|h))+$")
 PROBE = "grpc_health_probe.py"
 
@@ -115,18 +123,24 @@ def env_dict(env) -> dict[str, str]:
     return out
 
 
-def published_ports(ports) -> dict[int, str]:
-    """container port -> published host port (as text) for short and long syntax."""
-    out: dict[int, str] = {}
+def published_bindings(ports) -> dict[int, tuple[str, str]]:
+    """container port -> (host address, "" = all interfaces; published host port as text), for
+    short and long syntax."""
+    out: dict[int, tuple[str, str]] = {}
     for p in ports or []:
         if isinstance(p, dict):
             if p.get("published") is not None:
-                out[int(str(p["target"]).split("/")[0])] = str(p["published"])
+                out[int(str(p["target"]).split("/")[0])] = (str(p.get("host_ip") or ""), str(p["published"]))
             continue
         parts = str(p).split("/")[0].rsplit(":", 2)
         if len(parts) >= 2:
-            out[int(parts[-1].split("-")[0])] = parts[-2]
+            out[int(parts[-1].split("-")[0])] = (parts[0] if len(parts) == 3 else "", parts[-2])
     return out
+
+
+def published_ports(ports) -> dict[int, str]:
+    """container port -> published host port (as text) for short and long syntax."""
+    return {port: host_port for port, (_, host_port) in published_bindings(ports).items()}
 
 
 class Checker:
@@ -313,6 +327,66 @@ def check_compose(raw: dict, c: Checker, compose_path: Path) -> None:
         for port in want:
             c.need(got.get(port) == str(port),
                    f"services.{name} must publish {port} (as {port} by default), got {got}")
+    for name, port in INTERNAL.items():
+        binding = published_bindings(services[name].get("ports")).get(port)
+        c.need(binding is None or binding[0] in LOOPBACK,
+               f"services.{name} publishes its internal port {port} on all interfaces by default "
+               f"({binding}): bind it to 127.0.0.1 (or do not publish it)")
+
+    check_tls(services, raw_services, c)
+
+
+def check_tls(services: dict, raw_services: dict, c: Checker) -> None:
+    """Mutual TLS on the drafter-verifier link, certificates from a read-only mount, and
+    healthchecks that speak TLS where the port does."""
+    for name in MODEL_SERVICES:
+        svc, rsvc, where = services[name], raw_services[name], f"services.{name}"
+        mounts = [(v.get("target"), bool(v.get("read_only")), str(rv.get("source"))) if isinstance(v, dict)
+                  else (str(v).split(":")[1] if ":" in str(v) else None, "ro" in str(v).split(":")[2:],
+                        str(rv).split(":")[0])
+                  for v, rv in zip(svc.get("volumes") or [], rsvc.get("volumes") or [])]
+        certs = [m for m in mounts if m[0] == CERTS]
+        if c.need(certs, f"{where}: no volume mounted at {CERTS} (the TLS certificates and keys)"):
+            c.need(certs[0][1], f"{where}: the {CERTS} mount must be read-only")
+            c.need("${TLS_DIR" in certs[0][2], f"{where}: {CERTS} must come from ${{TLS_DIR:-...}}")
+
+    def files(argv: list[str], env: dict[str, str], flags: dict[str, str], where: str) -> dict[str, str]:
+        """flag -> file, from the command or its environment fallback; each must lie in /certs."""
+        got = {}
+        for flag, var in flags.items():
+            value = flag_value(argv, flag) or env.get(var, "")
+            if c.need(value, f"{where}: {flag} (or {var}) is not set: the link must be mutual TLS"):
+                c.need(value.startswith(CERTS + "/"), f"{where}: {flag} {value} is not in the {CERTS} mount")
+                got[flag] = value
+        return got
+
+    verifier, drafter = services["verifier"], services["drafter"]
+    vargv, dargv = command_argv(verifier.get("command")), command_argv(drafter.get("command"))
+    venv, denv = env_dict(verifier.get("environment")), env_dict(drafter.get("environment"))
+    files(vargv, venv, {"--tls-cert": "VERIFIER_TLS_CERT", "--tls-key": "VERIFIER_TLS_KEY",
+                        "--tls-client-ca": "VERIFIER_TLS_CLIENT_CA"}, "services.verifier")
+    files(dargv, denv, {"--verifier-ca": "DRAFTER_VERIFIER_CA", "--verifier-cert": "DRAFTER_VERIFIER_CERT",
+                        "--verifier-key": "DRAFTER_VERIFIER_KEY"}, "services.drafter")
+
+    # A TLS port answers no plaintext probe: the healthcheck must dial TLS (and present a
+    # certificate where the port requires one).
+    for name, svc, argv, env, prefix in (("verifier", verifier, vargv, venv, "VERIFIER_"),
+                                         ("drafter", drafter, dargv, denv, "DRAFTER_")):
+        tls = flag_value(argv, "--tls-cert") or env.get(prefix + "TLS_CERT")
+        client_ca = flag_value(argv, "--tls-client-ca") or env.get(prefix + "TLS_CLIENT_CA")
+        test = (svc.get("healthcheck") or {}).get("test") or []
+        targv = command_argv(test) if isinstance(test, str) else [str(x) for x in test]
+        if targv and targv[0] == "CMD-SHELL":
+            targv = command_argv(" ".join(targv[1:]))
+        where = f"services.{name}.healthcheck"
+        if tls:
+            c.need(flag_value(targv, "--ca"), f"{where}: the port speaks TLS, so the probe needs --ca")
+            for flag in ("--ca", "--cert", "--key"):
+                value = flag_value(targv, flag)
+                c.need(value is None or value.startswith(CERTS + "/"), f"{where}: {flag} {value} is not in {CERTS}")
+        if client_ca:
+            c.need(flag_value(targv, "--cert") and flag_value(targv, "--key"),
+                   f"{where}: the port requires client certificates, so the probe needs --cert and --key")
 
 
 def duration_s(text: str) -> float:

@@ -2,6 +2,11 @@
 """Ask a gRPC server for its health (grpc.health.v1.Health/Check); for container healthchecks.
 
     python scripts/grpc_health_probe.py --addr HOST:PORT [--service NAME] [--timeout S]
+        [--ca FILE [--cert FILE --key FILE] [--server-name NAME]]
+
+`--ca` dials TLS, verifying the server against that CA; `--cert`/`--key` present a client
+certificate (for servers started with a client CA: mutual TLS); `--server-name` is the name
+expected in the server's certificate when the address is not it (e.g. 127.0.0.1).
 
 Exit status 0 when the server answers SERVING, 1 otherwise (cannot connect, deadline passed,
 unknown service, NOT_SERVING, bad arguments). Docker reserves exit status 2, so this never
@@ -31,13 +36,32 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="service name to ask about (default: '', the whole server)")
     p.add_argument("--timeout", type=float, default=3.0,
                    help="deadline for the whole check in seconds (default 3)")
+    p.add_argument("--ca", default="", help="PEM CA bundle: dial TLS and verify the server with it")
+    p.add_argument("--cert", default="", help="PEM client certificate, for mutual TLS (with --key)")
+    p.add_argument("--key", default="", help="PEM private key of --cert")
+    p.add_argument("--server-name", default="", help="name expected in the server's certificate")
     args = p.parse_args(argv)
     if args.timeout <= 0:
         p.error("--timeout must be > 0")
+    if bool(args.cert) != bool(args.key) or ((args.cert or args.server_name) and not args.ca):
+        p.error("--cert and --key go together, and they and --server-name need --ca")
     return args
 
 
-def probe(addr: str, service: str, timeout: float) -> tuple[int, str]:
+def open_channel(grpc, args: argparse.Namespace):
+    """Plaintext, or TLS (mutual with --cert/--key) when --ca is given; OSError if a file is unreadable."""
+    if not args.ca:
+        return grpc.insecure_channel(args.addr)
+    def read(path: str) -> bytes:
+        with open(path, "rb") as f:
+            return f.read()
+    credentials = grpc.ssl_channel_credentials(read(args.ca), read(args.key) if args.key else None,
+                                               read(args.cert) if args.cert else None)
+    options = [("grpc.ssl_target_name_override", args.server_name)] if args.server_name else []
+    return grpc.secure_channel(args.addr, credentials, options=options)
+
+
+def probe(addr: str, service: str, timeout: float, args: argparse.Namespace | None = None) -> tuple[int, str]:
     """Return (exit status, one-line message)."""
     os.environ.setdefault("GRPC_VERBOSITY", "ERROR")  # keep grpc's own logging off the line
     try:
@@ -49,7 +73,8 @@ def probe(addr: str, service: str, timeout: float) -> tuple[int, str]:
     what = f"{addr} service={service!r}"
     deadline = time.monotonic() + timeout
     try:
-        with grpc.insecure_channel(addr) as channel:
+        channel = open_channel(grpc, args) if args is not None else grpc.insecure_channel(addr)
+        with channel:
             try:
                 grpc.channel_ready_future(channel).result(timeout=timeout)
             except grpc.FutureTimeoutError:
@@ -78,7 +103,7 @@ def probe(addr: str, service: str, timeout: float) -> tuple[int, str]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    code, message = probe(args.addr, args.service, args.timeout)
+    code, message = probe(args.addr, args.service, args.timeout, args)
     print(message, flush=True)
     return code
 

@@ -5,6 +5,10 @@ import asyncio
 import threading
 from collections.abc import Awaitable, Callable
 
+import grpc
+
+from common.rpc import CHANNEL_OPTIONS
+
 
 class ServerThread:
     """Runs an asyncio server on its own event loop in a daemon thread.
@@ -42,3 +46,8 @@ class ServerThread:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(10)
         self.loop.close()
+
+
+def loopback_channel(port: int) -> grpc.Channel:
+    """A channel to one of the tests' servers on 127.0.0.1."""
+    return grpc.insecure_channel(f"127.0.0.1:{port}", options=CHANNEL_OPTIONS)

@@ -84,3 +84,65 @@ def test_every_flag_has_a_prefixed_environment_fallback(capsys, monkeypatch):
     monkeypatch.setenv("DRAFTER_MAX_CONCURRENT", "3")
     cfg = drafter_cli.parse_args(["--draft", "d", "--target", "t"])
     assert (cfg.tree_budget, cfg.max_concurrent) == (5, 3)
+
+
+def test_http_and_metrics_ports_from_flags_and_environment(monkeypatch):
+    """0 (the default) means off for the drafter's --http-port and the verifier's --metrics-port."""
+    import drafter_svc.__main__ as drafter_cli
+    import verifier_svc.__main__ as verifier_cli
+
+    cfg = drafter_cli.parse_args(["--draft", "d", "--target", "models/t"])
+    assert (cfg.http_port, cfg.model_name) == (0, "t")
+    monkeypatch.setenv("DRAFTER_HTTP_PORT", "8000")
+    monkeypatch.setenv("DRAFTER_SERVED_MODEL_NAME", "coder")
+    cfg = drafter_cli.parse_args(["--draft", "d", "--target", "t"])
+    assert (cfg.http_port, cfg.model_name) == (8000, "coder")
+    assert drafter_cli.parse_args(["--draft", "d", "--target", "t", "--http-port", "9"]).http_port == 9
+    with pytest.raises(SystemExit):
+        drafter_cli.parse_args(["--draft", "d", "--target", "t", "--http-port", "70000"])
+    assert verifier_cli.parse_config(["--target", "t", "--device", "cpu"]).metrics_port == 0
+    monkeypatch.setenv("VERIFIER_METRICS_PORT", "9100")
+    assert verifier_cli.parse_config(["--target", "t", "--device", "cpu"]).metrics_port == 9100
+
+
+def test_client_flags_have_prefixed_environment_fallbacks(capsys):
+    """The client's variables carry DDTREE_ (DRAFTER_ADDR, the address, says whose it is)."""
+    import re
+
+    from drafter_svc import client
+
+    with pytest.raises(SystemExit):
+        client.parse_args(["--help"])
+    names = re.findall(r"\[env\s+([A-Z0-9_]+)\]", capsys.readouterr().out)
+    assert {"DDTREE_CA", "DDTREE_CERT", "DDTREE_KEY", "DDTREE_API_KEY"} <= set(names)
+    assert all(v.startswith("DDTREE_") or v == "DRAFTER_ADDR" for v in names)
+
+
+def test_console_scripts_name_importable_mains(capsys):
+    """pyproject's [project.scripts] (ddtree-verifier, ddtree-drafter, ddtree-client) point at
+    main(argv=None) functions that parse the command line."""
+    import importlib
+    import tomllib
+    from pathlib import Path
+
+    pyproject = tomllib.loads((Path(__file__).resolve().parent.parent / "pyproject.toml").read_text())
+    scripts = pyproject["project"]["scripts"]
+    assert scripts == {"ddtree-verifier": "verifier_svc.__main__:main", "ddtree-drafter": "drafter_svc.__main__:main",
+                       "ddtree-client": "drafter_svc.client:main"}
+    for target in scripts.values():
+        module, _, name = target.partition(":")
+        main = getattr(importlib.import_module(module), name)
+        with pytest.raises(SystemExit) as caught:
+            main(["--help"])
+        assert caught.value.code == 0 and "[env " in capsys.readouterr().out
+
+
+def test_admission_limits_from_the_environment(monkeypatch):
+    """The verifier's open timeout and the drafter's queue bound fall back to their variables."""
+    import drafter_svc.__main__ as drafter_cli
+    import verifier_svc.__main__ as verifier_cli
+
+    monkeypatch.setenv("VERIFIER_OPEN_TIMEOUT_S", "2.5")
+    monkeypatch.setenv("DRAFTER_MAX_QUEUE", "7")
+    assert verifier_cli.parse_config(["--target", "t", "--device", "cpu"]).open_timeout_s == 2.5
+    assert drafter_cli.parse_args(["--draft", "d", "--target", "t"]).max_queue == 7

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 import random
 
 import pytest
@@ -14,7 +15,7 @@ from common.tree import (
     ancestor_mask_reference,
     walk_tree,
 )
-from drafter_svc.ddtree import build_chain, build_ddtree, build_ddtrees
+from drafter_svc.ddtree import build_chain, build_ddtree, build_ddtrees, select_ddtrees
 from tests.reference import build_ddtree_heap_reference
 
 ROOT_TOKEN = 7
@@ -211,6 +212,28 @@ def test_batch_matches_heap_reference_on_tied_scores(seed):
     sessions, depths, vocab = batch_shape(rng)
     logits = tied_score_logits(rng, sessions, depths, vocab)
     assert_batch_matches_heap(logits, mixed_budgets(rng, sessions, depths, vocab))
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_selection_cut_to_a_smaller_budget_is_that_budgets_tree(seed):
+    """The adaptive budget builds at the cap and cuts: the first b nodes must be exactly the
+    budget-b tree (tie-breaks included), and the expected gains the sums of its nodes' path
+    probabilities, from the heap reference's scores."""
+    rng = random.Random(seed)
+    sessions, depths, vocab = batch_shape(rng)
+    logits = (tied_score_logits(rng, sessions, depths, vocab) if seed % 2
+              else torch.stack([random_logits(depths, vocab, seed * 100 + s) for s in range(sessions)]))
+    roots = [(5 * s + 1) % vocab for s in range(sessions)]
+    caps = mixed_budgets(rng, sessions, depths, vocab)
+    selection = select_ddtrees(logits, roots, caps)
+    gains = selection.expected_gains()
+    for cut in sorted({0, 1, 2, rng.randint(0, 40), max(caps)}):
+        budgets = [min(c, cut) for c in caps]
+        for session, (tree, expected) in enumerate(zip(selection.trees(budgets), heap_trees(logits, roots, budgets))):
+            assert_same_tree(tree, expected)
+            reference = build_ddtree_heap_reference(logits[session], roots[session], budgets[session])
+            want = sum(math.exp(score) for score in reference.scores[1:])
+            assert gains[session, tree.num_nodes - 1] == pytest.approx(want, rel=1e-12, abs=1e-300), (session, cut)
 
 
 def tied_log_prob_logits(rng: random.Random, sessions: int, depths: int, vocab: int) -> torch.Tensor:

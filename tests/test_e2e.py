@@ -523,3 +523,36 @@ def test_verifier_restart_mid_generation_recovers_the_same_output(qwen3_pair, sa
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_adaptive_budget_changes_no_output(qwen3_pair, client, verifier_stub):
+    """A verifier that measures its verify costs, and a drafter whose planner cuts each step's
+    trees to one budget: every concurrent greedy request gets its tokens alone on the
+    fixed-budget drafter, and so do seeded ones, whose trees (coin walk) it leaves alone."""
+    reqs = [request(PROMPTS[i % 3] + [i], n=14 + i, budget=(4, 8, 16, 8)[i], temperature=(0.0, 0.0, 0.0, 0.9)[i],
+                    top_k=20, seed=70 + i) for i in range(MAX_SESSIONS)]
+    alone = [run(client, r)[0] for r in reqs]
+    with ServerThread(lambda: serve_verifier(verifier_config(qwen3_pair, measure_costs="on"))) as measured:
+        with grpc.insecure_channel(f"127.0.0.1:{measured.port}", options=CHANNEL_OPTIONS) as channel:
+            info = pb_grpc.VerifierStub(channel).Info(pb.InfoRequest())
+        assert info.sampling == "coins" and len(info.verify_costs) >= 4
+        assert all(c.seconds > 0 for c in info.verify_costs)
+        engine = drafter_engine(qwen3_pair, measured.port)
+        planner = engine.scheduler.planner
+        assert planner is not None and not engine.scheduler.adapt_sampled
+        planner.explore_every = 2  # the tiny random pair accepts little: make it try trees too
+        chosen, choose = [], planner.choose
+        planner.choose = lambda *args, **kw: chosen.append(choose(*args, **kw)) or chosen[-1]
+        with ServerThread(lambda: serve_drafter(engine, "127.0.0.1", 0)) as adaptive, \
+                grpc.insecure_channel(f"127.0.0.1:{adaptive.port}", options=CHANNEL_OPTIONS) as channel:
+            stub = pb_grpc.GenerationStub(channel)
+            with ThreadPoolExecutor(len(reqs)) as pool:
+                together = list(pool.map(lambda r: run(stub, r)[0], reqs))
+    assert together == alone
+    assert len({c.budget for c in chosen}) >= 2, [c.budget for c in chosen]
+    wait_full(verifier_stub)
+
+
+def test_a_verifier_on_cpu_sends_no_cost_table_by_default(verifier_stub, drafter):
+    assert not verifier_stub.Info(pb.InfoRequest()).verify_costs
+    assert drafter.server.engine.scheduler.planner is None  # --adaptive-budget auto: fixed budgets

@@ -18,7 +18,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common.config import load_draft_config
 from common.grpc_server import MIB
-from common.rpc import CHANNEL_OPTIONS, GENERATION_SERVICE, VERIFIER_SERVICE, pb, pb_grpc
+from common.rpc import GENERATION_SERVICE, VERIFIER_SERVICE, pb, pb_grpc
 from drafter_svc.chat import ChatTemplate
 from drafter_svc.server import DrafterConfig, DrafterEngine
 from drafter_svc.server import serve as serve_drafter
@@ -54,22 +54,6 @@ def drafter(qwen3_pair, verifier):
     engine = DrafterEngine.start(drafter_config(qwen3_pair, verifier.port), torch.float32)
     with ServerThread(lambda: serve_drafter(engine, "127.0.0.1", 0)) as running:
         yield running
-
-
-def connect(port: int) -> grpc.Channel:
-    return grpc.insecure_channel(f"127.0.0.1:{port}", options=CHANNEL_OPTIONS)
-
-
-@pytest.fixture(scope="module")
-def verifier_channel(verifier):
-    with connect(verifier.port) as channel:
-        yield channel
-
-
-@pytest.fixture(scope="module")
-def drafter_channel(drafter):
-    with connect(drafter.port) as channel:
-        yield channel
 
 
 @pytest.fixture

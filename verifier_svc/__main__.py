@@ -16,6 +16,8 @@ import signal
 
 from common.cli import FlagParser, fail
 from common.config import CheckpointError, check_draft_fits_target, load_draft_config, load_target_config
+from common.logs import add_logging_flags, setup_logging
+from common.tls import ServerTls
 from common.tracing import exporting, setup_tracing, shutdown_tracing
 from verifier_svc.server import VerifierConfig, load_verifier, serve
 from verifier_svc.tree_verifier import TreeVerifier
@@ -44,9 +46,12 @@ def build_parser() -> argparse.ArgumentParser:
          "(target_layer_ids), and the verifier applies its fc + hidden_norm to the features, sending "
          "hidden-size context rows (see --raw-features)")
     flag("--feature-layers", None, "target layers whose hidden states go to the drafter, e.g. 1,9,17 "
-         "(instead of --draft; neither = no features)", type=_int_list)
+         "(id l = transformers' hidden_states[l + 1], as DFlash; instead of --draft; neither = no features)",
+         type=_int_list)
     flag("--host", "host", "address to listen on")
     flag("--port", "port", "port to listen on (0 = any free port)", type=int)
+    flag("--metrics-port", "metrics_port", "port of the Prometheus /metrics endpoint (HTTP, on --host); 0 = off",
+         type=int)
     flag("--device", "device", "torch device: auto, cpu, cuda, cuda:1, ...")
     flag("--dtype", "dtype", "model dtype: auto (bfloat16 on cuda, float32 on cpu), float32, bfloat16, float16")
     flag("--max-sessions", "max_sessions", "concurrent sessions (KV cache slots)", type=int)
@@ -54,6 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
     flag("--max-tree-nodes", "max_tree_nodes", "largest tree accepted, root included", type=int)
     flag("--max-tree-depth", "max_tree_depth", "deepest tree accepted", type=int)
     flag("--idle-timeout", "idle_timeout_s", "seconds without a message before a session is closed", type=float)
+    flag("--open-timeout", "open_timeout_s", "seconds a session opened may go without its first tree before it is "
+         "closed (its KV slot freed)", type=float, env="VERIFIER_OPEN_TIMEOUT_S")
     flag("--grace", "grace_s", "seconds running RPCs get to finish on shutdown", type=float)
     flag("--max-inflight", "max_inflight", "unanswered messages per drafter link before the verifier stops "
          "reading it (back-pressure)", type=int)
@@ -63,18 +70,27 @@ def build_parser() -> argparse.ArgumentParser:
          type=_int_list)
     flag("--graph-trees", "graph_trees", "tree buckets (drafted nodes) of the captured verify CUDA graphs; larger "
          "trees run eagerly", type=_int_list)
+    flag("--tls-cert", None, "PEM certificate (chain) to serve TLS with; with --tls-key the port speaks TLS only")
+    flag("--tls-key", None, "PEM private key of --tls-cert")
+    flag("--tls-client-ca", None, "PEM CA bundle: drafters must present a client certificate it signed (mutual TLS)")
     p.switch("--trace-console", env="VERIFIER_TRACE_CONSOLE", default=_DEFAULTS["trace_console"],
-             help="print trace spans to stdout (OTLP export is set by OTEL_EXPORTER_OTLP_ENDPOINT)")
+             help="print one line per trace span to stdout: name, ms, trace id prefix, key attributes (OTLP "
+                  "export is set by OTEL_EXPORTER_OTLP_ENDPOINT)")
     p.flag("--sampling", env="VERIFIER_SAMPLING", default=_DEFAULTS["sampling"], choices=("keyed", "coins"),
            help="how sampled requests sample: coins = the target-only coin walk with per-session coins (SGLang's "
                 "semantics; fused kernel); keyed = position-keyed (Gumbel noise keyed by seed, position and token: "
                 "a seeded output equals seeded plain decoding whatever the trees; computed in PyTorch, about 15x "
                 "slower than coins for now)")
+    p.flag("--measure-costs", env="VERIFIER_MEASURE_COSTS", default=_DEFAULTS["measure_costs"],
+           choices=("auto", "on", "off"),
+           help="time the verify step per (batch bucket, tree bucket) at start-up and send the table to drafters "
+                "for their adaptive tree budget; auto = on when CUDA graphs are captured (default auto)")
     p.switch("--raw-features", env="VERIFIER_RAW_FEATURES", default=False,
              help="with --draft: send the raw layer features (n_layers x hidden per token) and leave the "
              "draft's fc + hidden_norm to the drafter")
     p.switch("--no-cuda-graphs", env="VERIFIER_NO_CUDA_GRAPHS", default=not _DEFAULTS["cuda_graphs"],
              help="run the verify step eagerly on CUDA instead of replaying captured CUDA graphs")
+    add_logging_flags(p, "VERIFIER", _DEFAULTS["log_level"], _DEFAULTS["log_format"])
     return p
 
 
@@ -102,9 +118,12 @@ def parse_config(argv: list[str] | None = None) -> VerifierConfig:
         projection_dir=args.draft if args.draft and not args.raw_features else "", host=args.host, port=args.port,
         device=args.device, dtype=args.dtype, max_sessions=args.max_sessions, max_seq_len=args.max_seq_len,
         max_tree_nodes=args.max_tree_nodes, max_tree_depth=args.max_tree_depth, idle_timeout_s=args.idle_timeout,
+        open_timeout_s=args.open_timeout,
         grace_s=args.grace, trace_console=args.trace_console, cuda_graphs=not args.no_cuda_graphs,
         max_inflight=args.max_inflight, graph_batches=tuple(args.graph_batches), graph_trees=tuple(args.graph_trees),
-        sampling=args.sampling, max_message_mb=args.max_message_mb,
+        sampling=args.sampling, max_message_mb=args.max_message_mb, measure_costs=args.measure_costs,
+        metrics_port=args.metrics_port, log_level=args.log_level, log_format=args.log_format,
+        tls=ServerTls(cert=args.tls_cert or "", key=args.tls_key or "", client_ca=args.tls_client_ca or ""),
     )
     try:
         config.check()
@@ -116,14 +135,15 @@ def parse_config(argv: list[str] | None = None) -> VerifierConfig:
 async def run(config: VerifierConfig, verifier: TreeVerifier) -> str | None:
     """Serve until SIGTERM/SIGINT; returns an error message if the server cannot start."""
     try:
-        server, port = await serve(config, verifier)
-    except OSError as exc:
+        server, port = await serve(config, verifier, metrics_port=config.metrics_port or None)
+    except (OSError, ValueError) as exc:  # the port cannot be bound; TLS files gone since start-up
         return str(exc)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    print(f"verifier listening on {config.host}:{port}", flush=True)
+    served = f", metrics on {config.host}:{server.metrics.port}" if server.metrics is not None else ""
+    print(f"verifier listening on {config.host}:{port}{served}", flush=True)
     await stop.wait()
     logging.getLogger(__name__).info("shutting down (grace %g s)", config.grace_s)
     await server.stop(config.grace_s)
@@ -132,7 +152,7 @@ async def run(config: VerifierConfig, verifier: TreeVerifier) -> str | None:
 
 def main(argv: list[str] | None = None) -> None:
     config = parse_config(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging(config.log_level, config.log_format)
     try:
         verifier = load_verifier(config)
     except (CheckpointError, ValueError) as exc:

@@ -320,6 +320,16 @@ class VerifyGraphs:
             outputs = verify_step(self.model, self.cache, inp, length, mode)
         self._graphs[(mode, b, t, length)] = (graph, outputs)
 
+    def replay_dummy(self, b: int, t: int) -> bool:
+        """Replay the greedy graph of batch bucket b and t tokens at its shortest KV length on
+        dummy trees in the scratch slot (for timing); False if there is none."""
+        length = next((k for k in self.kv_buckets if k >= t and ("greedy", b, t, k) in self._graphs), None)
+        if length is None:
+            return False
+        self.inputs(b, t).fill_dummy(self.scratch_slot)
+        self._graphs[("greedy", b, t, length)][0].replay()
+        return True
+
     # -- per step ----------------------------------------------------------------------------
 
     def run(self, mode: str, rows: Sequence[VerifyRow], masks: Tensor):

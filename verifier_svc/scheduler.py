@@ -6,7 +6,12 @@ from decoding), puts it on the worker's queue and awaits an asyncio future. The 
 takes *every* pending LinkStep, from every link, and runs them as one verifier step: all
 their trees go through one batched forward (`TreeVerifier.step`). It then builds each
 link's LinkResponse off the event loop (the feature encoding copies bytes) and resolves the
-futures through `loop.call_soon_threadsafe`.
+futures through `loop.call_soon_threadsafe`. A step takes one message per link (a link's
+later ones wait for the next step, first in line), so a link with a backlog delays no other.
+
+`SessionTimers` (used by each link, on the event loop) closes, through the worker, the sessions
+a drafter opened and never sent a tree for (the open timeout) or stopped sending for (the idle
+timeout), freeing their KV slots.
 
 Tracing: each step is a `verify_step` span with `forward` (the batched forward, accept and KV
 compaction: one graph replay on CUDA), `commit` (the sessions' bookkeeping), `prefill` (the
@@ -17,18 +22,20 @@ drafter's span, each open a `prefill` span, covering the step and linked to its 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import queue
 import threading
 import time
-from collections.abc import Hashable, Iterator
+from collections.abc import Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
 from opentelemetry import trace
 
-from common.protocol import Entry, OpenEntry, StatusError, StepResult, TreeEntry, Verified
+from common import metrics
+from common.protocol import CloseEntry, Entry, OpenEntry, StatusError, StepResult, TreeEntry, Verified
 from common.tracing import context_from_traceparent, tracer
 from common.wire import encode_link_response
 from verifier_svc.tree_verifier import TreeVerifier, VerifierError
@@ -50,9 +57,86 @@ class LinkStep:
 
 
 @dataclass
-class _CloseOwner:
+class _Close:
+    """Close sessions of one link: all of them (`session_ids` None: the link ended) or those timed out."""
     owner: Hashable
+    session_ids: tuple[int, ...] | None = None
     done: threading.Event = field(default_factory=threading.Event)
+
+
+class SessionTimers:
+    """A link's open sessions, and when each must next be heard from.
+
+    A session's timer runs only while the verifier waits on the drafter for it: from the reply
+    to its open (`open_timeout_s`, at most `idle_timeout_s`) or to its last tree (`idle_timeout_s`)
+    until its next entry arrives; a session in a message not yet answered has none. So a session
+    opened and never sent a tree holds its KV slot for `open_timeout_s` only, and one that
+    stops sending (while the link goes on for others) for `idle_timeout_s`. The link closes
+    the sessions that `expire` returns (`ModelWorker.close_sessions`); a later tree for one of
+    them gets NOT_FOUND saying why. Runs on the event loop.
+    """
+
+    max_remembered = 4096  # timed-out ids kept for that NOT_FOUND message (oldest forgotten first)
+
+    def __init__(self, open_timeout_s: float, idle_timeout_s: float):
+        self.open_timeout_s, self.idle_timeout_s = min(open_timeout_s, idle_timeout_s), idle_timeout_s
+        self.sessions: set[int] = set()  # ids opened and neither closed nor failed, as far as the link knows
+        # Waited-on sessions: monotonic time each is closed at, and whether it has not sent a tree yet.
+        self._deadlines: dict[int, tuple[float, bool]] = {}
+        self._timed_out: collections.OrderedDict[int, str] = collections.OrderedDict()  # id -> why it was closed
+
+    def heard(self, items: list[Entry | StepResult]) -> list[Entry | StepResult]:
+        """Note one message's decoded entries; a tree for a timed-out session becomes its NOT_FOUND result."""
+        out = []
+        for item in items:
+            sid = item.session_id
+            self._deadlines.pop(sid, None)
+            if isinstance(item, OpenEntry):
+                self.sessions.add(sid)
+                self._timed_out.pop(sid, None)
+            elif isinstance(item, CloseEntry):
+                self.sessions.discard(sid)
+                self._timed_out.pop(sid, None)
+            elif isinstance(item, TreeEntry) and sid not in self.sessions and sid in self._timed_out:
+                item = StepResult(sid, VerifierError("NOT_FOUND", f"no open session {sid}: {self._timed_out[sid]}"))
+            out.append(item)
+        return out
+
+    def answered(self, reply, now: float) -> None:
+        """Note a reply written to the drafter (a pb.LinkResponse): start the timers of its sessions."""
+        for r in reply.results:
+            kind, sid = r.WhichOneof("kind"), r.session_id
+            if kind == "error":
+                self.sessions.discard(sid)
+                self._deadlines.pop(sid, None)
+            elif sid in self.sessions:
+                opened = kind == "prefilled"
+                self._deadlines[sid] = (now + (self.open_timeout_s if opened else self.idle_timeout_s), opened)
+
+    def wait_s(self, now: float) -> float | None:
+        """How long the link may wait for its next message before calling `expire`: until the
+        first timer expires, and at most open_timeout_s while it has sessions (a timer started
+        meanwhile, by a reply, expires no sooner than that); None without sessions."""
+        if not self.sessions and not self._deadlines:
+            return None
+        first = min((d for d, _ in self._deadlines.values()), default=float("inf"))
+        return max(0.0, min(first - now, self.open_timeout_s))
+
+    def expire(self, now: float) -> tuple[list[int], list[int]]:
+        """Forget the sessions whose timers expired; returns their ids: (never sent a tree, stopped sending)."""
+        unstarted, idle = [], []
+        for sid, (deadline, opened) in list(self._deadlines.items()):
+            if deadline > now:
+                continue
+            del self._deadlines[sid]
+            self.sessions.discard(sid)
+            (unstarted if opened else idle).append(sid)
+            self._timed_out[sid] = (f"closed after {self.open_timeout_s:g} s without a tree since its open "
+                                    "(open timeout)" if opened else
+                                    f"closed after {self.idle_timeout_s:g} s without a message (idle timeout)")
+            while len(self._timed_out) > self.max_remembered:
+                self._timed_out.popitem(last=False)
+        return unstarted, idle
 
 
 _WAKE = None  # queued by stop() to wake the thread
@@ -66,7 +150,7 @@ class ModelWorker:
         model = verifier.runner.model
         self.feature_dim = model.feature_dim
         self.dtype = model.embed_tokens.weight.dtype
-        self._queue: queue.SimpleQueue[LinkStep | _CloseOwner | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[LinkStep | _Close | None] = queue.SimpleQueue()
         self._lock = threading.Lock()  # orders submit() against stop()
         self._stopped = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -107,11 +191,18 @@ class ModelWorker:
                 job.future.set_exception(VerifierError("UNAVAILABLE", "the verifier is shutting down"))
             else:
                 self._queue.put(job)
+                metrics.track_inflight_step(job.future)
         return job.future
 
     def close_owner(self, owner: Hashable) -> threading.Event:
         """Close every session of a link (queued); the event is set once done."""
-        job = _CloseOwner(owner)
+        return self._close(_Close(owner))
+
+    def close_sessions(self, owner: Hashable, session_ids: Sequence[int]) -> threading.Event:
+        """Close some sessions of a link (queued behind its earlier messages); the event is set once done."""
+        return self._close(_Close(owner, tuple(session_ids)))
+
+    def _close(self, job: _Close) -> threading.Event:
         with self._lock:
             if self._stopped:
                 job.done.set()
@@ -122,7 +213,7 @@ class ModelWorker:
     # -- the worker thread -------------------------------------------------------------------
 
     def _run(self) -> None:
-        deferred: list[LinkStep | _CloseOwner] = []  # queued behind an earlier message of their link
+        deferred: list[LinkStep | _Close] = []  # queued behind an earlier message of their link
         while not self._stopped:
             if not deferred:
                 first = self._queue.get()
@@ -141,10 +232,14 @@ class ModelWorker:
             for job in jobs:
                 if job.owner in busy:
                     deferred.append(job)
-                elif isinstance(job, _CloseOwner):
-                    closed = self.verifier.close_owner(job.owner)
-                    if closed:
-                        log.info("link %s ended: closed %d sessions", job.owner, closed)
+                elif isinstance(job, _Close):
+                    if job.session_ids is None:
+                        closed = self.verifier.close_owner(job.owner)
+                        if closed:
+                            log.info("link %s ended: closed %d sessions", job.owner, closed)
+                    else:
+                        for sid in job.session_ids:
+                            self.verifier.close((job.owner, sid))
                     job.done.set()
                 else:
                     busy.add(job.owner)
@@ -157,7 +252,7 @@ class ModelWorker:
                     for s in steps:
                         _resolve(s.future, error=VerifierError("INTERNAL", "internal error in the verifier; see its log"))
 
-    def _drain(self) -> Iterator[LinkStep | _CloseOwner]:
+    def _drain(self) -> Iterator[LinkStep | _Close]:
         """The queued jobs, without blocking (wake-ups skipped)."""
         while True:
             try:
@@ -169,6 +264,7 @@ class ModelWorker:
 
     def _step(self, steps: list[LinkStep]) -> None:
         entries = [(s.owner, item) for s in steps for item in s.items if not isinstance(item, StepResult)]
+        metrics.VERIFIER_STEP_BATCH_SIZE.observe(sum(isinstance(item, TreeEntry) for _, item in entries))
         start_ns = time.time_ns()
         with _tracer.start_as_current_span("verify_step", attributes={"links": len(steps),
                                                                        "entries": len(entries)}) as span:
@@ -182,6 +278,7 @@ class ModelWorker:
                 return
             finally:
                 self.busy_s += time.perf_counter() - started
+                metrics.VERIFIER_STEP.observe(time.perf_counter() - started)
             for s in steps:  # an entry refused while decoding fails its session too
                 for item in s.items:
                     if isinstance(item, StepResult):

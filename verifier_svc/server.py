@@ -6,7 +6,8 @@ model work to the `ModelWorker` thread, which batches the messages of every link
 step, and writes the reply. A bad entry fails its own session (an in-band `Error` result);
 a malformed message, or one that breaks the link's limits, ends the link with INVALID_ARGUMENT
 (one log line, no traceback); one over the inbound cap gets RESOURCE_EXHAUSTED from gRPC. A
-session's KV slot is freed however it ends: Close, error, idle timeout, or the end of its link.
+session's KV slot is freed however it ends: Close, error, open or idle timeout, or the end of
+its link.
 
     server, port = await serve(VerifierConfig(target_dir="...", port=0))
     ...
@@ -16,21 +17,24 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass
 
 import grpc
 import torch
 from grpc_health.v1.health import aio as health_aio
 
+from common import metrics
 from common.config import CheckpointError, load_target_config
 from common.devices import device_id
 from common.feature_projection import FeatureProjection
 from common.grpc_server import MIB, start_grpc_server
+from common.logs import memory_summary
 from common.rpc import VERIFIER_SERVICE, decode_message, pb, pb_grpc
-from common.protocol import CloseEntry, OpenEntry
+from common.tls import ServerTls
 from common.wire import LinkLimits, decode_link_request
 from verifier_svc.cuda_graphs import GraphConfig
-from verifier_svc.scheduler import LinkStep, ModelWorker
+from verifier_svc.scheduler import LinkStep, ModelWorker, SessionTimers
 from verifier_svc.target_model import TargetModel
 from verifier_svc.target_runner import TargetRunner
 from verifier_svc.tree_verifier import TreeVerifier, VerifierError, VerifierLimits
@@ -63,6 +67,7 @@ class VerifierConfig:
     max_tree_nodes: int = VerifierLimits.max_tree_nodes  # root included
     max_tree_depth: int = VerifierLimits.max_tree_depth
     idle_timeout_s: float = 300.0  # a session with no message for this long is closed
+    open_timeout_s: float = 10.0  # a session opened that sends no tree for this long is closed
     grace_s: float = 5.0  # on shutdown, how long running RPCs may finish
     trace_console: bool = False  # also print spans to stdout
     cuda_graphs: bool = True  # on CUDA, replay captured graphs for the verify step (False = eager)
@@ -76,6 +81,14 @@ class VerifierConfig:
     # semantics, fused); "keyed": position-keyed sampling (a seeded output does not depend on the
     # trees; its scores are computed in PyTorch for now: 25 ms vs 1.7 ms at 32 x 17 nodes, H200).
     sampling: str = "coins"
+    # Time the verify step per (batch bucket, tree bucket) at start-up and send the table to
+    # drafters (InfoResponse.verify_costs) for their adaptive tree budget: "on", "off", or
+    # "auto" = on when CUDA graphs are captured (a few seconds; on a CPU it would take longer).
+    measure_costs: str = "auto"
+    tls: ServerTls = ServerTls()  # plaintext, TLS, or mutual TLS with a client CA (--tls-cert, --tls-key, --tls-client-ca)
+    metrics_port: int = 0  # Prometheus /metrics over HTTP on `host`; 0 = not served
+    log_level: str = "INFO"  # DEBUG, INFO, WARNING or ERROR (common.logs)
+    log_format: str = "text"  # text lines, or json: one object per line
 
     def check(self) -> None:
         """Raise ValueError with a one-line message for out-of-range values."""
@@ -83,8 +96,9 @@ class VerifierConfig:
                           ("max_inflight", 1)):
             if getattr(self, name) < low:
                 raise ValueError(f"{name} must be >= {low}, got {getattr(self, name)}")
-        if not self.idle_timeout_s > 0:
-            raise ValueError(f"idle_timeout_s must be > 0, got {self.idle_timeout_s}")
+        for name in ("idle_timeout_s", "open_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.max_message_mb < 0:
             raise ValueError(f"max_message_mb must be >= 0 (0 = what the limits need), got {self.max_message_mb}")
         if 0 < self.max_message_mb < _whole_mib(self.link_message_bytes()):
@@ -93,14 +107,19 @@ class VerifierConfig:
                              f"{self.max_seq_len} and max_tree_nodes {self.max_tree_nodes}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if not 0 <= self.metrics_port <= 65535:
+            raise ValueError(f"metrics_port must be in [0, 65535], got {self.metrics_port}")
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"dtype must be auto or one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.measure_costs not in ("auto", "on", "off"):
+            raise ValueError(f"measure_costs must be auto, on or off, got {self.measure_costs!r}")
         if self.sampling not in ("keyed", "coins"):
             raise ValueError(f"sampling must be keyed or coins, got {self.sampling!r}")
         if any(i < 0 for i in self.feature_layer_ids):
             raise ValueError(f"feature layer ids must be >= 0, got {list(self.feature_layer_ids)}")
         if self.torch_device().type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"device {self.device!r} asked for, but CUDA is not available")
+        self.tls.check()  # TlsError, a ValueError: incomplete settings, unreadable or mismatched files
 
     def torch_device(self) -> torch.device:
         try:
@@ -159,7 +178,24 @@ def load_verifier(config: VerifierConfig) -> TreeVerifier:
     runner = TargetRunner(model, config.max_sessions, config.max_seq_len, config.max_tree_nodes,
                           cuda_graphs=config.cuda_graphs, graph_config=config.graph_config(),
                           sampling=config.accept_mode())
-    return TreeVerifier(runner, config.limits())
+    verifier = TreeVerifier(runner, config.limits())
+    if config.measure_costs == "on" or (config.measure_costs == "auto" and runner.graphs is not None):
+        verifier.verify_costs = runner.measure_verify_costs()
+        log.info("measured %d verify step costs (batch x tokens)", len(verifier.verify_costs))
+    return verifier
+
+
+def startup_summary(verifier: TreeVerifier) -> str:
+    """The start-up line's facts: device, dtype, KV capacity, CUDA graphs, measured costs, memory."""
+    runner = verifier.runner
+    graphs = runner.graphs.num_graphs if runner.graphs is not None else 0
+    features = (f"{len(verifier.feature_layer_ids)} feature layers"
+                + (" projected" if runner.model.feature_projection is not None else "")
+                if verifier.feature_layer_ids else "no features")
+    return (f"device {runner.device}, dtype {str(runner.cache.k.dtype).removeprefix('torch.')}, "
+            f"KV {runner.num_slots} sessions x {runner.max_seq_len} tokens, "
+            f"{graphs} verify CUDA graphs{'' if graphs else ' (eager)'}, {len(verifier.verify_costs)} verify costs "
+            f"measured, {features}, {memory_summary(runner.device)}")
 
 
 class _Link:
@@ -173,7 +209,7 @@ class _Link:
     def __init__(self, context: grpc.aio.ServicerContext, worker: ModelWorker, config: VerifierConfig, owner: int):
         self.context, self.worker, self.config, self.owner = context, worker, config, owner
         self.limits = LinkLimits(max_entries=config.max_link_entries(), max_tree_nodes=config.max_tree_nodes)
-        self.sessions: set[int] = set()  # ids opened and neither closed nor failed, as far as the link knows
+        self.timers = SessionTimers(config.open_timeout_s, config.idle_timeout_s)  # its sessions, and their timeouts
         self.messages = 0
 
     async def run(self) -> str:
@@ -181,24 +217,22 @@ class _Link:
 
         The read of the next message and the writer run at once: a failed step (the writer's
         error) ends the link at once, even while the drafter, waiting for that reply, sends
-        nothing. While the link has sessions and sends nothing for idle_timeout_s, its sessions
-        are closed and the same read goes on (the link stays usable)."""
+        nothing. A session the verifier has answered and then hears nothing more of is closed
+        after open_timeout_s (if it has sent no tree yet) or idle_timeout_s, and the same read
+        goes on (the link stays usable; `SessionTimers`)."""
         pending: asyncio.Queue = asyncio.Queue(maxsize=self.config.max_inflight)
         writer = asyncio.create_task(self._write(pending))
         read = None
         try:
             while True:
                 read = read or asyncio.ensure_future(self.context.read())
-                timeout = self.config.idle_timeout_s if self.sessions else None
+                timeout = self.timers.wait_s(time.monotonic())
                 done, _ = await asyncio.wait({read, writer}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
                 if writer in done:
                     await writer  # raises the step's error
                     raise VerifierError("INTERNAL", "the link's writer ended early")
                 if not done:
-                    log.warning("link %d: no message for %g s: closing its %d sessions", self.owner,
-                                self.config.idle_timeout_s, len(self.sessions))
-                    self.sessions.clear()
-                    self.worker.close_owner(self.owner)
+                    self._close_expired()
                     continue
                 data, read = read.result(), None
                 if data is grpc.aio.EOF:
@@ -208,11 +242,7 @@ class _Link:
                     items = decode_link_request(message, self.limits)
                 except ValueError as exc:
                     raise VerifierError("INVALID_ARGUMENT", f"bad link message: {exc}") from None
-                for item in items:
-                    if isinstance(item, OpenEntry):
-                        self.sessions.add(item.session_id)
-                    elif isinstance(item, CloseEntry):
-                        self.sessions.discard(item.session_id)
+                items = self.timers.heard(items)
                 job = LinkStep(self.owner, message.step, items, received_bytes=len(data))
                 await pending.put(self.worker.submit(job))
             await pending.put(None)
@@ -226,11 +256,18 @@ class _Link:
     async def _write(self, pending: asyncio.Queue) -> None:
         while (future := await pending.get()) is not None:
             reply = await future
-            for r in reply.results:
-                if r.WhichOneof("kind") == "error":
-                    self.sessions.discard(r.session_id)
+            self.timers.answered(reply, time.monotonic())  # before the write: the next message may come at once
             await self.context.write(reply)
             self.messages += 1
+
+    def _close_expired(self) -> None:
+        """Close the sessions whose timers ran out (one log line)."""
+        unstarted, idle = self.timers.expire(time.monotonic())
+        if unstarted or idle:
+            log.warning("link %d: closing %d sessions opened without a tree for %g s (open timeout) and %d with no "
+                        "message for %g s (idle timeout)", self.owner, len(unstarted), self.timers.open_timeout_s,
+                        len(idle), self.config.idle_timeout_s)
+            self.worker.close_sessions(self.owner, unstarted + idle)
 
 
 class VerifierServicer(pb_grpc.VerifierServicer):
@@ -246,6 +283,9 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             device_id=device_id(model.embed_tokens.weight.device),
             max_seq_len=config.max_seq_len, max_sessions=config.max_sessions,
             max_tree_nodes=config.max_tree_nodes,
+            verify_costs=[pb.VerifyCost(batch=b, tokens=t, seconds=seconds)
+                          for (b, t), seconds in sorted(worker.verifier.verify_costs.items())],
+            sampling=config.sampling,
         )
         self._links = 0
 
@@ -290,19 +330,25 @@ class VerifierServer:
 
     def __init__(self, server: grpc.aio.Server, worker: ModelWorker, health: health_aio.HealthServicer, port: int):
         self.server, self.worker, self.health, self.port = server, worker, health, port
+        self.metrics: metrics.MetricsServer | None = None  # the /metrics endpoint, when served
 
     async def stop(self, grace: float | None = None) -> None:
         """NOT_SERVING, let running RPCs finish for `grace` seconds, then stop the worker."""
         await self.health.enter_graceful_shutdown()
         await self.server.stop(grace)
         await asyncio.to_thread(self.worker.stop)
+        if self.metrics is not None:
+            await self.metrics.stop()
 
     async def wait_for_termination(self) -> None:
         await self.server.wait_for_termination()
 
 
-async def serve(config: VerifierConfig, verifier: TreeVerifier | None = None) -> tuple[VerifierServer, int]:
-    """Start a verifier and return it with its bound port (config.port 0 picks a free one).
+async def serve(config: VerifierConfig, verifier: TreeVerifier | None = None,
+                metrics_port: int | None = None) -> tuple[VerifierServer, int]:
+    """Start a verifier and return it with its bound port (config.port 0 picks a free one);
+    given `metrics_port` (0 = any free port; the CLI passes --metrics-port unless 0) also
+    Prometheus /metrics on config.host (`VerifierServer.metrics.port`).
 
     Loads the model unless `verifier` is given (off the event loop). Raises CheckpointError
     or ValueError for a bad configuration, OSError when the address cannot be bound.
@@ -314,8 +360,19 @@ async def serve(config: VerifierConfig, verifier: TreeVerifier | None = None) ->
     worker.start()
     try:
         server, port, health = await start_grpc_server(VerifierServicer(worker, config), VERIFIER_SERVICE,
-                                                       config.host, config.port, config.max_receive_bytes())
+                                                       config.host, config.port, config.max_receive_bytes(),
+                                                       tls=config.tls)
     except BaseException:
         await asyncio.to_thread(worker.stop)
         raise
-    return VerifierServer(server, worker, health, port), port
+    running = VerifierServer(server, worker, health, port)
+    metrics.VERIFIER_KV_SLOTS.set(verifier.runner.num_slots)
+    metrics.VERIFIER_SESSIONS.set_function(lambda: verifier.num_sessions)  # a dict's length: read at scrape time
+    if metrics_port is not None:
+        try:
+            running.metrics = await metrics.serve_metrics(config.host, metrics_port)
+        except BaseException:
+            await running.stop(0)
+            raise
+    log.info("verifier ready on %s:%d: %s", config.host, port, startup_summary(verifier))
+    return running, port

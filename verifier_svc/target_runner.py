@@ -14,6 +14,7 @@ into, and `headroom` positions past max_seq_len for the padding nodes of a tree.
 """
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -52,8 +53,41 @@ class TargetRunner:
         use_graphs = cuda_graphs and self.device.type == "cuda"
         self.cache = KVCache(model.cfg, num_slots + 1, cache_length(max_seq_len, max_tree_nodes), p.device, p.dtype)
         graph_config = graph_config or GraphConfig(modes=("greedy", sampling))
+        self.graph_config = graph_config
         self.graphs = (VerifyGraphs(model, self.cache, max_seq_len, self.scratch_slot, graph_config)
                        if use_graphs else None)
+
+    def measure_verify_costs(self, iters: int = 3) -> dict[tuple[int, int], float]:
+        """Seconds of one greedy verify step per (batch bucket, tokens per row) of the graph
+        config, on dummy trees in the scratch slot: the captured graph's replay at its shortest
+        KV length where there is one, else the eager step. The drafter's adaptive budget weighs
+        its expected tokens against this table (`InfoResponse.verify_costs`)."""
+        config = self.graph_config
+        costs = {}
+        for b in sorted({min(b, self.num_slots) for b in config.batch_buckets}):
+            for t in config.token_buckets():
+                if b * t <= config.max_tokens and self.max_seq_len + t <= self.cache.max_seq_len:
+                    costs[(b, t)] = self._time_dummy_step(b, t, iters)
+        return costs
+
+    def _time_dummy_step(self, b: int, t: int, iters: int) -> float:
+        def step() -> None:
+            if self.graphs is None or not self.graphs.replay_dummy(b, t):
+                inp = BatchInputs(b, t, self.device, pinned=False)
+                inp.fill_dummy(self.scratch_slot)
+                with torch.inference_mode():
+                    verify_step(self.model, self.cache, inp, t, "greedy")
+
+        sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda device: None)
+        step()  # warm-up
+        sync(self.device)
+        times = []
+        for _ in range(iters):
+            start = time.perf_counter()
+            step()
+            sync(self.device)
+            times.append(time.perf_counter() - start)
+        return sorted(times)[len(times) // 2]
 
     def prefill(self, slots: Sequence[int], prompts: Sequence[Tensor]) -> tuple[Tensor, list[Tensor]]:
         """Causal forward of B prompts into empty slots, in one pass. Returns the logits [B, V] of

@@ -8,11 +8,15 @@ the rest of the step goes on.
 
 Sessions are keyed by (owner, session id): the owner is the link they came over, the id
 the drafter's, so several drafters can share one verifier and their sessions batch together.
+When the KV slots run short, a drafter refused a slot gets the next free ones while it holds
+less than its fair share (`TreeVerifier.open`): a drafter that closes a session and opens
+another in one message cannot keep every slot while the others wait.
 """
 from __future__ import annotations
 
 import collections
 import secrets
+import time
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
@@ -55,6 +59,8 @@ Key = tuple[Hashable, int]  # (owner, session id)
 
 class TreeVerifier:
     max_prefill_tokens = 8192  # padded prompt tokens per prefill forward
+    # How long an owner refused a slot counts as waiting for one (its drafter retries well within it).
+    contention_window_s = 2.0
 
     def __init__(self, runner: TargetRunner, limits: VerifierLimits):
         self.runner = runner
@@ -63,6 +69,9 @@ class TreeVerifier:
         self.feature_layer_ids = runner.model.feature_layer_ids
         self._free_slots = list(range(runner.num_slots - 1, -1, -1))
         self._sessions: dict[Key, _Session] = {}
+        self._refused: dict[Hashable, float] = {}  # owner -> when an open of it was last refused for capacity
+        # (batch, tokens) -> seconds of a verify step, when measured (`TargetRunner.measure_verify_costs`).
+        self.verify_costs: dict[tuple[int, int], float] = {}
 
     @property
     def free_capacity(self) -> int:
@@ -117,17 +126,25 @@ class TreeVerifier:
         `max_prefill_tokens` padded tokens) and sample each one's first token."""
         outcomes: list[Prefilled | VerifierError | None] = [None] * len(items)
         ready: list[tuple[int, Key, OpenEntry, torch.Tensor]] = []
+        now = time.monotonic()
+        self._refused = {o: t for o, t in self._refused.items() if now - t < self.contention_window_s}
+        held = collections.Counter(owner for owner, _ in self._sessions)
         for i, (key, e) in enumerate(items):
             try:
                 prompt = self._check_open(key, e)
             except VerifierError as exc:
                 outcomes[i] = exc
                 continue
-            if len(ready) >= len(self._free_slots):
-                outcomes[i] = VerifierError("RESOURCE_EXHAUSTED",
-                                            f"all {self.limits.max_sessions} session slots are in use")
+            owner, free = key[0], len(self._free_slots) - len(ready)
+            if free <= 0 or free <= self._kept_for_others(owner, held):
+                reason = (f"all {self.limits.max_sessions} session slots are in use" if free <= 0 else
+                          "the free session slots are kept for other drafters below their fair share")
+                outcomes[i] = VerifierError("RESOURCE_EXHAUSTED", reason)
+                self._refused[owner] = now
                 continue
             ready.append((i, key, e, prompt))
+            held[owner] += 1
+            self._refused.pop(owner, None)
         ready.sort(key=lambda item: item[3].shape[0])  # similar lengths together: less padding
         group: list[tuple[int, Key, OpenEntry, torch.Tensor]] = []
         for item in ready:
@@ -138,6 +155,17 @@ class TreeVerifier:
         if group:
             self._prefill(group, outcomes, stage)
         return outcomes
+
+    def _kept_for_others(self, owner: Hashable, held: collections.Counter) -> int:
+        """Free slots kept for the other owners refused a slot lately, up to their fair share
+        (the slots over the owners that hold or want some); none while `owner` is below its own."""
+        waiting = [o for o in self._refused if o != owner]
+        if not waiting:
+            return 0
+        share = max(1, self.runner.num_slots // len(set(held) | set(waiting) | {owner}))
+        if held[owner] < share:
+            return 0
+        return sum(max(0, share - held[o]) for o in waiting)
 
     def _check_open(self, key: Key, e: OpenEntry) -> torch.Tensor:
         """The prompt as a tensor, or VerifierError."""
@@ -207,6 +235,7 @@ class TreeVerifier:
 
     def close_owner(self, owner: Hashable) -> int:
         """Close every session of one owner (its link ended); returns how many."""
+        self._refused.pop(owner, None)
         keys = [k for k in self._sessions if k[0] == owner]
         for key in keys:
             self.close(key)

@@ -695,6 +695,23 @@ def test_graph_runner_matches_eager_runner(tiny_pair, dtype):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_measuring_verify_costs_covers_the_graphs_and_changes_no_step(qwen3_pair):
+    """The cost table (graph replays on dummy trees in the scratch slot) has every (batch
+    bucket, token bucket) of the graphs, and a runner that measured it still steps exactly
+    as an eager one."""
+    model = load_model(qwen3_pair, "cuda", torch.float32)
+    eager = TargetRunner(model, 4, 256, 129, cuda_graphs=False)
+    collect_garbage()
+    graphed = TargetRunner(model, 4, 256, 129, graph_config=GPU_CONFIG)
+    costs = graphed.measure_verify_costs()
+    grid = {(b, t) for b in graphed.graphs.batch_buckets for t in graphed.graphs.token_buckets
+            if b * t <= GPU_CONFIG.max_tokens}
+    assert set(costs) == grid and all(s > 0 for s in costs.values())
+    _lockstep(model, [eager, graphed], GPU_ROUNDS, np.random.default_rng(9), exact=True, tol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
 def test_eager_fallback_outside_the_buckets(qwen3_pair):
     """Batches no captured graph fits (too many rows, nodes, tokens or KV) run eagerly, correctly."""
     model = load_model(qwen3_pair, "cuda", torch.float32)

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from ddtree.v1 import ddtree_pb2 as ddtree_dot_v1_dot_ddtree__pb2
+from common.gen.ddtree.v1 import ddtree_pb2 as ddtree_dot_v1_dot_ddtree__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__

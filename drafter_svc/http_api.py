@@ -1,0 +1,505 @@
+"""The drafter's OpenAI-compatible HTTP API, on the drafter's event loop beside its gRPC server.
+
+    GET  /v1/models             the one model served (`DrafterConfig.model_name`)
+    POST /v1/completions        prompt: a string or a list of token ids
+    POST /v1/chat/completions   messages, rendered with the target's chat template (drafter_svc.chat)
+    GET  /health                200 while the drafter serves (its verifier answers), else 503
+    GET  /metrics               Prometheus text (common.metrics)
+
+A request body is translated into the gRPC API's `GenerateRequest` (this module checks only
+JSON types and the OpenAI fields it does not support) and goes through the very path gRPC
+requests take, `GenerationService.generate`: the same validation, scheduler and stop strings.
+`stream: true` answers with server-sent events in OpenAI's chunk format, ending with
+`data: [DONE]`. Errors have OpenAI's body `{"error": {"message", "type", "param", "code"}}`;
+the gRPC status a generation fails with maps to the HTTP status (`HTTP_STATUS`). An error
+after a stream started is sent as one `data: {"error": ...}` event before `[DONE]`.
+
+Unknown fields are ignored, as OpenAI clients send fields for other servers; known ones
+that would change the output and are not supported (n > 1, logprobs, penalties, tools, ...)
+get 400. Extensions: `top_k`, `stop_token_ids`, `tree_budget`, and for chat
+`chat_template_kwargs` and `add_generation_prompt`. With `--api-key` the /v1 endpoints need
+`Authorization: Bearer <key>`; with `--tls-cert` the port speaks HTTPS only.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import math
+import ssl
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+
+from common import metrics
+from common.auth import presents_key
+from common.grpc_server import MIB
+from common.protocol import StatusError
+from common.rpc import pb
+from drafter_svc.scheduler import QueueFull
+from drafter_svc.server import Finished, GenerationService, TextDelta
+
+log = logging.getLogger("drafter_svc.http")
+
+# The HTTP status (and OpenAI error type) of each gRPC status a generation can fail with.
+HTTP_STATUS = {
+    "INVALID_ARGUMENT": (400, "invalid_request_error"),
+    "FAILED_PRECONDITION": (400, "invalid_request_error"),
+    "OUT_OF_RANGE": (400, "invalid_request_error"),
+    "UNAUTHENTICATED": (401, "authentication_error"),
+    "PERMISSION_DENIED": (403, "permission_error"),
+    "NOT_FOUND": (404, "not_found_error"),
+    "RESOURCE_EXHAUSTED": (429, "rate_limit_error"),
+    "CANCELLED": (499, "cancelled"),
+    "UNAVAILABLE": (503, "service_unavailable"),
+    "DEADLINE_EXCEEDED": (504, "timeout"),
+}
+INT32, UINT32, UINT64 = 1 << 31, 1 << 32, 1 << 64
+# OpenAI fields this server does not implement: a request may send them only with these values.
+UNSUPPORTED = {
+    "logprobs": (None, False), "top_logprobs": (None,), "echo": (None, False), "suffix": (None, ""),
+    "best_of": (None, 1), "frequency_penalty": (None, 0), "presence_penalty": (None, 0), "logit_bias": (None, {}),
+    "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
+    "response_format": (None, {"type": "text"}),
+}
+
+
+class BadRequest(Exception):
+    """A request this API refuses (HTTP 400 unless `status` says otherwise), with the field at fault."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400):
+        super().__init__(message)
+        self.message, self.param, self.status = message, param, status
+
+
+@dataclass(frozen=True)
+class ApiRequest:
+    """An OpenAI request, checked and translated for the generation path."""
+    chat: bool                   # /v1/chat/completions (else /v1/completions)
+    generate: pb.GenerateRequest
+    stream: bool
+    include_usage: bool          # stream_options.include_usage: a last chunk with the usage
+
+
+# -- request bodies ---------------------------------------------------------------------------------
+
+def _typed(body: dict, name: str, kinds: tuple[type, ...], what: str):
+    """body[name] if it is of one of `kinds` (booleans are not numbers), None when absent or null."""
+    value = body.get(name)
+    if value is None:
+        return None
+    if (isinstance(value, bool) and bool not in kinds) or not isinstance(value, kinds):
+        raise BadRequest(f"{name} must be {what}, got {type(value).__name__}", name)
+    return value
+
+
+def _number(body: dict, name: str) -> float | None:
+    value = _typed(body, name, (int, float), "a number")
+    return None if value is None else float(value)
+
+
+def _integer(body: dict, name: str, low: int, high: int) -> int | None:
+    """An integer in [low, high) (the range the protobuf field takes; the domain checks its own)."""
+    value = _typed(body, name, (int,), "an integer")
+    if value is not None and not low <= value < high:
+        raise BadRequest(f"{name} must be in [{low}, {high}), got {value}", name)
+    return value
+
+
+def _token_ids(value: Any, name: str) -> list[int]:
+    if not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        raise BadRequest(f"{name} must be a string or a list of integer token ids", name)
+    if any(not -(1 << 63) <= t < 1 << 63 for t in value):
+        raise BadRequest(f"{name} has token ids out of range", name)
+    return value
+
+
+def _strings(body: dict, name: str) -> list[str]:
+    """A string or a list of strings (stop)."""
+    value = body.get(name)
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, list) and all(isinstance(v, str) for v in value):
+        return value
+    raise BadRequest(f"{name} must be a string or a list of strings", name)
+
+
+def _is_default(value: Any, allowed: tuple) -> bool:
+    """Whether `value` is one of `allowed` (0.0 equals 0, but 0 is not False)."""
+    return any(value == a and isinstance(value, bool) == isinstance(a, bool) for a in allowed)
+
+
+def _check_unsupported(body: dict) -> None:
+    if body.get("n") not in (None, 1):
+        raise BadRequest("only n=1 is supported", "n")
+    for name, allowed in UNSUPPORTED.items():
+        if not _is_default(body.get(name), allowed):
+            raise BadRequest("logprobs are not supported yet" if name in ("logprobs", "top_logprobs")
+                             else f"{name} is not supported", name)
+
+
+def _fill_common(body: dict, req: pb.GenerateRequest, max_tokens: int | None) -> tuple[bool, bool]:
+    """The fields completions and chat share; returns (stream, include_usage)."""
+    _check_unsupported(body)
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise BadRequest("model must be a string", "model")
+    if max_tokens is not None:
+        req.max_new_tokens = max_tokens
+    temperature, top_p = _number(body, "temperature"), _number(body, "top_p")
+    top_k, seed = _integer(body, "top_k", -INT32, INT32), _integer(body, "seed", 0, UINT64)
+    if temperature is not None:
+        req.sampling.temperature = temperature
+    if top_p is not None:
+        req.sampling.top_p = top_p
+    if top_k is not None:
+        req.sampling.top_k = top_k
+    if seed is not None:
+        req.sampling.seed = seed
+    req.stop.extend(_strings(body, "stop"))
+    stop_ids = body.get("stop_token_ids")
+    if stop_ids is not None:
+        if not isinstance(stop_ids, list):
+            raise BadRequest("stop_token_ids must be a list of integer token ids", "stop_token_ids")
+        req.stop_token_ids.extend(_token_ids(stop_ids, "stop_token_ids"))
+    budget = _integer(body, "tree_budget", 0, UINT32)
+    if budget is not None:
+        req.tree_budget = budget
+    stream = bool(_typed(body, "stream", (bool,), "a boolean"))
+    options = _typed(body, "stream_options", (dict,), "an object")
+    if options is not None and not stream:
+        raise BadRequest("stream_options is only allowed when stream is true", "stream_options")
+    include_usage = bool(_typed(options or {}, "include_usage", (bool,), "a boolean"))
+    return stream, include_usage
+
+
+def _object(data: bytes) -> dict:
+    try:
+        body = json.loads(data)
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise BadRequest(f"the body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise BadRequest("the body must be a JSON object")
+    return body
+
+
+def parse_completion(data: bytes) -> ApiRequest:
+    """A /v1/completions body; BadRequest when it is not one this server takes."""
+    body = _object(data)
+    req = pb.GenerateRequest()
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        if len(prompt) > 1:
+            raise BadRequest("batched prompts are not supported: send one prompt per request", "prompt")
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        req.text = prompt
+    elif isinstance(prompt, list):
+        req.token_ids.SetInParent()
+        req.token_ids.ids.extend(_token_ids(prompt, "prompt"))
+    else:
+        raise BadRequest("prompt is required: a string or a list of integer token ids", "prompt")
+    stream, include_usage = _fill_common(body, req, _integer(body, "max_tokens", 1, UINT32))
+    return ApiRequest(False, req, stream, include_usage)
+
+
+def _content(message: dict, i: int) -> str:
+    """A message's content: a string, or a list of text parts (joined with newlines)."""
+    content = message.get("content")
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
+                                         and isinstance(p.get("text"), str) for p in content):
+        return "\n".join(p["text"] for p in content)
+    raise BadRequest(f"messages[{i}].content must be a string or a list of text parts", f"messages[{i}].content")
+
+
+def parse_chat(data: bytes) -> ApiRequest:
+    """A /v1/chat/completions body; BadRequest when it is not one this server takes."""
+    body = _object(data)
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise BadRequest("messages must be a non-empty list of {role, content} objects", "messages")
+    req = pb.GenerateRequest()
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise BadRequest(f"messages[{i}] must be an object with a string role", f"messages[{i}]")
+        if m.get("tool_calls") or m.get("function_call"):
+            raise BadRequest("tool calls are not supported", f"messages[{i}]")
+        req.chat.messages.add(role=m["role"], content=_content(m, i))
+    add_prompt = _typed(body, "add_generation_prompt", (bool,), "a boolean")
+    if add_prompt is not None:
+        req.chat.add_generation_prompt = add_prompt
+    kwargs = _typed(body, "chat_template_kwargs", (dict,), "an object")
+    for key, value in (kwargs or {}).items():
+        if not isinstance(value, (str, bool)):
+            raise BadRequest(f"chat_template_kwargs[{key!r}] must be a string or a boolean", "chat_template_kwargs")
+        req.chat.template_kwargs[key] = value if isinstance(value, str) else str(value).lower()
+    max_tokens = _integer(body, "max_completion_tokens", 1, UINT32)
+    if max_tokens is None:
+        max_tokens = _integer(body, "max_tokens", 1, UINT32)
+    stream, include_usage = _fill_common(body, req, max_tokens)
+    return ApiRequest(True, req, stream, include_usage)
+
+
+# -- responses --------------------------------------------------------------------------------------
+
+def error_body(message: str, kind: str, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def error_response(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
+                   code: str | None = None) -> web.Response:
+    return _json(error_body(message, kind, param, code), status)
+
+
+def status_error_body(exc: StatusError) -> tuple[int, dict]:
+    status, kind = HTTP_STATUS.get(exc.status, (500, "server_error"))
+    return status, error_body(exc.message, kind, None, exc.status.lower())
+
+
+def _dumps(obj: Any) -> bytes:
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+
+
+def _json(obj: Any, status: int = 200) -> web.Response:
+    return web.Response(body=_dumps(obj), status=status, content_type="application/json")
+
+
+def _usage(end: Finished) -> dict:
+    completion = len(end.result.tokens)
+    return {"prompt_tokens": end.prompt_tokens, "completion_tokens": completion,
+            "total_tokens": end.prompt_tokens + completion}
+
+
+class _Output:
+    """The response objects of one request, in the completions or chat format."""
+
+    def __init__(self, req: ApiRequest, model: str):
+        self.req, self.model = req, model
+        self.id = ("chatcmpl-" if req.chat else "cmpl-") + uuid.uuid4().hex
+        self.created = int(time.time())
+        self.object = "chat.completion.chunk" if req.chat else "text_completion"
+
+    def _frame(self, choices: list, **extra) -> dict:
+        return {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
+                "choices": choices, **extra}
+
+    def whole(self, text: str, end: Finished) -> dict:
+        """The non-streamed response."""
+        reason = end.result.finish_reason
+        if self.req.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                      "finish_reason": reason}
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+        frame = self._frame([choice], usage=_usage(end))
+        frame["object"] = "chat.completion" if self.req.chat else "text_completion"
+        return frame
+
+    def chunk(self, text: str | None, reason: str | None = None, role: bool = False) -> dict:
+        """One streamed chunk: new text, or (text None) the finish reason."""
+        if self.req.chat:
+            delta = {"role": "assistant", "content": ""} if role else ({} if text is None else {"content": text})
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
+        else:
+            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}
+        return self._frame([choice], **({"usage": None} if self.req.include_usage else {}))
+
+    def usage_chunk(self, end: Finished) -> dict:
+        return self._frame([], usage=_usage(end))
+
+
+def _event(obj: Any) -> bytes:
+    return b"data: " + _dumps(obj) + b"\n\n"
+
+
+# -- the handlers -----------------------------------------------------------------------------------
+
+class OpenAIApi:
+    """The HTTP endpoints over one `GenerationService`."""
+
+    def __init__(self, service: GenerationService):
+        self.service = service
+        cfg = service.engine.cfg
+        self.model = cfg.model_name
+        self.api_key = cfg.api_key
+        self.started = int(time.time())
+
+    def _authorized(self, request: web.Request) -> bool:
+        return not self.api_key or presents_key(request.headers.get("Authorization"), self.api_key)
+
+    async def health(self, _request: web.Request) -> web.Response:
+        serving = self.service.serving
+        return _json({"status": "serving" if serving else "not serving"}, 200 if serving else 503)
+
+    async def models(self, request: web.Request) -> web.Response:
+        if not self._authorized(request):
+            return _unauthorized()
+        card = {"id": self.model, "object": "model", "created": self.started, "owned_by": "ddtree-serve"}
+        if "model" in request.match_info:
+            if request.match_info["model"] != self.model:
+                return error_response(404, f"model {request.match_info['model']!r} does not exist; this server "
+                                           f"serves {self.model!r}", param="model", code="model_not_found")
+            return _json(card)
+        return _json({"object": "list", "data": [card]})
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, parse_completion)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, parse_chat)
+
+    async def _generate(self, request: web.Request, parse: Callable[[bytes], ApiRequest]) -> web.StreamResponse:
+        if not self._authorized(request):
+            return _unauthorized()
+        try:
+            data = await request.read()
+            req = await asyncio.to_thread(parse, data)  # a large body takes a while to parse
+        except BadRequest as exc:
+            metrics.REQUESTS.labels("http", "none", "INVALID_ARGUMENT").inc()
+            return error_response(exc.status, exc.message, param=exc.param)
+        out = _Output(req, self.model)
+        async with contextlib.aclosing(self.service.generate(req.generate, "http")) as items:
+            try:
+                first = await anext(items)  # validation, queueing and the first token: errors keep their status
+            except StatusError as exc:
+                status, body = status_error_body(exc)
+                response = _json(body, status)
+                if isinstance(exc, QueueFull):  # the queue is full: when to try again, in whole seconds
+                    response.headers["Retry-After"] = str(math.ceil(exc.retry_after_s))
+                return response
+            if req.stream:
+                return await self._stream(request, out, first, items)
+            text = []
+            item = first
+            try:
+                while not isinstance(item, Finished):
+                    text.append(item.text)
+                    item = await anext(items)
+            except StatusError as exc:
+                status, body = status_error_body(exc)
+                return _json(body, status)
+            return _json(out.whole("".join(text), item))
+
+    async def _stream(self, request: web.Request, out: _Output, first: TextDelta | Finished,
+                      items) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await response.prepare(request)
+        try:
+            if out.req.chat:
+                await response.write(_event(out.chunk(None, role=True)))
+            item = first
+            try:
+                while not isinstance(item, Finished):
+                    if item.text:
+                        await response.write(_event(out.chunk(item.text)))
+                    item = await anext(items)
+                await response.write(_event(out.chunk(None, item.result.finish_reason)))
+                if out.req.include_usage:
+                    await response.write(_event(out.usage_chunk(item)))
+            except StatusError as exc:
+                await response.write(_event(status_error_body(exc)[1]))
+            await response.write(b"data: [DONE]\n\n")
+            await response.write_eof()
+        except ConnectionError:  # the client went away: closing the generator cancels the generation
+            pass
+        return response
+
+
+def _unauthorized() -> web.Response:
+    return error_response(401, "missing or invalid API key: send 'Authorization: Bearer <key>'",
+                          kind="authentication_error", code="invalid_api_key")
+
+
+# -- the server -------------------------------------------------------------------------------------
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+class _InProgress:
+    """An app middleware: counts the requests in progress (for a graceful stop) and gives every
+    error OpenAI's body (aiohttp's own 404, 405 and 413 included)."""
+
+    def __init__(self):
+        self.active = 0
+        self.idle = asyncio.Event()
+        self.idle.set()
+
+    @web.middleware
+    async def middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        self.active += 1
+        self.idle.clear()
+        try:
+            return await handler(request)
+        except web.HTTPException as exc:
+            if exc.status < 400:
+                raise
+            return error_response(exc.status, exc.text or exc.reason)
+        except (asyncio.CancelledError, ConnectionError):
+            raise
+        except Exception:
+            log.exception("HTTP handler failed")
+            return error_response(500, "internal error in the drafter; see its log", kind="server_error")
+        finally:
+            self.active -= 1
+            if not self.active:
+                self.idle.set()
+
+
+class HttpServer:
+    """A running HTTP API; `stop(grace)` lets the requests in progress finish for `grace` seconds."""
+
+    def __init__(self, runner: web.AppRunner, port: int, in_progress: _InProgress):
+        self.runner, self.port, self._in_progress = runner, port, in_progress
+
+    async def stop(self, grace: float = 0.0) -> None:
+        for site in list(self.runner.sites):  # no new connections
+            await site.stop()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._in_progress.idle.wait(), grace)
+        await self.runner.cleanup()  # closes the connections; handlers still running are cancelled
+
+
+def _ssl_context(tls) -> ssl.SSLContext | None:
+    """The server side of `common.tls.ServerTls` for HTTPS (mutual TLS with a client CA)."""
+    if not tls.enabled:
+        return None
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(tls.cert, tls.key)
+    if tls.client_ca:
+        context.load_verify_locations(tls.client_ca)
+        context.verify_mode = ssl.CERT_REQUIRED
+    return context
+
+
+async def serve_http(service: GenerationService, host: str, port: int) -> HttpServer:
+    """Start the HTTP API on host:port (0 = any free port) on the running loop. OSError when the
+    address cannot be bound."""
+    api = OpenAIApi(service)
+    in_progress = _InProgress()
+    app = web.Application(client_max_size=service.engine.cfg.max_message_mb * MIB,
+                          middlewares=[in_progress.middleware])
+    app.router.add_get("/v1/models", api.models)
+    app.router.add_get("/v1/models/{model}", api.models)
+    app.router.add_post("/v1/completions", api.completions)
+    app.router.add_post("/v1/chat/completions", api.chat_completions)
+    app.router.add_get("/health", api.health)
+    app.router.add_get("/metrics", metrics.metrics_handler("drafter"))
+    # handler_cancellation: a client that goes away cancels its handler, and so its generation.
+    runner = web.AppRunner(app, access_log=None, handler_cancellation=True, shutdown_timeout=0.5)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port, ssl_context=_ssl_context(service.engine.cfg.tls), reuse_port=False)
+    try:
+        await site.start()
+    except OSError as exc:
+        await runner.cleanup()
+        raise OSError(f"cannot listen on {host}:{port} (HTTP): {exc.strerror or exc}") from None
+    return HttpServer(runner, runner.addresses[0][1], in_progress)

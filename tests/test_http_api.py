@@ -1,0 +1,319 @@
+"""The drafter's OpenAI-compatible HTTP API, driven with the official `openai` client against both
+services on loopback with the shipped pair: its outputs equal the gRPC API's for the same
+request, streamed or not, for completions and chat; stop strings cut text and usage; bad
+requests get 400 with OpenAI's error body; /health follows the drafter's serving state."""
+from __future__ import annotations
+
+import contextlib
+import json
+import ssl
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import grpc
+import openai
+import pytest
+import torch
+
+from common.config import load_draft_config
+from common.rpc import CHANNEL_OPTIONS, pb, pb_grpc
+from common.tls import ServerTls
+from drafter_svc.server import DrafterConfig, DrafterEngine
+from drafter_svc.server import serve as serve_drafter
+from tests.servers import ServerThread
+from verifier_svc.server import VerifierConfig
+from verifier_svc.server import serve as serve_verifier
+
+PAIR = Path(__file__).resolve().parent.parent / "models" / "default"
+MODEL_NAME = "stdlib-coder"  # the name of the drafter's target folder (a copy of the shipped one, with a template)
+CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}assistant: {% endif %}")
+PROMPT = "def read_config(path):\n"
+
+
+def shipped_target_with_template(folder: Path) -> Path:
+    """The shipped target's files, linked into `folder`, plus a chat template (the shipped one has none)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for f in (PAIR / "target").iterdir():
+        if not (folder / f.name).exists():
+            (folder / f.name).symlink_to(f)
+    (folder / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+    return folder
+
+
+@contextlib.contextmanager
+def shipped_services(target: Path, max_sessions: int = 8, **drafter_changes):
+    """The verifier (with /metrics) and a drafter with its HTTP API on loopback, both on CPU; yields
+    their ServerThreads. `drafter.server.http_port` is the HTTP port, `drafter.port` the gRPC one,
+    `verifier.server.metrics.port` the verifier's metrics port."""
+    verifier_cfg = VerifierConfig(target_dir=str(PAIR / "target"), projection_dir=str(PAIR / "draft"),
+                                  feature_layer_ids=load_draft_config(PAIR / "draft").target_layer_ids,
+                                  host="127.0.0.1", port=0, max_sessions=max_sessions, max_seq_len=512,
+                                  max_tree_nodes=33)
+    with ServerThread(lambda: serve_verifier(verifier_cfg, metrics_port=0)) as verifier:
+        fields = dict(draft_dir=str(PAIR / "draft"), target_dir=str(target), verifier=f"127.0.0.1:{verifier.port}",
+                      host="127.0.0.1", port=0, tree_budget=16, max_new_tokens=32, verifier_wait_s=30,
+                      max_concurrent=max_sessions)
+        engine = DrafterEngine.start(DrafterConfig(**(fields | drafter_changes)), torch.float32)
+        with ServerThread(lambda: serve_drafter(engine, "127.0.0.1", 0, http_port=0)) as drafter:
+            yield verifier, drafter
+
+
+@pytest.fixture(scope="module")
+def drafter(tmp_path_factory):
+    target = shipped_target_with_template(tmp_path_factory.mktemp("http") / MODEL_NAME)
+    with shipped_services(target) as (_, running):
+        yield running
+
+
+@pytest.fixture(scope="module")
+def client(drafter):
+    with openai.OpenAI(base_url=f"http://127.0.0.1:{drafter.server.http_port}/v1", api_key="unused",
+                       max_retries=0, timeout=60) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def grpc_stub(drafter):
+    with grpc.insecure_channel(f"127.0.0.1:{drafter.port}", options=CHANNEL_OPTIONS) as channel:
+        yield pb_grpc.GenerationStub(channel)
+
+
+def post(drafter, path: str, body: bytes | dict, headers=None) -> tuple[int, dict | bytes]:
+    """A raw request: (status, parsed JSON body, or the raw bytes of an event stream)."""
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    req = urllib.request.Request(f"http://127.0.0.1:{drafter.server.http_port}{path}", data=data,
+                                 headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            raw = r.read()
+            events = r.headers.get("Content-Type", "").startswith("text/event-stream")
+            return r.status, raw if events else json.loads(raw)
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def get(drafter, path: str) -> tuple[int, dict]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{drafter.server.http_port}{path}", timeout=30) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def streamed_text(stream) -> tuple[str, str | None, object]:
+    """Text, finish reason and usage of a streamed completion (completions or chat)."""
+    text, reason, usage = [], None, None
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            piece = choice.delta.content if hasattr(choice, "delta") else choice.text
+            text.append(piece or "")
+            reason = choice.finish_reason or reason
+    return "".join(text), reason, usage
+
+
+def test_models_lists_the_target_folder_name(client, drafter):
+    assert [m.id for m in client.models.list().data] == [MODEL_NAME]
+    assert client.models.retrieve(MODEL_NAME).id == MODEL_NAME
+    status, body = get(drafter, "/v1/models/another-model")
+    assert status == 404 and body["error"]["code"] == "model_not_found"
+    assert DrafterConfig(target_dir="x/y/", served_model_name="served").model_name == "served"
+    assert DrafterConfig(target_dir="x/y/").model_name == "y"
+
+
+def test_completion_equals_grpc_generate_once(client, grpc_stub):
+    once = grpc_stub.GenerateOnce(pb.GenerateRequest(text=PROMPT, max_new_tokens=24), timeout=60)
+    out = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=24, temperature=0)
+    assert out.choices[0].text == once.text and once.text
+    assert out.choices[0].finish_reason == once.final.finish_reason == "length"
+    assert out.model == MODEL_NAME and out.object == "text_completion"
+    assert out.usage.prompt_tokens == once.final.usage.prompt_tokens
+    assert out.usage.completion_tokens == once.final.usage.completion_tokens == 24
+    assert out.usage.total_tokens == out.usage.prompt_tokens + 24
+
+
+def test_token_id_prompt_equals_text_prompt(client, drafter):
+    ids = drafter.server.engine.tokenize(PROMPT)
+    by_text = client.completions.create(model="any-name", prompt=PROMPT, max_tokens=12, temperature=0)
+    by_ids = client.completions.create(model=MODEL_NAME, prompt=ids, max_tokens=12, temperature=0)
+    batch_of_one = client.completions.create(model=MODEL_NAME, prompt=[ids], max_tokens=12, temperature=0)
+    assert by_ids.choices[0].text == by_text.choices[0].text == batch_of_one.choices[0].text
+    assert by_ids.usage.prompt_tokens == len(ids)
+
+
+def test_streamed_completion_equals_whole(client):
+    whole = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=30, temperature=0)
+    stream = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=30, temperature=0, stream=True,
+                                       stream_options={"include_usage": True})
+    text, reason, usage = streamed_text(stream)
+    assert text == whole.choices[0].text and reason == whole.choices[0].finish_reason
+    assert usage.model_dump() == whole.usage.model_dump()
+
+
+def test_stream_is_server_sent_events_ending_with_done(drafter):
+    status, raw = post(drafter, "/v1/completions", {"prompt": PROMPT, "max_tokens": 8, "stream": True})
+    assert status == 200
+    events = [e for e in raw.decode().split("\n\n") if e]
+    assert all(e.startswith("data: ") for e in events) and events[-1] == "data: [DONE]"
+    chunks = [json.loads(e.removeprefix("data: ")) for e in events[:-1]]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert all("usage" not in c for c in chunks)  # no include_usage: no usage fields at all
+    assert len({c["id"] for c in chunks}) == 1 and chunks[0]["object"] == "text_completion"
+
+
+def test_seeded_sampling_repeats(client):
+    kwargs = dict(model=MODEL_NAME, prompt=PROMPT, max_tokens=16, temperature=0.8, top_p=0.95, seed=7,
+                  extra_body={"top_k": 50})
+    first = client.completions.create(**kwargs)
+    assert client.completions.create(**kwargs).choices[0].text == first.choices[0].text
+
+
+def test_chat_completion_equals_grpc_chat(client, grpc_stub):
+    messages = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "def parse("}]
+    chat = pb.Chat(messages=[pb.ChatMessage(**m) for m in messages])
+    once = grpc_stub.GenerateOnce(pb.GenerateRequest(chat=chat, max_new_tokens=20), timeout=60)
+    out = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_completion_tokens=20,
+                                         temperature=0)
+    assert out.object == "chat.completion" and out.choices[0].message.role == "assistant"
+    assert out.choices[0].message.content == once.text and once.text
+    assert out.usage.prompt_tokens == once.final.usage.prompt_tokens
+    assert out.usage.completion_tokens == once.final.usage.completion_tokens
+    stream = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=20, temperature=0,
+                                            stream=True, stream_options={"include_usage": True})
+    text, reason, usage = streamed_text(stream)
+    assert text == once.text and reason == out.choices[0].finish_reason
+    assert usage.completion_tokens == out.usage.completion_tokens
+    parts = [{"role": "system", "content": [{"type": "text", "text": "You write Python."}]}, messages[1]]
+    same = client.chat.completions.create(model=MODEL_NAME, messages=parts, max_tokens=20, temperature=0)
+    assert same.choices[0].message.content == once.text
+
+
+def test_stop_cuts_text_and_usage(client, grpc_stub):
+    full = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=32, temperature=0)
+    text = full.choices[0].text
+    stop = text[len(text) // 2: len(text) // 2 + 3]
+    assert stop.strip(), text
+    cut = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=32, temperature=0, stop=[stop, "@@@"])
+    assert cut.choices[0].text == text[:text.index(stop)]
+    assert cut.choices[0].finish_reason == "stop"
+    once = grpc_stub.GenerateOnce(pb.GenerateRequest(text=PROMPT, max_new_tokens=32, stop=[stop]), timeout=60)
+    assert cut.usage.completion_tokens == once.final.usage.completion_tokens < full.usage.completion_tokens
+    streamed, reason, _ = streamed_text(client.completions.create(
+        model=MODEL_NAME, prompt=PROMPT, max_tokens=32, temperature=0, stop=stop, stream=True))
+    assert (streamed, reason) == (cut.choices[0].text, "stop")
+
+
+@pytest.mark.parametrize("body, param, needle", [
+    ({"prompt": PROMPT, "temperature": -1}, None, "temperature"),
+    ({"prompt": PROMPT, "top_p": 0}, None, "top_p"),
+    ({"prompt": PROMPT, "n": 2}, "n", "n=1"),
+    ({"prompt": PROMPT, "max_tokens": "ten"}, "max_tokens", "integer"),
+    ({"prompt": PROMPT, "max_tokens": 0}, "max_tokens", "max_tokens"),
+    ({"prompt": PROMPT, "temperature": "hot"}, "temperature", "number"),
+    ({"prompt": PROMPT, "stream": "yes"}, "stream", "boolean"),
+    ({"prompt": PROMPT, "stop": [1, 2]}, "stop", "strings"),
+    ({"prompt": PROMPT, "logprobs": 1}, "logprobs", "not supported yet"),
+    ({"prompt": PROMPT, "stream_options": {"include_usage": True}}, "stream_options", "stream"),
+    ({"prompt": PROMPT, "presence_penalty": 0.5}, "presence_penalty", "not supported"),
+    ({"prompt": PROMPT, "seed": -1}, "seed", "seed"),
+    ({"prompt": ["a", "b"]}, "prompt", "batched"),
+    ({"prompt": [1, "x"]}, "prompt", "token ids"),
+    ({"prompt": [5, 999999]}, None, "outside the vocabulary"),
+    ({"prompt": 5}, "prompt", "prompt"),
+    ({"prompt": ""}, None, "empty"),
+    ({}, "prompt", "required"),
+    ({"prompt": PROMPT, "model": 3}, "model", "string"),
+    ({"prompt": PROMPT, "tree_budget": 1000}, None, "tree_budget"),
+])
+def test_bad_completion_requests_get_400_with_openai_error_body(drafter, body, param, needle):
+    status, reply = post(drafter, "/v1/completions", body)
+    assert status == 400, reply
+    error = reply["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["type"] == "invalid_request_error" and error["param"] == param
+    assert needle in error["message"] and "\n" not in error["message"]
+
+
+@pytest.mark.parametrize("body, needle", [
+    ({"messages": []}, "messages"),
+    ({"messages": "hi"}, "messages"),
+    ({"messages": [{"role": "user"}]}, "content"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, "text parts"),
+    ({"messages": [{"role": "user", "content": "hi"}], "logprobs": True}, "not supported yet"),
+    ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": -3}, "max_completion_tokens"),
+    ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, "tools"),
+    ({"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"x": 1}}, "chat_template_kwargs"),
+    ({"messages": [{"role": "", "content": "hi"}]}, "empty role"),
+])
+def test_bad_chat_requests_get_400(drafter, body, needle):
+    status, reply = post(drafter, "/v1/chat/completions", body)
+    assert status == 400 and needle in reply["error"]["message"], reply
+
+
+def test_openai_client_raises_bad_request(client):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL_NAME, prompt=PROMPT, n=2)
+    assert info.value.status_code == 400 and "n=1" in info.value.message
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "x"}], temperature=-2)
+
+
+@pytest.mark.parametrize("data", [b"{not json", b"[1, 2]", b"\xff\xfe", b""])
+def test_invalid_json_gets_400(drafter, data):
+    status, reply = post(drafter, "/v1/completions", data)
+    assert status == 400 and reply["error"]["type"] == "invalid_request_error"
+
+
+def test_unknown_paths_and_methods_get_openai_error_bodies(drafter):
+    status, reply = get(drafter, "/v1/nothing-here")
+    assert status == 404 and "message" in reply["error"]
+    status, reply = get(drafter, "/v1/completions")
+    assert status == 405 and "message" in reply["error"]
+
+
+def test_oversized_body_gets_413(drafter):
+    limit = drafter.server.engine.cfg.max_message_mb << 20
+    status, reply = post(drafter, "/v1/completions", json.dumps({"prompt": "x" * limit}).encode())
+    assert status == 413 and "message" in reply["error"]
+
+
+def test_health_follows_serving_state(drafter):
+    assert get(drafter, "/health") == (200, {"status": "serving"})
+    service = drafter.server.service
+    service.draining = True  # what a shutdown sets: health reports not serving and new requests are refused
+    try:
+        assert get(drafter, "/health") == (503, {"status": "not serving"})
+        status, reply = post(drafter, "/v1/completions", {"prompt": PROMPT, "max_tokens": 4})
+        assert status == 503 and reply["error"]["code"] == "unavailable"
+    finally:
+        service.draining = False
+    assert get(drafter, "/health")[0] == 200
+
+
+def test_https_and_api_key_guard_the_http_api(tmp_path):
+    """With --tls-cert the HTTP port speaks HTTPS only, and --api-key guards its /v1 endpoints."""
+    from tests.test_tls import make_pki
+
+    pki = make_pki(tmp_path / "pki", "http")
+    target = shipped_target_with_template(tmp_path / MODEL_NAME)
+    tls = ServerTls(cert=pki.server_cert, key=pki.server_key)
+    with shipped_services(target, max_sessions=2, api_key="sesame-123", tls=tls) as (_, drafter):
+        base = f"https://localhost:{drafter.server.http_port}/v1"
+
+        context = ssl.create_default_context(cafile=pki.ca)
+
+        def client(key: str) -> openai.OpenAI:
+            return openai.OpenAI(base_url=base, api_key=key, max_retries=0,
+                                 http_client=openai.DefaultHttpxClient(verify=context))
+
+        with client("wrong") as wrong, pytest.raises(openai.AuthenticationError):
+            wrong.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=2)
+        with client("sesame-123") as right:
+            assert right.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=2).usage.completion_tokens == 2
+        with pytest.raises((urllib.error.URLError, ConnectionError)):  # plain HTTP is not answered
+            get(drafter, "/health")
+        with urllib.request.urlopen(f"https://localhost:{drafter.server.http_port}/health", context=context) as r:
+            assert r.status == 200  # health needs no key

@@ -1,0 +1,187 @@
+"""Logging and console tracing of the services: levels and formats (JSON lines with the records'
+fields), their flags and env fallbacks, one compact line per span, the verifier's start-up
+summary from its real entry point, and the drafter's progress while it waits for its verifier."""
+from __future__ import annotations
+
+import io
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.trace import Status, StatusCode
+
+from common.logs import memory_summary, resident_bytes, setup_logging
+from common.protocol import StatusError
+from common.tracing import CompactSpanExporter
+
+ROOT = Path(__file__).resolve().parent.parent
+SHIPPED = ROOT / "models" / "default"
+
+
+@pytest.fixture
+def root_logger():
+    """The root logger, restored after the test (setup_logging replaces its handler and level)."""
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    yield root
+    root.handlers[:] = handlers
+    root.setLevel(level)
+
+
+def test_json_lines_carry_time_level_logger_message_and_extra_fields(root_logger):
+    out = io.StringIO()
+    setup_logging("info", "JSON", stream=out)
+    log = logging.getLogger("drafter_svc.test")
+    log.debug("not written")
+    log.info("request %s done", "abc", extra={"request_id": "abc", "completion_tokens": 12, "path": Path("/x")})
+    try:
+        raise ValueError("boom")
+    except ValueError:
+        log.error("failed", exc_info=True)
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 2
+    first, second = map(json.loads, lines)
+    assert {"time", "level", "logger", "message"} <= set(first)
+    assert (first["level"], first["logger"], first["message"]) == ("INFO", "drafter_svc.test", "request abc done")
+    assert (first["request_id"], first["completion_tokens"], first["path"]) == ("abc", 12, "/x")
+    assert first["time"].endswith("+00:00") and "T" in first["time"]
+    assert "lineno" not in first and "args" not in first  # LogRecord's own attributes are not fields
+    assert second["level"] == "ERROR" and "ValueError: boom" in second["exception"]
+
+
+def test_text_lines_and_levels(root_logger):
+    out = io.StringIO()
+    setup_logging("WARNING", "text", stream=out)
+    setup_logging("WARNING", "text", stream=out)  # a second call replaces the handler: no doubled lines
+    log = logging.getLogger("verifier_svc.test")
+    log.info("quiet")
+    log.warning("loud %d", 3)
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 1 and lines[0].endswith("WARNING verifier_svc.test: loud 3")
+    for level, fmt in (("LOUD", "text"), ("INFO", "xml")):
+        with pytest.raises(ValueError):
+            setup_logging(level, fmt, stream=out)
+
+
+def test_log_flags_and_environment_fallbacks(monkeypatch, capsys):
+    import drafter_svc.__main__ as drafter_cli
+    import verifier_svc.__main__ as verifier_cli
+
+    cfg = drafter_cli.parse_args(["--draft", "d", "--target", "t"])
+    assert (cfg.log_level, cfg.log_format) == ("INFO", "text")
+    cfg = drafter_cli.parse_args(["--draft", "d", "--target", "t", "--log-level", "debug", "--log-format", "json"])
+    assert (cfg.log_level, cfg.log_format) == ("DEBUG", "json")
+    monkeypatch.setenv("DRAFTER_LOG_LEVEL", "error")
+    monkeypatch.setenv("VERIFIER_LOG_FORMAT", "json")
+    monkeypatch.setenv("VERIFIER_LOG_LEVEL", "WARNING")
+    assert drafter_cli.parse_args(["--draft", "d", "--target", "t"]).log_level == "ERROR"
+    cfg = verifier_cli.parse_config(["--target", "t", "--device", "cpu"])
+    assert (cfg.log_level, cfg.log_format) == ("WARNING", "json")
+    for argv in (["--log-level", "loud"], ["--log-format", "xml"]):
+        with pytest.raises(SystemExit):
+            verifier_cli.parse_config(["--target", "t", "--device", "cpu", *argv])
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("error:") and len(err.splitlines()) == 1
+
+
+def test_memory_summary_on_cpu():
+    assert resident_bytes() > 1 << 20
+    assert memory_summary("cpu").startswith("RSS ") and memory_summary("cpu").endswith(" MiB")
+
+
+# -- console tracing -------------------------------------------------------------------------
+
+def test_compact_span_lines():
+    out = io.StringIO()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(CompactSpanExporter(out)))
+    tracer = provider.get_tracer("test")
+    with tracer.start_as_current_span("round", attributes={"tree.nodes": 17, "accepted": 3, "ratio": 0.123456,
+                                                           "ids": [1, 2, 3], "text": "x" * 100}) as span:
+        trace_id = format(span.get_span_context().trace_id, "032x")
+    with tracer.start_as_current_span("verify", attributes={f"a{i}": i for i in range(9)}) as span:
+        span.set_status(Status(StatusCode.ERROR, "bad tree"))
+    provider.shutdown()
+    first, second = out.getvalue().splitlines()
+    word, name, duration, unit, trace, prefix, *attributes = first.split()
+    assert (word, name, unit, trace, prefix) == ("span", "round", "ms", "trace", trace_id[:8])
+    assert float(duration) >= 0
+    assert attributes[:4] == ["tree.nodes=17", "accepted=3", "ratio=0.1235", "ids=1,2,3"]
+    assert attributes[4].startswith("text=xxx") and attributes[4].endswith("...") and len(attributes[4]) == 45
+    assert second.startswith("span verify ") and "ERROR (bad tree)" in second
+    assert "a5=5" in second and "a6=6" not in second and second.endswith("(+3 attributes)")
+
+
+def test_trace_console_prints_one_line_per_span():
+    """setup_tracing(console=True), as --trace-console calls it, writes compact lines to stdout."""
+    probe = ("from common.tracing import setup_tracing, shutdown_tracing, tracer\n"
+             "setup_tracing('probe', console=True)\n"
+             "with tracer('t').start_as_current_span('generate', attributes={'prompt.tokens': 9}):\n"
+             "    with tracer('t').start_as_current_span('round', attributes={'tree.nodes': 5}):\n"
+             "        pass\n"
+             "shutdown_tracing()\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+    r = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert len(lines) == 2  # the inner span ends first
+    assert lines[0].startswith("span round ") and lines[0].endswith("tree.nodes=5")
+    assert lines[1].startswith("span generate ") and lines[1].endswith("prompt.tokens=9")
+    assert lines[0].split()[5] == lines[1].split()[5]  # one trace
+
+
+# -- the services' start-up ------------------------------------------------------------------
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_verifier_main_logs_a_json_start_up_summary(tmp_path):
+    """`python -m verifier_svc --log-format json` writes JSON lines, the ready summary among them."""
+    args = [sys.executable, "-m", "verifier_svc", "--target", str(SHIPPED / "target"), "--draft",
+            str(SHIPPED / "draft"), "--host", "127.0.0.1", "--port", "0", "--device", "cpu", "--max-sessions", "2",
+            "--max-seq-len", "128", "--log-format", "json"]
+    log_file = tmp_path / "stderr.log"
+    with open(log_file, "w") as err:
+        proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=err, text=True)
+    try:
+        listening = proc.stdout.readline()  # printed once it serves and handles SIGTERM ('' if it died)
+        assert listening.startswith("verifier listening on 127.0.0.1:"), log_file.read_text()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stdout.close()
+    records = [json.loads(line) for line in log_file.read_text().splitlines() if line.strip()]
+    ready = next(r for r in records if r["message"].startswith("verifier ready on"))
+    assert ready["level"] == "INFO" and ready["logger"] == "verifier_svc.server"
+    assert "device cpu, dtype float32, KV 2 sessions x 128 tokens" in ready["message"]
+    assert "verify CUDA graphs" in ready["message"] and "RSS " in ready["message"]
+    assert any(r["message"].startswith("shutting down") for r in records)
+
+
+def test_drafter_reports_progress_while_it_waits_for_the_verifier(caplog):
+    from drafter_svc.server import DrafterConfig, DrafterEngine
+
+    address = f"127.0.0.1:{free_port()}"  # nothing listens there
+    cfg = DrafterConfig(draft_dir=str(SHIPPED / "draft"), target_dir=str(SHIPPED / "target"), verifier=address,
+                        host="127.0.0.1", port=0, verifier_wait_s=6)
+    with caplog.at_level(logging.INFO, logger="drafter_svc"), pytest.raises(StatusError) as caught:
+        DrafterEngine.start(cfg, torch.float32)
+    assert caught.value.status == "UNAVAILABLE"
+    waiting = [r.getMessage() for r in caplog.records if r.getMessage().startswith("waiting for the verifier")]
+    assert waiting and all(m.startswith(f"waiting for the verifier at {address} (") and m.endswith(" of 6)")
+                           for m in waiting)
