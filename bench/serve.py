@@ -528,7 +528,8 @@ async def client(stub, prompts: list[list[int]], budget: int, max_new: int, time
 
 # Histograms of both services' /metrics whose means per observation make the step breakdown.
 STEP_PARTS = {"draft": "ddtree_drafter_draft_seconds", "build": "ddtree_drafter_tree_build_seconds",
-              "rpc": "ddtree_drafter_verify_rpc_seconds", "vstep": "ddtree_verifier_step_seconds"}
+              "rpc": "ddtree_drafter_verify_rpc_seconds", "vstep": "ddtree_verifier_step_seconds",
+              "vfwd": "ddtree_verifier_verify_forward_seconds"}
 
 
 def scrape(urls: list[str]) -> dict[str, float]:
@@ -684,17 +685,18 @@ def print_table(result: dict) -> None:
         print(" ".join(cells))
     print("\nstep breakdown of the timed runs, ms per link message (each part's total / the messages; both "
           "services' /metrics): step = wall / messages; draft, build = the drafter's draft steps and tree builds; "
-          "rpc = its link round trips; vstep = the verifier's steps; link = rpc - vstep (codec, gRPC, queueing); "
+          "rpc = its link round trips; vstep = the verifier's steps, vfwd = their batched verifies (forward, "
+          "accept, KV compaction); link = rpc - vstep (codec, gRPC, queueing); "
           "other = step - draft - build - rpc (the drafter's scheduling and deliveries)")
     head = [("setting", 16), ("mode", 5), ("N", 4), ("msgs", 6), ("step", 7), ("draft", 7), ("build", 7),
-            ("rpc", 7), ("vstep", 7), ("link", 7), ("other", 7)]
+            ("rpc", 7), ("vstep", 7), ("vfwd", 7), ("link", 7), ("other", 7)]
     print(" ".join(f"{h:>{w}}" for h, w in head))
     for r in result["runs"]:
         b = r.get("step_breakdown") or {}
         link = b["rpc_ms"] - b["vstep_ms"] if b.get("rpc_ms") is not None and b.get("vstep_ms") is not None else None
         cells = [_cell(r["setting"], 16), _cell(r["mode"], 5), _cell(r["concurrency"], 4),
                  _cell(int(b["messages"]) if "messages" in b else None, 6)] + [
-                 _cell(b.get(k), 7, 2) for k in ("step_ms", "draft_ms", "build_ms", "rpc_ms", "vstep_ms")] + [
+                 _cell(b.get(k), 7, 2) for k in ("step_ms", "draft_ms", "build_ms", "rpc_ms", "vstep_ms", "vfwd_ms")] + [
                  _cell(link, 7, 2), _cell(b.get("other_ms"), 7, 2)]
         print(" ".join(cells))
 

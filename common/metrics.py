@@ -60,6 +60,9 @@ TREE_BUILD = Histogram("ddtree_drafter_tree_build_seconds", "One batched tree bu
 VERIFY_RPC = Histogram("ddtree_drafter_verify_rpc_seconds",
                        "One link message's round trip: from building it to reading the verifier's reply",
                        buckets=_STAGE)
+STEP = Histogram("ddtree_drafter_step_seconds",
+                 "One link message from the start of its drafting to its reply applied (tokens delivered): "
+                 "a round of its sessions", buckets=_STAGE)
 STEP_BATCH_SIZE = Histogram("ddtree_drafter_step_batch_size", "Sessions with a tree in one link message",
                             buckets=_BATCH)
 
@@ -68,6 +71,12 @@ STEP_BATCH_SIZE = Histogram("ddtree_drafter_step_batch_size", "Sessions with a t
 VERIFIER_STEP = Histogram("ddtree_verifier_step_seconds",
                           "One batched verifier step: every link's opens and trees (forward, accept, KV compaction) "
                           "with the results on the host", buckets=_STAGE)
+VERIFIER_FORWARD = Histogram("ddtree_verifier_verify_forward_seconds",
+                             "The batched verify of one step's trees: forward, accept and KV compaction, with the "
+                             "results on the host", buckets=_STAGE)
+VERIFIER_PREFILL = Histogram("ddtree_verifier_prefill_seconds",
+                             "One batched prefill of opening sessions, their first tokens sampled, on the host",
+                             buckets=_STAGE)
 VERIFIER_STEP_BATCH_SIZE = Histogram("ddtree_verifier_step_batch_size", "Trees verified in one step",
                                      buckets=_BATCH)
 VERIFIER_SESSIONS = Gauge("ddtree_verifier_sessions", "Sessions open (KV cache slots in use)")

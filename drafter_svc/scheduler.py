@@ -421,6 +421,7 @@ class DraftScheduler:
             accepted = sum(len(r.outcome.accepted_tokens) for r in results
                            if isinstance(r.outcome, Verified) and r.session_id in adapted)
             self.planner.observe(message.budget, time.perf_counter() - message.started, accepted)
+        metrics.STEP.observe(time.perf_counter() - message.started)
 
     def _adapts(self, s: _Session) -> bool:
         """Whether the adaptive budget may cut this session's DDTree."""

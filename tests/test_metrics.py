@@ -64,10 +64,11 @@ DRAFTER_FAMILIES = {
     "ddtree_drafter_inter_token_latency_seconds": "histogram", "ddtree_drafter_request_latency_seconds": "histogram",
     "ddtree_drafter_queue_wait_seconds": "histogram", "ddtree_drafter_draft_seconds": "histogram",
     "ddtree_drafter_tree_build_seconds": "histogram", "ddtree_drafter_verify_rpc_seconds": "histogram",
-    "ddtree_drafter_step_batch_size": "histogram",
+    "ddtree_drafter_step_batch_size": "histogram", "ddtree_drafter_step_seconds": "histogram",
 }
 VERIFIER_FAMILIES = {
     "ddtree_verifier_step_seconds": "histogram", "ddtree_verifier_step_batch_size": "histogram",
+    "ddtree_verifier_verify_forward_seconds": "histogram", "ddtree_verifier_prefill_seconds": "histogram",
     "ddtree_verifier_sessions": "gauge", "ddtree_verifier_kv_slots": "gauge", "ddtree_verifier_inflight_steps": "gauge",
 }
 
@@ -106,10 +107,14 @@ def test_a_completion_moves_the_counters_by_its_usage(client, drafter, services)
     assert moved(before, after, "ddtree_drafter_step_batch_size_count") == rounds
     assert moved(before, after, "ddtree_drafter_step_batch_size_sum") == rounds  # one session in each
     assert moved(before, after, "ddtree_drafter_verify_rpc_seconds_count") >= rounds + 1  # the open, every tree
+    assert moved(before, after, "ddtree_drafter_step_seconds_count") == moved(
+        before, after, "ddtree_drafter_verify_rpc_seconds_count")
     assert value(after, "ddtree_drafter_active_sessions") == 0
     # The verifier verified every round's tree and ran the open; the closed session freed its slot.
     assert moved(verifier_before, verifier_after, "ddtree_verifier_step_batch_size_sum") == rounds
     assert moved(verifier_before, verifier_after, "ddtree_verifier_step_seconds_count") >= rounds + 1
+    assert moved(verifier_before, verifier_after, "ddtree_verifier_verify_forward_seconds_count") == rounds
+    assert moved(verifier_before, verifier_after, "ddtree_verifier_prefill_seconds_count") == 1
     assert value(verifier_after, "ddtree_verifier_inflight_steps") == 0
 
 

@@ -158,6 +158,7 @@ class ModelWorker:
         self._sync = torch.cuda.synchronize if verifier.runner.device.type == "cuda" else None
         self.steps = 0
         self.busy_s = 0.0  # wall time spent in verifier steps (forwards and their host work), for metrics
+        self._in_prefill = False  # inside a "prefill" stage: its "forward" is not a verify's
 
     def start(self) -> None:
         self._thread.start()
@@ -310,11 +311,22 @@ class ModelWorker:
 
     @contextlib.contextmanager
     def _stage(self, name: str) -> Iterator[None]:
-        """A span for one part of the step (the TreeVerifier's `stage` hook)."""
-        with _tracer.start_as_current_span(name) as span:
-            yield
-            if self._sync is not None and span.is_recording():
-                self._sync()
+        """A span for one part of the step (the TreeVerifier's `stage` hook), and the histogram of
+        a prefill or of a verify's "forward" (both end with their results on the host)."""
+        histogram = (metrics.VERIFIER_PREFILL if name == "prefill" else
+                     metrics.VERIFIER_FORWARD if name == "forward" and not self._in_prefill else None)
+        self._in_prefill |= name == "prefill"
+        start = time.perf_counter()
+        try:
+            with _tracer.start_as_current_span(name) as span:
+                yield
+                if self._sync is not None and span.is_recording():
+                    self._sync()
+        finally:
+            if name == "prefill":
+                self._in_prefill = False
+        if histogram is not None:
+            histogram.observe(time.perf_counter() - start)
 
 
 def _session_span(entry: OpenEntry | TreeEntry, result: StepResult, step_context, start_ns: int,
