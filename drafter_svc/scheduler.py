@@ -95,6 +95,8 @@ class GenerationResult:
 
 
 # What a session's callback receives: updates, then exactly one GenerationResult or StatusError.
+# A callback that returns True for an update ends the session after it ("stop": a stop string
+# matched), so that no further round is drafted for it.
 Delivery = RoundUpdate | GenerationResult | StatusError
 
 # Benchmarks only (`drafter_svc.oracle`): edits the block logits [S, D, V] of the drafted
@@ -606,7 +608,8 @@ class DraftScheduler:
             s.result.finish_reason = "length"
 
     def _deliver(self, s: _Session, update: RoundUpdate) -> None:
-        s.deliver(update)
+        if s.deliver(update) is True and not s.result.finish_reason:
+            s.result.finish_reason = "stop"  # the receiver matched a stop string in its text
         if s.result.finish_reason:
             self._finish(s)
 

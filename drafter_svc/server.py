@@ -5,7 +5,8 @@ takes seconds to tokenise, and one past max_prompt_bytes is refused before that)
 to the `DraftScheduler` (which owns the draft model and the verifier link, and batches every
 session into one draft step and one link message per step) and streams what the scheduler delivers: deliveries
 come back to the event loop through an asyncio queue, so the handlers never wait on the
-model. Stop strings are cut here (`TextStream`); the session is then cancelled.
+model. Stop strings are cut here (`TextStream`), and the scheduler ends the session in the
+round that completes one (`_StopWatch`, on its thread), so no round runs past a stop.
 
 `GenerationService.generate` is that one path, shared by the gRPC servicer and the
 OpenAI-compatible HTTP API (`drafter_svc.http_api`, on `--http-port`), and counts the request
@@ -22,6 +23,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
+from collections.abc import Callable
 from typing import AsyncIterator
 
 import grpc
@@ -253,6 +255,21 @@ class DrafterEngine:
         return _Request(prompt_ids, config, list(request.stop))
 
 
+class _StopWatch:
+    """A delivery callback for a request with stop strings: it follows the text on the
+    scheduler's thread (a TextStream of its own, so the same decision as the handler's) and
+    tells the scheduler when a stop string has matched, before another round is drafted."""
+
+    def __init__(self, text: TextStream, forward: Callable[[object], None]):
+        self.text, self.forward = text, forward
+
+    def __call__(self, item) -> bool:
+        self.forward(item)
+        if isinstance(item, RoundUpdate) and not self.text.stopped:
+            self.text.push(item.tokens)
+        return self.text.stopped
+
+
 class _Mailbox:
     """Hands the scheduler's deliveries to the handlers' asyncio queues with one event-loop
     wake-up per batch of them (a step delivers to every session at once), not one per session."""
@@ -400,7 +417,10 @@ class GenerationService:
         updates: asyncio.Queue = asyncio.Queue()
         scheduler = self.engine.scheduler
         try:
-            sid = scheduler.submit(req.prompt_ids, req.config, functools.partial(self._mailbox.put, updates))
+            deliver = functools.partial(self._mailbox.put, updates)
+            if req.stop:  # ends the session in the round that completes a stop string
+                deliver = _StopWatch(TextStream(self.engine.tokenizer, req.stop), deliver)
+            sid = scheduler.submit(req.prompt_ids, req.config, deliver)
         except ValueError as exc:
             raise StatusError("INVALID_ARGUMENT", str(exc)) from None
         metrics.ACTIVE_SESSIONS.inc()

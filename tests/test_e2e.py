@@ -168,7 +168,7 @@ def test_concurrent_requests_do_not_interfere(client, verifier_stub):
 def test_stop_string_cuts_the_text_and_the_tokens(client, local, qwen3_pair, verifier, tmp_path):
     """The text ends before the stop string; the token ids and completion_tokens end with the
     token in which it ends, also where that token's round has more (a drafter whose drafts
-    are always accepted), and no later round is delivered."""
+    are always accepted), and no later round is delivered or even run."""
     tokens, text, _ = run(client, request(PROMPTS[0], n=16))
     oracle = tmp_path / "oracle.json"
     oracle.write_text(json.dumps({"accept_prob": 1.0,
@@ -195,6 +195,8 @@ def test_stop_string_cuts_the_text_and_the_tokens(client, local, qwen3_pair, ver
             cut_tokens, cut, final = run(stub, request(PROMPTS[0], n=16, stop=[stop]))
             assert cut == text[: text.index(stop)] and final.finish_reason == "stop"
             assert cut_tokens == tokens[:k] and final.usage.completion_tokens == k < len(tokens)
+            ran = list(final.stats.acceptance_lengths)  # the verify rounds that ran: the last completed the stop
+            assert 1 + sum(ran[:-1]) < k <= 1 + sum(ran), (k, ran)
             once = stub.GenerateOnce(request(PROMPTS[0], n=16, stop=[stop]), timeout=60)
             assert list(once.token_ids) == tokens[:k] and once.text == cut
             assert once.final.usage.completion_tokens == k and once.final.finish_reason == "stop"
