@@ -193,9 +193,10 @@ def _invalid(session_id: int, message: str) -> StepResult:
 
 
 def encode_link_response(step: int, results: Sequence[StepResult], feature_dim: int,
-                         dtype: torch.dtype) -> pb.LinkResponse:
-    """Results in order, with the features of all of them in one tensor (rows in result order)."""
-    msg = pb.LinkResponse(step=step)
+                         dtype: torch.dtype, step_seconds: float = 0.0) -> pb.LinkResponse:
+    """Results in order, with the features of all of them in one tensor (rows in result order),
+    and the time of the verifier step that made them."""
+    msg = pb.LinkResponse(step=step, step_seconds=step_seconds)
     rows = []
     for r in results:
         o = r.outcome

@@ -107,24 +107,34 @@ def parse_args(argv=None):
 
 @dataclass
 class RoundRow:
-    """One round as the stream shows it: tokens emitted (Stats.acceptance_lengths), tokens and text
+    """One round: tokens emitted and where its time went (Stats.round_stats, ms), tokens and text
     streamed for it, and when its first delta arrived on the client's clock."""
     round: int
     emitted: int
+    nodes: int | None = None
+    draft_ms: float | None = None
+    build_ms: float | None = None
+    network_ms: float | None = None
+    verify_ms: float | None = None
     delivered: int = 0
     text: str = ""
     arrived_s: float | None = None
 
 
-ROUND_TABLE_NOTE = ("per round, from the stream (tree nodes and the draft / build / verify times of a round are not "
-                    "on the wire): emitted = tokens the round emitted, accepted + bonus (round 0: the prefill's "
-                    "first token); delivered = tokens streamed for it, after stop cuts; arrived = client clock")
+ROUND_TABLE_NOTE = ("per round (round 0: the prefill's first token): emitted = tokens the round emitted, accepted "
+                    "+ bonus; nodes = its tree's, root included; draft, build = the drafter's batched draft and tree "
+                    "build of the round's step; network = its link round trip minus verify, the verifier's step "
+                    "(ms; shared by the step's sessions); delivered = tokens streamed for it, after stop cuts; "
+                    "arrived = client clock")
 
 
 def round_rows(deltas: list[tuple[float, GenerationDelta]], result: GenerationResult) -> list[RoundRow]:
     """The per-round table of a finished stream: round 0 is the prefill, round i the i-th verify."""
     rows = [RoundRow(0, 1 if result.completion_tokens else 0)]
     rows += [RoundRow(i + 1, n) for i, n in enumerate(result.acceptance_lengths)]
+    for row, stats in zip(rows[1:], result.round_stats):
+        row.nodes, row.draft_ms, row.build_ms = stats.tree_nodes, stats.draft_ms, stats.build_ms
+        row.network_ms, row.verify_ms = stats.network_ms, stats.verify_ms
     seen = 0
     for arrived, delta in deltas:
         # The text released at the end (no tokens) comes as round 0: it belongs to the last round seen.
@@ -142,13 +152,20 @@ def round_rows(deltas: list[tuple[float, GenerationDelta]], result: GenerationRe
 
 def print_round_table(rows: list[RoundRow], file) -> None:
     print(f"# {ROUND_TABLE_NOTE}", file=file)
-    print(f"{'round':>5} {'emitted':>7} {'delivered':>9} {'total':>6} {'arrived_ms':>10}  text", file=file)
+    print(f"{'round':>5} {'emitted':>7} {'nodes':>5} {'draft':>7} {'build':>7} {'network':>7} {'verify':>7} "
+          f"{'delivered':>9} {'total':>6} {'arrived_ms':>10}  text", file=file)
     total = 0
+
+    def ms(value: float | None) -> str:
+        return f"{value:7.2f}" if value is not None else f"{'-':>7}"
+
     for r in rows:
         total += r.delivered
         arrived = f"{r.arrived_s * 1000:.1f}" if r.arrived_s is not None else "-"
         text = repr(r.text) if len(r.text) <= 40 else repr(r.text[:37]) + "..."
-        print(f"{r.round:>5} {r.emitted:>7} {r.delivered:>9} {total:>6} {arrived:>10}  {text}", file=file)
+        nodes = str(r.nodes) if r.nodes is not None else "-"
+        print(f"{r.round:>5} {r.emitted:>7} {nodes:>5} {ms(r.draft_ms)} {ms(r.build_ms)} {ms(r.network_ms)} "
+              f"{ms(r.verify_ms)} {r.delivered:>9} {total:>6} {arrived:>10}  {text}", file=file)
 
 
 def main(argv=None) -> None:

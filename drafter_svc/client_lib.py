@@ -63,6 +63,17 @@ class GenerationDelta:
 
 
 @dataclass(frozen=True)
+class RoundStats:
+    """Where one verify round's time went, as the drafter saw its step (ms)."""
+    tokens: int
+    tree_nodes: int
+    draft_ms: float
+    build_ms: float
+    verify_ms: float
+    network_ms: float
+
+
+@dataclass(frozen=True)
 class GenerationResult:
     """A finished generation: its output, why it ended, and the server's statistics."""
     text: str
@@ -73,6 +84,7 @@ class GenerationResult:
     rounds: int                        # verify rounds (each emits accepted tokens plus one bonus)
     mean_acceptance: float             # tokens emitted per round
     acceptance_lengths: tuple[int, ...] = field(default=())  # tokens emitted by each round, bonus included
+    round_stats: tuple[RoundStats, ...] = field(default=())  # one per verify round
     time_to_first_token_s: float = 0.0
     tokens_per_s: float = 0.0
     elapsed_s: float = 0.0
@@ -83,7 +95,10 @@ class GenerationResult:
         return cls(text=text, token_ids=tuple(token_ids), finish_reason=final.finish_reason,
                    prompt_tokens=final.usage.prompt_tokens, completion_tokens=final.usage.completion_tokens,
                    rounds=s.rounds, mean_acceptance=s.mean_acceptance,
-                   acceptance_lengths=tuple(s.acceptance_lengths), time_to_first_token_s=s.time_to_first_token_s,
+                   acceptance_lengths=tuple(s.acceptance_lengths),
+                   round_stats=tuple(RoundStats(r.tokens, r.tree_nodes, r.draft_ms, r.build_ms, r.verify_ms,
+                                                r.network_ms) for r in s.round_stats),
+                   time_to_first_token_s=s.time_to_first_token_s,
                    tokens_per_s=s.tokens_per_s, elapsed_s=s.elapsed_s)
 
 

@@ -13,8 +13,10 @@ lost); the next step opens a new stream. `LocalLink` is the in-process twin over
 from __future__ import annotations
 
 import collections
+import math
 import queue
 import threading
+import time
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -33,6 +35,8 @@ _END = object()
 class VerifierLink(Protocol):
     """One verifier. `send` queues a message, `receive` returns the results of the oldest
     unanswered one; both raise StatusError when the link itself fails."""
+
+    verifier_step_s: float  # the verifier's step that answered the last message received (0: unknown)
 
     def send(self, entries: Sequence[Entry]) -> None: ...
 
@@ -107,6 +111,7 @@ class GrpcLink(_Lockstep):
         self._unanswered: collections.deque[tuple[int, Sequence[Entry]]] = collections.deque()
         self._lock = threading.Lock()
         self.bytes_sent = self.bytes_received = 0
+        self.verifier_step_s = 0.0
 
     def _connect(self) -> None:
         self._requests = queue.SimpleQueue()
@@ -148,6 +153,8 @@ class GrpcLink(_Lockstep):
         except (WireError, StatusError) as exc:
             self.close()
             raise StatusError("INTERNAL", f"bad reply from the verifier: {exc}") from None
+        seconds = reply.step_seconds  # only reported in statistics: a bad value becomes unknown
+        self.verifier_step_s = seconds if math.isfinite(seconds) and 0.0 <= seconds < 3600.0 else 0.0
         return results
 
     def probe(self) -> bool:
@@ -180,14 +187,17 @@ class LocalLink(_Lockstep):
 
     def __init__(self, verifier):
         self.verifier = verifier
-        self._results: collections.deque[list[StepResult]] = collections.deque()
+        self._results: collections.deque[tuple[list[StepResult], float]] = collections.deque()
+        self.verifier_step_s = 0.0
 
     def send(self, entries: Sequence[Entry]) -> None:
+        start = time.perf_counter()
         results = self.verifier.step([(self.OWNER, e) for e in entries])
-        self._results.append([r for r in results if r is not None])
+        self._results.append(([r for r in results if r is not None], time.perf_counter() - start))
 
     def receive(self) -> list[StepResult]:
-        return self._results.popleft()
+        results, self.verifier_step_s = self._results.popleft()
+        return results
 
     def probe(self) -> bool:
         return True

@@ -73,10 +73,22 @@ class RoundUpdate:
     tree_nodes: int = 0
 
 
+@dataclass(frozen=True)
+class RoundStats:
+    """Where one verify round's time went, as the drafter saw its step (the step's sessions share it)."""
+    tokens: int       # emitted, bonus included
+    tree_nodes: int   # root included
+    draft_s: float    # the step's batched draft
+    build_s: float    # the step's batched tree build
+    verify_s: float   # the verifier's step (as it reported it)
+    network_s: float  # the link round trip minus the verifier's step
+
+
 @dataclass
 class GenerationResult:
     tokens: list[int] = field(default_factory=list)
     acceptance_lengths: list[int] = field(default_factory=list)  # tokens emitted per round, bonus included
+    round_stats: list[RoundStats] = field(default_factory=list)  # one per verify round
     finish_reason: str = ""
     elapsed_s: float = 0.0
     time_to_first_token_s: float = 0.0
@@ -105,6 +117,15 @@ LogitsHook = Callable[[Sequence[list[int]], Sequence[list[int]], Tensor], None]
 
 
 @dataclass
+class _Drafted:
+    """A step's trees, the adaptive budget's choice for them, and how long drafting and building took."""
+    entries: list[TreeEntry]
+    budget: BudgetChoice | None = None
+    draft_s: float = 0.0
+    build_s: float = 0.0
+
+
+@dataclass
 class _InFlight:
     """A link message awaiting its reply: the sessions it carries an open or a tree for, and spans."""
     sessions: list["_Session"]
@@ -113,6 +134,8 @@ class _InFlight:
     rpc_span: trace.Span
     started: float = 0.0  # perf_counter when its step began drafting
     budget: BudgetChoice | None = None  # the adaptive budget's choice for its trees
+    draft_s: float = 0.0  # its step's batched draft and tree build
+    build_s: float = 0.0
     rpc_started: float = field(default_factory=time.perf_counter)  # made as its verify RPC starts (metrics)
 
     def end(self) -> None:
@@ -388,12 +411,13 @@ class DraftScheduler:
         step_span = _tracer.start_span("draft_step", attributes={"sessions": len(ready)})
         with trace.use_span(step_span, end_on_exit=False):
             rounds = self._round_spans(ready, step_span)
-            trees, budget = self._trees(ready, rounds)
-            entries += trees
+            drafted = self._trees(ready, rounds)
+            entries += drafted.entries
             rpc_span = _tracer.start_span("verify_rpc")
         for s in list(opening) + ready:
             s.in_flight = True
-        self._inflight.append(_InFlight(list(opening) + ready, rounds, step_span, rpc_span, started, budget))
+        self._inflight.append(_InFlight(list(opening) + ready, rounds, step_span, rpc_span, started, drafted.budget,
+                                        drafted.draft_s, drafted.build_s))
         try:
             self.link.send(entries)
         except StatusError as exc:
@@ -410,14 +434,17 @@ class DraftScheduler:
             self._link_failed(exc)
             return
         message.rpc_span.end()
-        metrics.VERIFY_RPC.observe(time.perf_counter() - message.rpc_started)
+        rpc_s = time.perf_counter() - message.rpc_started
+        metrics.VERIFY_RPC.observe(rpc_s)
+        verify_s = min(self.link.verifier_step_s, rpc_s)
+        timing = (message.draft_s, message.build_s, verify_s, rpc_s - verify_s)
         for s in message.sessions:
             s.in_flight = False
         self.steps += 1
         self._backoff = 0.0
         self._set_link(True)
         with trace.use_span(message.step_span, end_on_exit=True):
-            self._apply(results, message.rounds)
+            self._apply(results, message.rounds, timing)
         if message.budget is not None:
             adapted = {s.sid for s in message.sessions if self._adapts(s)}
             accepted = sum(len(r.outcome.accepted_tokens) for r in results
@@ -506,19 +533,19 @@ class DraftScheduler:
                                           attributes={"round": s.rounds + 1})
                 for s in drafting if s.span.is_recording()}
 
-    def _trees(self, drafting: Sequence[_Session], rounds: dict[int, trace.Span]
-               ) -> tuple[list[TreeEntry], BudgetChoice | None]:
+    def _trees(self, drafting: Sequence[_Session], rounds: dict[int, trace.Span]) -> _Drafted:
         """Draft every session that drafts and has room, in one batched step; build all trees
-        (under the adaptive budget's choice, which is returned, when there is a planner)."""
+        (under the adaptive budget's choice, when there is a planner)."""
         if not drafting:
-            return [], None
+            return _Drafted([])
         metrics.STEP_BATCH_SIZE.observe(len(drafting))
         rooms = [s.room() for s in drafting]
         busy = [i for i, s in enumerate(drafting) if s.drafts and rooms[i] > 0]
         trees: list[DraftTree | None] = [None] * len(drafting)  # None: a root-only tree (below)
-        budget = None
+        budget, draft_s, build_s = None, 0.0, 0.0
         if busy:
             sessions = [drafting[i] for i in busy]
+            start = time.perf_counter()
             with _tracer.start_as_current_span("draft"), metrics.DRAFT_STEP.time():
                 block = self.proposer.propose([s.draft_state for s in sessions], [s.root for s in sessions],
                                               [s.new_tokens for s in sessions], [s.new_features for s in sessions])
@@ -526,12 +553,14 @@ class DraftScheduler:
                     self.logits_hook([s.prompt_ids for s in sessions], [s.result.tokens for s in sessions], block)
             for s in sessions:
                 s.new_features = s.new_features[:0]
+            draft_s = time.perf_counter() - start
             with _tracer.start_as_current_span("tree_build"), metrics.TREE_BUILD.time():
                 built, budget = build_trees([s.config.mode for s in sessions], block, [s.root for s in sessions],
                                             [rooms[i] for i in busy], self.planner, len(drafting),
                                             [self._adapts(s) for s in sessions])
                 if budget is not None:
                     trace.get_current_span().set_attribute("tree.budget", budget.budget)
+            build_s = time.perf_counter() - start - draft_s
             for i, tree in zip(busy, built):
                 trees[i] = tree
         entries = []
@@ -539,9 +568,11 @@ class DraftScheduler:
             s.tree = tree = tree if tree is not None else DraftTree.root_only(s.root)
             span = rounds.get(s.sid)
             entries.append(TreeEntry(s.sid, s.rounds - s.round_base + 1, tree, traceparent_of(span) if span else ""))
-        return entries, budget
+        return _Drafted(entries, budget, draft_s, build_s)
 
-    def _apply(self, results: Sequence[StepResult], rounds: dict[int, trace.Span]) -> None:
+    def _apply(self, results: Sequence[StepResult], rounds: dict[int, trace.Span],
+               timing: tuple[float, float, float, float]) -> None:
+        """Hand every result to its session; `timing` (draft, build, verify, network seconds) is the step's."""
         for r in results:
             s = self._running.get(r.session_id)
             span = rounds.pop(r.session_id, None)
@@ -559,7 +590,7 @@ class DraftScheduler:
             elif isinstance(o, Prefilled):
                 self._prefilled(s, o)
             else:
-                self._verified(s, o, span)
+                self._verified(s, o, span, timing)
             if span is not None:
                 span.end()
         for span in rounds.values():
@@ -589,7 +620,8 @@ class DraftScheduler:
             s.new_tokens, s.new_features = [p.token], p.features[:0]
         self._deliver(s, RoundUpdate(s.rounds, s.emit([p.token])))  # round 0, or the last one before a re-open
 
-    def _verified(self, s: _Session, v: Verified, span: trace.Span | None) -> None:
+    def _verified(self, s: _Session, v: Verified, span: trace.Span | None,
+                  timing: tuple[float, float, float, float]) -> None:
         emitted = v.accepted_tokens + [v.next_token]
         if s.drafts and v.features.shape[0] != len(emitted):
             self._fail(s, StatusError("INTERNAL", f"verifier sent {v.features.shape[0]} feature rows for "
@@ -598,6 +630,7 @@ class DraftScheduler:
         s.rounds += 1
         s.length += len(emitted)
         s.result.acceptance_lengths.append(len(emitted))
+        s.result.round_stats.append(RoundStats(len(emitted), s.tree.num_nodes, *timing))
         s.root, s.new_tokens, s.new_features = v.next_token, emitted, v.features
         if span is not None:
             span.set_attributes({"tree.nodes": s.tree.num_nodes, "accepted": len(v.accepted_tokens)})

@@ -482,7 +482,10 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             usage=pb.Usage(prompt_tokens=end.prompt_tokens, completion_tokens=len(result.tokens)),
             stats=pb.Stats(rounds=result.rounds, mean_acceptance=result.mean_acceptance,
                            time_to_first_token_s=result.time_to_first_token_s, tokens_per_s=result.tokens_per_s,
-                           elapsed_s=result.elapsed_s, acceptance_lengths=result.acceptance_lengths),
+                           elapsed_s=result.elapsed_s, acceptance_lengths=result.acceptance_lengths,
+                           round_stats=[pb.RoundStats(tokens=r.tokens, tree_nodes=r.tree_nodes, draft_ms=1e3 * r.draft_s,
+                                                      build_ms=1e3 * r.build_s, verify_ms=1e3 * r.verify_s,
+                                                      network_ms=1e3 * r.network_s) for r in result.round_stats]),
         )
 
     async def Generate(self, request: bytes, context):

@@ -292,13 +292,18 @@ def test_cli_stats_table_matches_the_result(address, capsys):
     assert [r["emitted"] for r in rows[1:]] == out["acceptance_lengths"] and rows[0]["emitted"] == 1
     assert sum(r["delivered"] for r in rows) == out["completion_tokens"] == len(out["tokens"])
     assert "".join(r["text"] for r in rows) == out["text"]
+    # Every verify round says where its time went; the prefill's round has no such split.
+    assert rows[0]["verify_ms"] is None and out["rounds"] >= 1
+    for r in rows[1:]:
+        assert r["nodes"] >= r["emitted"] >= 1
+        assert r["verify_ms"] > 0 and r["network_ms"] >= 0
+        assert (r["draft_ms"] > 0 and r["build_ms"] > 0) if r["nodes"] > 1 else r["draft_ms"] == r["build_ms"] == 0
     client_cli.main(["--server", address, "--api-key", API_KEY, "--max-new-tokens", "20", "--stats", PROMPT])
     captured = capsys.readouterr()
     assert captured.out.strip() == out["text"].strip()
     table = captured.err.splitlines()
     header = next(i for i, line in enumerate(table) if line.startswith("# per round"))
-    assert "not on the wire" in table[header] and table[header + 1].split()[:4] == ["round", "emitted",
-                                                                                   "delivered", "total"]
+    assert table[header + 1].split()[:7] == ["round", "emitted", "nodes", "draft", "build", "network", "verify"]
     assert len(table) - header - 2 == out["rounds"] + 1
 
 

@@ -558,3 +558,18 @@ def test_adaptive_budget_changes_no_output(qwen3_pair, client, verifier_stub):
 def test_a_verifier_on_cpu_sends_no_cost_table_by_default(verifier_stub, drafter):
     assert not verifier_stub.Info(pb.InfoRequest()).verify_costs
     assert drafter.server.engine.scheduler.planner is None  # --adaptive-budget auto: fixed budgets
+
+
+def test_final_stats_say_where_each_rounds_time_went(client):
+    """One RoundStats per verify round: its tokens and tree, its step's draft and build, the
+    verifier's step (LinkResponse.step_seconds) and the rest of the round trip."""
+    _, _, final = run(client, request(PROMPTS[2], n=16, budget=8))
+    stats = final.stats
+    assert len(stats.round_stats) == stats.rounds >= 1
+    assert [r.tokens for r in stats.round_stats] == list(stats.acceptance_lengths)
+    for r in stats.round_stats:
+        assert 1 <= r.tokens <= r.tree_nodes <= 9
+        assert r.verify_ms > 0 and r.network_ms >= 0
+        # A step whose sessions all draft nothing (no room left: a root-only tree) has no draft.
+        assert (r.draft_ms > 0 and r.build_ms > 0) if r.tree_nodes > 1 else r.draft_ms == r.build_ms == 0
+    assert max(r.tree_nodes for r in stats.round_stats) > 1

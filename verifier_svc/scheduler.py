@@ -278,8 +278,9 @@ class ModelWorker:
                     _resolve(s.future, error=VerifierError("INTERNAL", "internal error in the verifier; see its log"))
                 return
             finally:
-                self.busy_s += time.perf_counter() - started
-                metrics.VERIFIER_STEP.observe(time.perf_counter() - started)
+                step_s = time.perf_counter() - started
+                self.busy_s += step_s
+                metrics.VERIFIER_STEP.observe(step_s)
             for s in steps:  # an entry refused while decoding fails its session too
                 for item in s.items:
                     if isinstance(item, StepResult):
@@ -299,7 +300,7 @@ class ModelWorker:
                         if isinstance(item, (OpenEntry, TreeEntry)) and item.traceparent:
                             _session_span(item, result, span.get_span_context(), start_ns, end_ns)
                     try:
-                        replies.append(encode_link_response(s.step, out, self.feature_dim, self.dtype))
+                        replies.append(encode_link_response(s.step, out, self.feature_dim, self.dtype, step_s))
                     except Exception:
                         log.exception("encoding a link response failed")
                         replies.append(VerifierError("INTERNAL", "internal error in the verifier; see its log"))

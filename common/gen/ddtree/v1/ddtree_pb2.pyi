@@ -88,20 +88,38 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ...) -> None: ...
 
 class Stats(_message.Message):
-    __slots__ = ("rounds", "mean_acceptance", "time_to_first_token_s", "tokens_per_s", "elapsed_s", "acceptance_lengths")
+    __slots__ = ("rounds", "mean_acceptance", "time_to_first_token_s", "tokens_per_s", "elapsed_s", "acceptance_lengths", "round_stats")
     ROUNDS_FIELD_NUMBER: _ClassVar[int]
     MEAN_ACCEPTANCE_FIELD_NUMBER: _ClassVar[int]
     TIME_TO_FIRST_TOKEN_S_FIELD_NUMBER: _ClassVar[int]
     TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
     ELAPSED_S_FIELD_NUMBER: _ClassVar[int]
     ACCEPTANCE_LENGTHS_FIELD_NUMBER: _ClassVar[int]
+    ROUND_STATS_FIELD_NUMBER: _ClassVar[int]
     rounds: int
     mean_acceptance: float
     time_to_first_token_s: float
     tokens_per_s: float
     elapsed_s: float
     acceptance_lengths: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, rounds: _Optional[int] = ..., mean_acceptance: _Optional[float] = ..., time_to_first_token_s: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., elapsed_s: _Optional[float] = ..., acceptance_lengths: _Optional[_Iterable[int]] = ...) -> None: ...
+    round_stats: _containers.RepeatedCompositeFieldContainer[RoundStats]
+    def __init__(self, rounds: _Optional[int] = ..., mean_acceptance: _Optional[float] = ..., time_to_first_token_s: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., elapsed_s: _Optional[float] = ..., acceptance_lengths: _Optional[_Iterable[int]] = ..., round_stats: _Optional[_Iterable[_Union[RoundStats, _Mapping]]] = ...) -> None: ...
+
+class RoundStats(_message.Message):
+    __slots__ = ("tokens", "tree_nodes", "draft_ms", "build_ms", "verify_ms", "network_ms")
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TREE_NODES_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_MS_FIELD_NUMBER: _ClassVar[int]
+    BUILD_MS_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_MS_FIELD_NUMBER: _ClassVar[int]
+    NETWORK_MS_FIELD_NUMBER: _ClassVar[int]
+    tokens: int
+    tree_nodes: int
+    draft_ms: float
+    build_ms: float
+    verify_ms: float
+    network_ms: float
+    def __init__(self, tokens: _Optional[int] = ..., tree_nodes: _Optional[int] = ..., draft_ms: _Optional[float] = ..., build_ms: _Optional[float] = ..., verify_ms: _Optional[float] = ..., network_ms: _Optional[float] = ...) -> None: ...
 
 class GenerateFinal(_message.Message):
     __slots__ = ("finish_reason", "usage", "stats")
@@ -244,14 +262,16 @@ class SessionResult(_message.Message):
     def __init__(self, session_id: _Optional[int] = ..., prefilled: _Optional[_Union[Prefilled, _Mapping]] = ..., verified: _Optional[_Union[Verified, _Mapping]] = ..., error: _Optional[_Union[Error, _Mapping]] = ...) -> None: ...
 
 class LinkResponse(_message.Message):
-    __slots__ = ("step", "results", "features")
+    __slots__ = ("step", "results", "features", "step_seconds")
     STEP_FIELD_NUMBER: _ClassVar[int]
     RESULTS_FIELD_NUMBER: _ClassVar[int]
     FEATURES_FIELD_NUMBER: _ClassVar[int]
+    STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
     step: int
     results: _containers.RepeatedCompositeFieldContainer[SessionResult]
     features: Tensor
-    def __init__(self, step: _Optional[int] = ..., results: _Optional[_Iterable[_Union[SessionResult, _Mapping]]] = ..., features: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+    step_seconds: float
+    def __init__(self, step: _Optional[int] = ..., results: _Optional[_Iterable[_Union[SessionResult, _Mapping]]] = ..., features: _Optional[_Union[Tensor, _Mapping]] = ..., step_seconds: _Optional[float] = ...) -> None: ...
 
 class InfoRequest(_message.Message):
     __slots__ = ()
