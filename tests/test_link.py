@@ -88,3 +88,27 @@ def test_check_results_matches_replies_to_entries():
         with pytest.raises(StatusError) as err:
             check_results(entries, results)
         assert err.value.status == "INTERNAL"
+
+
+class _CannedStub:
+    """A VerifierStub whose Link stream answers each message with the next canned reply."""
+
+    def __init__(self, replies):
+        self.replies = replies
+
+    def Link(self, requests):
+        return iter(self.replies)
+
+
+@pytest.mark.parametrize("seconds, kept", [(0.0125, 0.0125), (float("nan"), 0.0), (-1.0, 0.0), (float("inf"), 0.0),
+                                           (1e9, 0.0)])
+def test_the_verifiers_step_time_is_kept_only_when_plausible(seconds, kept):
+    """LinkResponse.step_seconds only feeds statistics; a bad value becomes unknown (0), the results stand."""
+    from drafter_svc.link import GrpcLink
+
+    reply = encode_link_response(1, [StepResult(1, Verified([4], 5, features(2, 1), 1))], WIDTH, torch.float32,
+                                 step_seconds=seconds)
+    link = GrpcLink(_CannedStub([reply]), vocab_size=VOCAB, feature_dim=WIDTH, max_seq_len=64)
+    link.send([TreeEntry(1, 1, chain([3, 4]))])
+    results = link.receive()
+    assert results[0].outcome.next_token == 5 and link.verifier_step_s == kept
