@@ -33,6 +33,14 @@ def read_pem(path: str, what: str) -> bytes:
     return data
 
 
+def _check_identity(cert: str, key: str, prefix: str) -> None:
+    """A certificate and its key, given as {prefix}cert and {prefix}key: both readable PEM files
+    that form a pair."""
+    read_pem(cert, f"{prefix}cert")
+    read_pem(key, f"{prefix}key")
+    _check_pair(cert, key, f"{prefix}cert")
+
+
 def _check_pair(cert: str, key: str, what: str) -> None:
     """The key must be the certificate's (ssl refuses a mismatched or unparsable pair)."""
     try:
@@ -71,9 +79,7 @@ class ServerTls:
             raise TlsError(f"{p}client-ca needs {p}cert and {p}key (mutual TLS is TLS first)")
         if not self.enabled:
             return
-        read_pem(self.cert, f"{p}cert")
-        read_pem(self.key, f"{p}key")
-        _check_pair(self.cert, self.key, f"{p}cert")
+        _check_identity(self.cert, self.key, p)
         if self.client_ca:
             read_pem(self.client_ca, f"{p}client-ca")
             _check_ca(self.client_ca, f"{p}client-ca")
@@ -115,9 +121,7 @@ class ChannelTls:
         read_pem(self.ca, f"{p}ca")
         _check_ca(self.ca, f"{p}ca")
         if self.cert:
-            read_pem(self.cert, f"{p}cert")
-            read_pem(self.key, f"{p}key")
-            _check_pair(self.cert, self.key, f"{p}cert")
+            _check_identity(self.cert, self.key, p)
 
     def credentials(self) -> grpc.ChannelCredentials:
         self.check()

@@ -546,7 +546,7 @@ class DraftScheduler:
         if busy:
             sessions = [drafting[i] for i in busy]
             start = time.perf_counter()
-            with _tracer.start_as_current_span("draft"), metrics.DRAFT_STEP.time():
+            with _tracer.start_as_current_span("draft"):
                 block = self.proposer.propose([s.draft_state for s in sessions], [s.root for s in sessions],
                                               [s.new_tokens for s in sessions], [s.new_features for s in sessions])
                 if self.logits_hook is not None:
@@ -554,13 +554,15 @@ class DraftScheduler:
             for s in sessions:
                 s.new_features = s.new_features[:0]
             draft_s = time.perf_counter() - start
-            with _tracer.start_as_current_span("tree_build"), metrics.TREE_BUILD.time():
+            metrics.DRAFT_STEP.observe(draft_s)
+            with _tracer.start_as_current_span("tree_build"):
                 built, budget = build_trees([s.config.mode for s in sessions], block, [s.root for s in sessions],
                                             [rooms[i] for i in busy], self.planner, len(drafting),
                                             [self._adapts(s) for s in sessions])
                 if budget is not None:
                     trace.get_current_span().set_attribute("tree.budget", budget.budget)
             build_s = time.perf_counter() - start - draft_s
+            metrics.TREE_BUILD.observe(build_s)
             for i, tree in zip(busy, built):
                 trees[i] = tree
         entries = []
