@@ -53,11 +53,10 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from bench.bench_timing import write_json
 from common.protocol import SamplingParams, StatusError
-from common.rpc import pb_grpc
 from common.tracing import setup_tracing
 from drafter_svc.draft_graphs import DraftGraphConfig
 from drafter_svc.drafter import DFlashProposer, DraftMode
-from drafter_svc.link import GrpcLink, open_channel
+from drafter_svc.link import GrpcLink, open_channel, verifier_stub
 from drafter_svc.scheduler import DraftScheduler, GenerationConfig, GenerationResult, RoundUpdate
 
 from bench.verify import draft_config, feature_layers, qwen3_8b_config, random_draft, random_projection, random_target
@@ -419,7 +418,7 @@ def main(argv=None) -> dict:
         channel = open_channel(f"127.0.0.1:{info['port']}")
         layer_ids = proposer.draft.cfg.target_layer_ids
         vocab = proposer.embed_tokens.shape[0]
-        link = TimedLink(pb_grpc.VerifierStub(channel), vocab_size=vocab,
+        link = TimedLink(verifier_stub(channel), vocab_size=vocab,
                          feature_dim=proposer.feature_dim, max_seq_len=max_seq)
         scheduler = DraftScheduler(link, proposer, max_sessions=max(sessions), feature_layer_ids=layer_ids,
                                    queue_timeout_s=600.0, pipelined=False)  # one step = one message and its reply

@@ -49,14 +49,14 @@ from opentelemetry import trace as otel_trace
 from bench.bench_timing import write_json
 from common.config import load_target_config
 from common.protocol import CloseEntry, OpenEntry, Prefilled, SamplingParams, TreeEntry, Verified
-from common.rpc import CHANNEL_OPTIONS, pb_grpc
+from common.rpc import CHANNEL_OPTIONS
 from common.tracing import traceparent_of
 from common.tree import DraftTree
-from drafter_svc.link import GrpcLink, open_channel
+from drafter_svc.link import GrpcLink, open_channel, verifier_stub
 from tests.reference import distinct_sibling_tokens
 
 TARGET = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "models", "default", "target")
-FEATURE_DIM = 5 * 4096  # Qwen3-8B with a 5-layer DFlash draft
+FEATURE_DIM = 4096  # Qwen3-8B's hidden size: the context rows a projecting verifier sends
 ECHO = "/bench.Echo/Session"
 PROMPT = [1, 2, 3]
 
@@ -99,13 +99,15 @@ def _verifier_process(port_out, rows: int, trace: bool, sessions: int, seq_len: 
 
     def verify_batch(batch_rows, masks, with_features=None):
         return VerifiedBatch(paths=[path] * len(batch_rows), bonus=[int(r.tree.tokens[0]) for r in batch_rows],
-                             features=features[: len(batch_rows) * rows])
+                             accepted=[r.tree.tokens[path[1:]].tolist() for r in batch_rows],
+                             features=features[: len(batch_rows) * rows], logprobs=[None] * len(batch_rows))
 
     runner.prefill = prefill
     runner.verify_batch = verify_batch
     # Replies without rows (a close-only message) carry an empty tensor of the features' width.
     verifier_svc.scheduler.encode_link_response = (
-        lambda step, results, feature_dim, dtype: encode_link_response(step, results, FEATURE_DIM, torch.bfloat16))
+        lambda step, results, feature_dim, dtype, step_s=0.0: encode_link_response(step, results, FEATURE_DIM,
+                                                                                  torch.bfloat16, step_s))
 
     async def main():
         _, port = await serve(config, verifier)
@@ -179,7 +181,7 @@ def time_link(port: int, tree: DraftTree, batch: int, rounds: int, trace: bool, 
               seq_len: int) -> dict:
     """Open `batch` sessions in one message, then time `rounds` messages of one tree per session."""
     channel = open_channel(f"127.0.0.1:{port}")
-    link = GrpcLink(pb_grpc.VerifierStub(channel), vocab_size=vocab, feature_dim=FEATURE_DIM, max_seq_len=seq_len)
+    link = GrpcLink(verifier_stub(channel), vocab_size=vocab, feature_dim=FEATURE_DIM, max_seq_len=seq_len)
     tracer = otel_trace.get_tracer(__name__)
     sids = list(range(1, batch + 1))
     requests = {sid: tracer.start_span("generate") for sid in sids} if trace else {}

@@ -23,6 +23,13 @@ class StatusError(Exception):
         self.message = message
 
 
+class LinkLost(StatusError):
+    """A session's verifier went away with it (its link broke): the session may re-open elsewhere."""
+
+    def __init__(self, message: str):
+        super().__init__("UNAVAILABLE", message)
+
+
 # Temperatures under this decode greedily: sampling there is argmax but for near-ties, and
 # logits / T overflows float32 (NaN probabilities) for the tiniest.
 GREEDY_BELOW = 1e-5
@@ -52,12 +59,26 @@ class SamplingParams:
             raise ValueError(f"seed must be in [0, 2^63), got {self.seed}")
 
 
+# Most alternatives a request may ask for per token (GenerateRequest.logprobs), as in OpenAI's API.
+MAX_LOGPROBS = 20
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """An emitted token's log probability under the distribution it was drawn from, and the most
+    likely tokens there, most likely first (`top`: (token, logprob) pairs)."""
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
 @dataclass
 class Prefilled:
     """Verifier's reply to Open: the first generated token and the prompt's features."""
     token: int
     features: torch.Tensor  # [prompt_len, feature_dim]
     max_seq_len: int        # the session can hold this many tokens in all
+    logprobs: list[TokenLogprob] | None = None  # [token's], when the Open asked for them
 
 
 @dataclass
@@ -67,6 +88,7 @@ class Verified:
     next_token: int             # the bonus token; root of the next tree
     features: torch.Tensor      # [1 + len(accepted_tokens), feature_dim] for [root, accepted...]
     round: int = 0              # the tree's round
+    logprobs: list[TokenLogprob] | None = None  # of accepted_tokens + [next_token], when the Open asked
 
 
 @dataclass
@@ -77,6 +99,7 @@ class OpenEntry:
     sampling: SamplingParams
     traceparent: str = ""
     feature_layer_ids: tuple[int, ...] = ()  # what the drafter needs; must equal the verifier's
+    logprobs: int | None = None  # None: none; N in [0, MAX_LOGPROBS]: emitted tokens' logprobs and the top N
 
 
 @dataclass

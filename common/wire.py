@@ -8,6 +8,7 @@ message, or, for one bad entry of a link message, a per-session error result.
 """
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -15,8 +16,8 @@ from dataclasses import dataclass
 import grpc
 import torch
 
-from common.protocol import (CloseEntry, Entry, OpenEntry, Prefilled, SamplingParams, StatusError, StepResult,
-                             TreeEntry, Verified)
+from common.protocol import (MAX_LOGPROBS, CloseEntry, Entry, OpenEntry, Prefilled, SamplingParams, StatusError,
+                             StepResult, TokenLogprob, TreeEntry, Verified)
 from common.rpc import pb
 from common.tree import DraftTree
 
@@ -118,9 +119,11 @@ def encode_link_request(step: int, entries: Sequence[Entry]) -> pb.LinkRequest:
     trees = []
     for e in entries:
         if isinstance(e, OpenEntry):
-            msg.entries.add(session_id=e.session_id, open=pb.Open(
+            entry = msg.entries.add(session_id=e.session_id, open=pb.Open(
                 prompt_token_ids=e.prompt_ids, sampling=encode_sampling(e.sampling), traceparent=e.traceparent,
                 feature_layer_ids=e.feature_layer_ids))
+            if e.logprobs is not None:
+                entry.open.logprobs = e.logprobs
         elif isinstance(e, TreeEntry):
             msg.entries.add(session_id=e.session_id, tree=pb.Tree(round=e.round, num_nodes=e.tree.num_nodes,
                                                                   traceparent=e.traceparent))
@@ -150,13 +153,13 @@ def decode_link_request(msg: pb.LinkRequest, limits: LinkLimits) -> list[Entry |
                        f"to {total}")
     except WireError as exc:
         framing = str(exc)
+    # Each tree's slices of the three buffers, in entry order (one split per buffer, not one slice per tree).
+    pieces = iter(zip(*(b.split(sizes) for b in buffers))) if not framing else None
     out: list[Entry | StepResult] = []
     seen: set[int] = set()
-    offset = 0
     for e in msg.entries:
         sid, kind = e.session_id, e.WhichOneof("kind")
-        if kind == "tree":
-            lo, offset = offset, offset + e.tree.num_nodes
+        tree_buffers = next(pieces) if kind == "tree" and pieces is not None else None
         if not 0 < sid <= MAX_SESSION_ID:
             raise WireError(f"session id {sid} is outside [1, 2^63)")
         if sid in seen:
@@ -169,8 +172,9 @@ def decode_link_request(msg: pb.LinkRequest, limits: LinkLimits) -> list[Entry |
             except ValueError as exc:
                 out.append(_invalid(sid, f"bad sampling parameters: {exc}"))
                 continue
+            logprobs = e.open.logprobs if e.open.HasField("logprobs") else None
             out.append(OpenEntry(sid, list(e.open.prompt_token_ids), sampling, e.open.traceparent,
-                                 tuple(e.open.feature_layer_ids)))
+                                 tuple(e.open.feature_layer_ids), logprobs))
         elif kind == "tree":
             n = e.tree.num_nodes
             if framing:
@@ -178,7 +182,7 @@ def decode_link_request(msg: pb.LinkRequest, limits: LinkLimits) -> list[Entry |
             elif not 1 <= n <= limits.max_tree_nodes:
                 out.append(_invalid(sid, f"malformed tree: {n} nodes, expected 1 to {limits.max_tree_nodes}"))
             else:
-                tokens, next_token, next_sibling = (b[lo:lo + n] for b in buffers)
+                tokens, next_token, next_sibling = tree_buffers
                 out.append(TreeEntry(sid, e.tree.round, DraftTree(tokens, next_token, next_sibling),
                                      e.tree.traceparent))
         elif kind == "close":
@@ -201,18 +205,54 @@ def encode_link_response(step: int, results: Sequence[StepResult], feature_dim: 
     for r in results:
         o = r.outcome
         if isinstance(o, Prefilled):
-            msg.results.add(session_id=r.session_id, prefilled=pb.Prefilled(
+            result = msg.results.add(session_id=r.session_id, prefilled=pb.Prefilled(
                 token=o.token, max_seq_len=o.max_seq_len, feature_rows=o.features.shape[0]))
+            _write_logprobs(result.prefilled, o.logprobs)
             rows.append(o.features)
         elif isinstance(o, Verified):
-            msg.results.add(session_id=r.session_id, verified=pb.Verified(
+            result = msg.results.add(session_id=r.session_id, verified=pb.Verified(
                 round=o.round, accepted_tokens=o.accepted_tokens, next_token=o.next_token,
                 feature_rows=o.features.shape[0]))
+            _write_logprobs(result.verified, o.logprobs)
             rows.append(o.features)
         else:
             msg.results.add(session_id=r.session_id, error=pb.Error(code=status_code(o.status), message=o.message))
     write_tensor(msg.features, _stack_rows(rows, feature_dim, dtype))
     return msg
+
+
+def _write_logprobs(result, logprobs: list[TokenLogprob] | None) -> None:
+    """Fill a Prefilled's or Verified's `logprobs` field (left unset for None)."""
+    if logprobs is None:
+        return
+    field = result.logprobs
+    field.SetInParent()
+    field.logprobs[:] = [t.logprob for t in logprobs]
+    field.top_counts[:] = [len(t.top) for t in logprobs]
+    field.top_token_ids[:] = [i for t in logprobs for i, _ in t.top]
+    field.top_logprobs[:] = [v for t in logprobs for _, v in t.top]
+
+
+def _read_logprobs(result, tokens: list[int], vocab_size: int) -> list[TokenLogprob] | None:
+    """The logprobs of a result's emitted `tokens`, checked; None when the field is unset."""
+    if not result.HasField("logprobs"):
+        return None
+    field = result.logprobs
+    values, counts = list(field.logprobs), list(field.top_counts)
+    ids, tops = list(field.top_token_ids), list(field.top_logprobs)
+    if len(values) != len(tokens) or len(counts) != len(tokens):
+        raise WireError(f"logprobs for {len(values)} tokens ({len(counts)} counts), the result emits {len(tokens)}")
+    if any(c > MAX_LOGPROBS for c in counts) or len(ids) != sum(counts) or len(tops) != len(ids):
+        raise WireError(f"top logprobs of {len(ids)} ids and {len(tops)} values for counts {counts[:8]}")
+    if any(not 0 <= i < vocab_size for i in ids):
+        raise WireError(f"a top logprob token id outside the vocabulary [0, {vocab_size})")
+    if not all(math.isfinite(v) and v <= 0.0 for v in values + tops):
+        raise WireError("a log probability that is not a finite number <= 0")
+    out, at = [], 0
+    for token, value, count in zip(tokens, values, counts):
+        out.append(TokenLogprob(token, value, tuple(zip(ids[at: at + count], tops[at: at + count]))))
+        at += count
+    return out
 
 
 def _stack_rows(rows: list[torch.Tensor], width: int, dtype: torch.dtype) -> torch.Tensor:
@@ -260,13 +300,15 @@ def decode_link_response(msg: pb.LinkResponse, *, vocab_size: int, feature_dim: 
         kind = r.WhichOneof("kind")
         if kind == "prefilled":
             p = r.prefilled
-            outcome = Prefilled(token(p.token), take(p.feature_rows), p.max_seq_len)
+            outcome = Prefilled(token(p.token), take(p.feature_rows), p.max_seq_len,
+                                _read_logprobs(p, [p.token], vocab_size))
         elif kind == "verified":
             v = r.verified
             accepted = [token(t) for t in v.accepted_tokens]
             if v.feature_rows not in (0, 1 + len(accepted)):
                 raise WireError(f"a Verified of {len(accepted)} accepted tokens with {v.feature_rows} feature rows")
-            outcome = Verified(accepted, token(v.next_token), take(v.feature_rows), v.round)
+            outcome = Verified(accepted, token(v.next_token), take(v.feature_rows), v.round,
+                               _read_logprobs(v, accepted + [v.next_token], vocab_size))
         elif kind == "error":
             outcome = StatusError(status_name(r.error.code), r.error.message)
         else:

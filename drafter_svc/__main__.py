@@ -33,7 +33,11 @@ def parse_args(argv=None) -> DrafterConfig:
     p.flag("--draft", env="DRAFTER_DRAFT_DIR", default="", help="DFlash draft checkpoint folder")
     p.flag("--target", env="DRAFTER_TARGET_DIR", default="",
            help="target checkpoint folder; only embed_tokens, lm_head and the tokenizer are loaded")
-    p.flag("--verifier", env="VERIFIER_ADDR", default=d.verifier, help=f"verifier address HOST:PORT (default {d.verifier})")
+    p.flag("--verifier", env="VERIFIER_ADDR", default=d.verifier,
+           help="verifier address HOST:PORT, or several replicas HOST:PORT,HOST:PORT,... (a host name that resolves "
+                "to several addresses is one replica per address): new sessions go to the least loaded one that "
+                "answers, and the sessions of one that dies re-open on another (--recovery-timeout) "
+                f"(default {d.verifier})")
     p.flag("--host", env="DRAFTER_HOST", default=d.host, help=f"listen address (default {d.host})")
     p.flag("--port", env="DRAFTER_PORT", default=d.port, type=int, help=f"listen port, 0 = any free port (default {d.port})")
     p.flag("--device", env="DRAFTER_DEVICE", default="cuda" if torch.cuda.is_available() else "cpu",
@@ -64,9 +68,9 @@ def parse_args(argv=None) -> DrafterConfig:
                 "RESOURCE_EXHAUSTED at once, with a retry hint (trailing metadata retry-after-ms; HTTP Retry-After); "
                 f"0 = none wait (default {d.max_queue})")
     p.flag("--recovery-timeout", env="DRAFTER_RECOVERY_TIMEOUT_S", default=d.recovery_timeout_s, type=float,
-           help="when the verifier link is lost (the verifier died or restarted), seconds each running session "
-                "keeps trying to re-open on it, by prefilling its prompt plus the tokens emitted so far, before it "
-                f"fails with UNAVAILABLE; 0 = fail at once (default {d.recovery_timeout_s:g})")
+           help="when a verifier link is lost (the verifier died or restarted), seconds each of its sessions "
+                "keeps trying to re-open on a verifier that answers, by prefilling its prompt plus the tokens emitted "
+                f"so far, before it fails with UNAVAILABLE; 0 = fail at once (default {d.recovery_timeout_s:g})")
     p.flag("--grace", env="DRAFTER_GRACE_S", default=d.grace_s, type=float,
            help="on SIGTERM or SIGINT, seconds running generations get to finish before they are cut "
                 f"(default {d.grace_s:g})")

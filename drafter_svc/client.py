@@ -27,7 +27,8 @@ from drafter_svc.client_lib import GenerationClient, GenerationDelta, Generation
 def request_options(a) -> dict:
     """`client_lib.build_request`'s arguments from the parsed flags (exits on a malformed one)."""
     options = dict(max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,
-                   seed=a.seed, stop=a.stop or [], stop_token_ids=a.stop_token_id or [], tree_budget=a.tree_budget)
+                   seed=a.seed, stop=a.stop or [], stop_token_ids=a.stop_token_id or [], tree_budget=a.tree_budget,
+                   logprobs=a.logprobs)
     if a.prompt_ids is not None:
         try:
             options["token_ids"] = [int(x) for x in a.prompt_ids.split(",") if x.strip()]
@@ -75,6 +76,9 @@ def parse_args(argv=None):
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
     p.add_argument("--stop-token-id", type=int, action="append", help="stop token id (repeatable)")
     p.add_argument("--tree-budget", type=int, help="DDTree nodes per round (default: the server's)")
+    p.add_argument("--logprobs", type=int, metavar="N",
+                   help="also get each token's log probability and the N (0 to 20) most likely tokens at its "
+                        "position: printed as a table after the text, or under \"logprobs\" with --json")
     p.add_argument("--timeout", type=float, default=300.0, help="deadline of the call in seconds (default 300)")
     p.add_argument("--json", action="store_true", help="print one JSON object at the end instead of streaming")
     p.add_argument("--stats", action="store_true",
@@ -196,6 +200,9 @@ def main(argv=None) -> None:
                "tokens_per_s": result.tokens_per_s, "elapsed_s": result.elapsed_s}
         if a.stats:
             out["per_round"] = [vars(r) for r in rows]
+        if result.logprobs is not None:
+            out["logprobs"] = [{"token": t.token_id, "logprob": t.logprob, "top": [list(x) for x in t.top]}
+                               for t in result.logprobs]
         print(json.dumps(out))
         return
     print()
@@ -204,6 +211,16 @@ def main(argv=None) -> None:
           f"{result.time_to_first_token_s * 1000:.0f} ms, {result.elapsed_s:.2f} s", file=sys.stderr)
     if a.stats:
         print_round_table(rows, sys.stderr)
+    if result.logprobs is not None:
+        print_logprobs(result.logprobs, sys.stderr)
+
+
+def print_logprobs(logprobs, file) -> None:
+    """One line per token: its id, its logprob and the most likely tokens there."""
+    print(f"{'token':>8} {'logprob':>9}  top", file=file)
+    for t in logprobs:
+        top = " ".join(f"{i}:{v:.3f}" for i, v in t.top)
+        print(f"{t.token_id:>8} {t.logprob:>9.4f}  {top}", file=file)
 
 
 if __name__ == "__main__":

@@ -55,11 +55,25 @@ class ChatMessage:
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    """An emitted token's log probability, and the most likely tokens at its position
+    ((token id, logprob) pairs, most likely first), when the request asks (`logprobs`)."""
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+    @classmethod
+    def from_proto(cls, t: pb.TokenLogprob) -> "TokenLogprob":
+        return cls(t.token_id, t.logprob, tuple((a.token_id, a.logprob) for a in t.top))
+
+
+@dataclass(frozen=True)
 class GenerationDelta:
     """New output of one round (round 0: the first token, from the prompt's prefill)."""
     text: str
     token_ids: tuple[int, ...]
     round: int
+    logprobs: tuple[TokenLogprob, ...] = ()  # one per token id, when the request asks
 
 
 @dataclass(frozen=True)
@@ -88,11 +102,14 @@ class GenerationResult:
     time_to_first_token_s: float = 0.0
     tokens_per_s: float = 0.0
     elapsed_s: float = 0.0
+    logprobs: tuple[TokenLogprob, ...] | None = None  # one per token id, when the request asks
 
     @classmethod
-    def from_final(cls, final: pb.GenerateFinal, text: str, token_ids: Sequence[int]) -> "GenerationResult":
+    def from_final(cls, final: pb.GenerateFinal, text: str, token_ids: Sequence[int],
+                   logprobs: Sequence[TokenLogprob] | None = None) -> "GenerationResult":
         s = final.stats
         return cls(text=text, token_ids=tuple(token_ids), finish_reason=final.finish_reason,
+                   logprobs=tuple(logprobs) if logprobs is not None else None,
                    prompt_tokens=final.usage.prompt_tokens, completion_tokens=final.usage.completion_tokens,
                    rounds=s.rounds, mean_acceptance=s.mean_acceptance,
                    acceptance_lengths=tuple(s.acceptance_lengths),
@@ -125,9 +142,10 @@ def build_request(prompt: str | None = None, *, token_ids: Sequence[int] | None 
                   temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
                   seed: int | None = None, stop: Sequence[str] = (), stop_token_ids: Sequence[int] = (),
                   tree_budget: int | None = None, add_generation_prompt: bool | None = None,
-                  template_kwargs: Mapping[str, str] | None = None) -> pb.GenerateRequest:
+                  template_kwargs: Mapping[str, str] | None = None, logprobs: int | None = None) -> pb.GenerateRequest:
     """The GenerateRequest of these arguments; exactly one of `prompt` (text), `token_ids` and
-    `messages` (chat). None leaves a field unset (the server's default). GenerationError
+    `messages` (chat). None leaves a field unset (the server's default; for `logprobs`, none:
+    N in 0..20 asks for each token's logprob and the N most likely tokens). GenerationError
     INVALID_ARGUMENT when they cannot form a request (the server checks the values further)."""
     try:
         if sum(x is not None for x in (prompt, token_ids, messages)) != 1:
@@ -155,6 +173,8 @@ def build_request(prompt: str | None = None, *, token_ids: Sequence[int] | None 
             req.max_new_tokens = max_new_tokens
         if tree_budget is not None:
             req.tree_budget = tree_budget
+        if logprobs is not None:
+            req.logprobs = logprobs
         req.sampling.SetInParent()
         for name, value in (("temperature", temperature), ("top_k", top_k), ("top_p", top_p), ("seed", seed)):
             if value is not None:
@@ -167,21 +187,27 @@ def build_request(prompt: str | None = None, *, token_ids: Sequence[int] | None 
 class _Accumulator:
     """Turns the stream's replies into typed deltas and the final result."""
 
-    def __init__(self):
+    def __init__(self, request: pb.GenerateRequest):
         self.text: list[str] = []
         self.tokens: list[int] = []
+        self.logprobs: list[TokenLogprob] | None = [] if request.HasField("logprobs") else None
 
     def reply(self, reply: pb.GenerateResponse) -> GenerationDelta | GenerationResult:
         if reply.HasField("final"):
-            return GenerationResult.from_final(reply.final, "".join(self.text), self.tokens)
+            return GenerationResult.from_final(reply.final, "".join(self.text), self.tokens, self.logprobs)
         delta = reply.delta
         self.text.append(delta.text)
         self.tokens.extend(delta.token_ids)
-        return GenerationDelta(text=delta.text, token_ids=tuple(delta.token_ids), round=delta.round)
+        logprobs = tuple(TokenLogprob.from_proto(t) for t in delta.logprobs)
+        if self.logprobs is not None:
+            self.logprobs.extend(logprobs)
+        return GenerationDelta(text=delta.text, token_ids=tuple(delta.token_ids), round=delta.round,
+                               logprobs=logprobs)
 
 
-def _once_result(reply: pb.GenerateOnceResponse) -> GenerationResult:
-    return GenerationResult.from_final(reply.final, reply.text, reply.token_ids)
+def _once_result(request: pb.GenerateRequest, reply: pb.GenerateOnceResponse) -> GenerationResult:
+    logprobs = [TokenLogprob.from_proto(t) for t in reply.logprobs] if request.HasField("logprobs") else None
+    return GenerationResult.from_final(reply.final, reply.text, reply.token_ids, logprobs)
 
 
 def _checked_tls(tls: ChannelTls | None, ca: str, cert: str, key: str, server_name: str) -> ChannelTls:
@@ -208,7 +234,7 @@ class GenerationClient:
         """The whole generation in one call (GenerateOnce). `options` are `build_request`'s."""
         request = build_request(prompt, **options)
         try:
-            return _once_result(self._stub.GenerateOnce(request, timeout=timeout, metadata=self._metadata))
+            return _once_result(request, self._stub.GenerateOnce(request, timeout=timeout, metadata=self._metadata))
         except grpc.RpcError as exc:
             raise GenerationError.from_rpc(exc) from None
 
@@ -221,7 +247,7 @@ class GenerationClient:
 
     def _stream(self, request: pb.GenerateRequest, timeout: float | None) -> Iterator[GenerationDelta | GenerationResult]:
         call = self._stub.Generate(request, timeout=timeout, metadata=self._metadata)
-        acc = _Accumulator()
+        acc = _Accumulator(request)
         try:
             for reply in call:
                 yield acc.reply(reply)
@@ -263,7 +289,7 @@ class AsyncGenerationClient:
         request = build_request(prompt, **options)
         call = self._stub.GenerateOnce(request, timeout=timeout, metadata=self._metadata)
         try:
-            return _once_result(await call)
+            return _once_result(request, await call)
         except grpc.RpcError as exc:
             raise GenerationError.from_rpc(exc) from None
         finally:
@@ -276,7 +302,7 @@ class AsyncGenerationClient:
         task cancels the RPC."""
         request = build_request(prompt, **options)
         call = self._stub.Generate(request, timeout=timeout, metadata=self._metadata)
-        acc = _Accumulator()
+        acc = _Accumulator(request)
         try:
             async for reply in call:
                 yield acc.reply(reply)

@@ -15,8 +15,10 @@ the gRPC status a generation fails with maps to the HTTP status (`HTTP_STATUS`).
 after a stream started is sent as one `data: {"error": ...}` event before `[DONE]`.
 
 Unknown fields are ignored, as OpenAI clients send fields for other servers; known ones
-that would change the output and are not supported (n > 1, logprobs, penalties, tools, ...)
-get 400. Extensions: `top_k`, `stop_token_ids`, `tree_budget`, and for chat
+that would change the output and are not supported (n > 1, echo, penalties, tools, ...)
+get 400. Logprobs (completions: `logprobs` N; chat: `logprobs: true` with `top_logprobs` N;
+N <= 20) are those of the gRPC API (`GenerateRequest.logprobs`), in OpenAI's formats, each
+token's text being the token decoded alone. Extensions: `top_k`, `stop_token_ids`, `tree_budget`, and for chat
 `chat_template_kwargs` and `add_generation_prompt`. With `--api-key` the /v1 endpoints need
 `Authorization: Bearer <key>`; with `--tls-cert` the port speaks HTTPS only.
 """
@@ -39,7 +41,7 @@ from aiohttp import web
 from common import metrics
 from common.auth import presents_key
 from common.grpc_server import MIB
-from common.protocol import StatusError
+from common.protocol import MAX_LOGPROBS, StatusError, TokenLogprob
 from common.rpc import pb
 from drafter_svc.scheduler import QueueFull
 from drafter_svc.server import Finished, GenerationService, TextDelta
@@ -62,7 +64,7 @@ HTTP_STATUS = {
 INT32, UINT32, UINT64 = 1 << 31, 1 << 32, 1 << 64
 # OpenAI fields this server does not implement: a request may send them only with these values.
 UNSUPPORTED = {
-    "logprobs": (None, False), "top_logprobs": (None,), "echo": (None, False), "suffix": (None, ""),
+    "echo": (None, False), "suffix": (None, ""),
     "best_of": (None, 1), "frequency_penalty": (None, 0), "presence_penalty": (None, 0), "logit_bias": (None, {}),
     "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
     "response_format": (None, {"type": "text"}),
@@ -141,8 +143,7 @@ def _check_unsupported(body: dict) -> None:
         raise BadRequest("only n=1 is supported", "n")
     for name, allowed in UNSUPPORTED.items():
         if not _is_default(body.get(name), allowed):
-            raise BadRequest("logprobs are not supported yet" if name in ("logprobs", "top_logprobs")
-                             else f"{name} is not supported", name)
+            raise BadRequest(f"{name} is not supported", name)
 
 
 def _fill_common(body: dict, req: pb.GenerateRequest, max_tokens: int | None) -> tuple[bool, bool]:
@@ -207,6 +208,9 @@ def parse_completion(data: bytes) -> ApiRequest:
     else:
         raise BadRequest("prompt is required: a string or a list of integer token ids", "prompt")
     stream, include_usage = _fill_common(body, req, _integer(body, "max_tokens", 1, UINT32))
+    logprobs = _integer(body, "logprobs", 0, MAX_LOGPROBS + 1)
+    if logprobs is not None:
+        req.logprobs = logprobs
     return ApiRequest(False, req, stream, include_usage)
 
 
@@ -246,6 +250,12 @@ def parse_chat(data: bytes) -> ApiRequest:
     if max_tokens is None:
         max_tokens = _integer(body, "max_tokens", 1, UINT32)
     stream, include_usage = _fill_common(body, req, max_tokens)
+    wanted = _typed(body, "logprobs", (bool,), "a boolean")
+    top = _integer(body, "top_logprobs", 0, MAX_LOGPROBS + 1)
+    if top is not None and not wanted:
+        raise BadRequest("top_logprobs needs logprobs set to true", "top_logprobs")
+    if wanted:
+        req.logprobs = top or 0
     return ApiRequest(True, req, stream, include_usage)
 
 
@@ -282,8 +292,9 @@ def _usage(end: Finished) -> dict:
 class _Output:
     """The response objects of one request, in the completions or chat format."""
 
-    def __init__(self, req: ApiRequest, model: str):
-        self.req, self.model = req, model
+    def __init__(self, req: ApiRequest, model: str, tokenizer):
+        self.req, self.model, self.tokenizer = req, model, tokenizer
+        self._offset = 0  # text_offset of the next token (completions' logprobs)
         self.id = ("chatcmpl-" if req.chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
         self.object = "chat.completion.chunk" if req.chat else "text_completion"
@@ -292,25 +303,48 @@ class _Output:
         return {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
                 "choices": choices, **extra}
 
+    def logprobs(self, logprobs: list[TokenLogprob] | None) -> dict | None:
+        """A choice's `logprobs` object for these tokens (None when the request did not ask)."""
+        if logprobs is None:
+            return None
+        text = self.tokenizer.decode
+        if self.req.chat:
+            def entry(token: int, value: float) -> dict:
+                piece = text([token])
+                return {"token": piece, "logprob": value, "bytes": list(piece.encode("utf-8"))}
+
+            return {"content": [{**entry(t.token, t.logprob), "top_logprobs": [entry(i, v) for i, v in t.top]}
+                                for t in logprobs], "refusal": None}
+        tokens = [text([t.token]) for t in logprobs]
+        offsets = []
+        for piece in tokens:
+            offsets.append(self._offset)
+            self._offset += len(piece)
+        return {"tokens": tokens, "token_logprobs": [t.logprob for t in logprobs],
+                "top_logprobs": [{text([i]): v for i, v in t.top} for t in logprobs], "text_offset": offsets}
+
     def whole(self, text: str, end: Finished) -> dict:
         """The non-streamed response."""
         reason = end.result.finish_reason
+        logprobs = self.logprobs(end.result.logprobs)
         if self.req.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
                       "finish_reason": reason}
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+            choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": reason}
         frame = self._frame([choice], usage=_usage(end))
         frame["object"] = "chat.completion" if self.req.chat else "text_completion"
         return frame
 
-    def chunk(self, text: str | None, reason: str | None = None, role: bool = False) -> dict:
-        """One streamed chunk: new text, or (text None) the finish reason."""
+    def chunk(self, text: str | None, reason: str | None = None, role: bool = False,
+              logprobs: list[TokenLogprob] | None = None) -> dict:
+        """One streamed chunk: new text (and its tokens' logprobs), or (text None) the finish reason."""
+        lp = self.logprobs(logprobs) if logprobs else None
         if self.req.chat:
             delta = {"role": "assistant", "content": ""} if role else ({} if text is None else {"content": text})
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
+            choice = {"index": 0, "delta": delta, "logprobs": lp, "finish_reason": reason}
         else:
-            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}
+            choice = {"index": 0, "text": text or "", "logprobs": lp, "finish_reason": reason}
         return self._frame([choice], **({"usage": None} if self.req.include_usage else {}))
 
     def usage_chunk(self, end: Finished) -> dict:
@@ -366,7 +400,7 @@ class OpenAIApi:
         except BadRequest as exc:
             metrics.REQUESTS.labels("http", "none", "INVALID_ARGUMENT").inc()
             return error_response(exc.status, exc.message, param=exc.param)
-        out = _Output(req, self.model)
+        out = _Output(req, self.model, self.service.engine.tokenizer)
         async with contextlib.aclosing(self.service.generate(req.generate, "http")) as items:
             try:
                 first = await anext(items)  # validation, queueing and the first token: errors keep their status
@@ -399,8 +433,8 @@ class OpenAIApi:
             item = first
             try:
                 while not isinstance(item, Finished):
-                    if item.text:
-                        await response.write(_event(out.chunk(item.text)))
+                    if item.text or item.logprobs:
+                        await response.write(_event(out.chunk(item.text, logprobs=item.logprobs)))
                     item = await anext(items)
                 await response.write(_event(out.chunk(None, item.result.finish_reason)))
                 if out.req.include_usage:

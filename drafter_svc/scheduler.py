@@ -16,9 +16,11 @@ delivers (a callback per session, called on the scheduler's thread). Each step:
 Requests beyond the free slots wait in a queue of at most `max_queue`; one arriving when it
 is full is refused at once (`QueueFull`: RESOURCE_EXHAUSTED with a retry hint). An open the
 verifier refuses for capacity (RESOURCE_EXHAUSTED) goes back to the queue and is retried
-until `queue_timeout_s`. A failed session gets its error; if the link itself
-fails, every session on it does. Sampling coins live on the verifier, per session, so a
-seeded request gives the same tokens whatever else is batched with it.
+until `queue_timeout_s`. A failed session gets its error. A session whose verifier is lost
+(the link failed, or one replica of several: `drafter_svc.replicas`) re-opens on one that
+answers, prefilling its prompt plus the tokens so far, until `recovery_timeout_s`. Sampling
+coins live on the verifier, per session, so a seeded request gives the same tokens whatever
+else is batched with it.
 
 Tracing: a `generate` span per request; per step a `draft_step` span with `draft`,
 `tree_build` and `verify_rpc` children, and per session a `round` span under its `generate`
@@ -39,8 +41,8 @@ from dataclasses import dataclass, field
 from opentelemetry import trace
 from torch import Tensor
 
-from common.protocol import (CloseEntry, Entry, OpenEntry, Prefilled, SamplingParams, StatusError, StepResult,
-                             TreeEntry, Verified)
+from common.protocol import (MAX_LOGPROBS, CloseEntry, Entry, LinkLost, OpenEntry, Prefilled, SamplingParams,
+                             StatusError, StepResult, TokenLogprob, TreeEntry, Verified)
 from common import metrics
 from common.tracing import traceparent_of, tracer
 from common.tree import DraftTree
@@ -58,10 +60,13 @@ class GenerationConfig:
     sampling: SamplingParams = SamplingParams()
     stop_token_ids: tuple[int, ...] = ()
     mode: DraftMode = DraftMode()
+    logprobs: int | None = None  # None: none; N: each emitted token's logprob and the N most likely tokens
 
     def check(self) -> None:
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
         self.sampling.check()
 
 
@@ -71,6 +76,7 @@ class RoundUpdate:
     round: int
     tokens: list[int]
     tree_nodes: int = 0
+    logprobs: list[TokenLogprob] | None = None  # one per token, when the request asks for them
 
 
 @dataclass(frozen=True)
@@ -87,6 +93,7 @@ class RoundStats:
 @dataclass
 class GenerationResult:
     tokens: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None  # one per token, when the request asks for them
     acceptance_lengths: list[int] = field(default_factory=list)  # tokens emitted per round, bonus included
     round_stats: list[RoundStats] = field(default_factory=list)  # one per verify round
     finish_reason: str = ""
@@ -161,7 +168,7 @@ class _Session:
         self.sid, self.prompt_ids, self.config, self.stop_ids = sid, prompt_ids, config, stop_ids
         self.deliver = deliver
         self.admission_deadline = admission_deadline
-        self.result = GenerationResult()
+        self.result = GenerationResult(logprobs=[] if config.logprobs is not None else None)
         self.start = time.perf_counter()
         self.queued = True  # counted in the queue bound until first admitted (or ended)
         self.admitted = 0.0  # perf_counter when last admitted
@@ -195,8 +202,10 @@ class _Session:
         """Drafted nodes the next tree may hold: the verifier's capacity and the tokens still wanted."""
         return min(self.max_seq_len - self.length - 1, self.config.max_new_tokens - len(self.result.tokens) - 1)
 
-    def emit(self, tokens: list[int]) -> list[int]:
-        """Append tokens up to the first stop token or the length limit; sets finish_reason."""
+    def emit(self, round: int, tokens: list[int], logprobs: list[TokenLogprob] | None,
+             tree_nodes: int = 0) -> RoundUpdate:
+        """Append tokens (and their logprobs) up to the first stop token or the length limit;
+        sets finish_reason. Returns the round's update."""
         room = self.config.max_new_tokens - len(self.result.tokens)
         out = []
         for tok in tokens[:room]:
@@ -205,9 +214,13 @@ class _Session:
                 self.result.finish_reason = "stop"
                 break
         self.result.tokens.extend(out)
+        kept = None
+        if self.result.logprobs is not None and logprobs is not None:
+            kept = logprobs[: len(out)]
+            self.result.logprobs.extend(kept)
         if not self.result.finish_reason and len(self.result.tokens) >= self.config.max_new_tokens:
             self.result.finish_reason = "length"
-        return out
+        return RoundUpdate(round, out, tree_nodes, kept)
 
 
 class DraftScheduler:
@@ -398,7 +411,8 @@ class DraftScheduler:
         self._expire_waiting()
         opening = self._admit()
         entries += [OpenEntry(s.sid, s.open_prompt(), s.config.sampling, traceparent_of(s.span),
-                              self.feature_layer_ids if s.drafts else ())  # plain decoding needs no features
+                              self.feature_layer_ids if s.drafts else (),  # plain decoding needs no features
+                              s.config.logprobs)
                     for s in opening]
         ready = [s for s in self._running.values() if s.open_on_verifier and not s.in_flight]
         if self.pipelined and ready:
@@ -441,8 +455,9 @@ class DraftScheduler:
         for s in message.sessions:
             s.in_flight = False
         self.steps += 1
-        self._backoff = 0.0
-        self._set_link(True)
+        if not any(isinstance(r.outcome, LinkLost) for r in results):
+            self._backoff = 0.0  # no session lost its verifier in this step
+        self._set_link(self.link.up)
         with trace.use_span(message.step_span, end_on_exit=True):
             self._apply(results, message.rounds, timing)
         if message.budget is not None:
@@ -464,35 +479,43 @@ class DraftScheduler:
                 self.on_link_state(up)
 
     def _link_failed(self, exc: StatusError) -> None:
-        """Every session on the link is gone on the verifier. With a recovery timeout and an
-        UNAVAILABLE link, each re-opens (prompt + tokens so far, `_Session.open_prompt`) until
-        its deadline, behind a backoff; otherwise they fail with the link's error."""
+        """The link itself failed: every session on it is gone on the verifier, and recovers (`_recover`)."""
         log.warning("verifier link failed: %s: %s", exc.status, exc.message)
         self._set_link(False)
         for message in self._inflight:
             message.end()
         self._inflight.clear()
-        if exc.status != "UNAVAILABLE" or self.recovery_timeout_s <= 0:
-            self._fail_all(exc)
-            return
-        now = time.monotonic()
         self._ending = []
         for s in reversed(list(self._running.values())):  # appendleft keeps their order
-            s.open_on_verifier = s.in_flight = False
-            if s.result.finish_reason:
-                self._finish(s)
-                continue
-            if s.recovery_deadline is None:
-                s.recovery_deadline, s.recovery_start = now + self.recovery_timeout_s, now
-            if now >= s.recovery_deadline:
-                self._fail(s, StatusError("UNAVAILABLE", f"verifier unavailable for {self.recovery_timeout_s:g} s: "
-                                                         f"{exc.message}"))
-                continue
-            self._end(s)
-            s.admission_deadline = s.recovery_deadline
-            self._waiting.appendleft(s)
+            self._recover(s, exc)
+        self._back_off()
+
+    def _recover(self, s: _Session, exc: StatusError) -> None:
+        """`s` is gone on its verifier (its link was lost). With a recovery timeout and an UNAVAILABLE
+        loss it goes back to the front of the queue to re-open (prompt + tokens so far,
+        `_Session.open_prompt`) until its deadline, behind the backoff; otherwise it fails with `exc`."""
+        s.open_on_verifier = s.in_flight = False
+        if s.result.finish_reason:
+            self._finish(s)
+            return
+        if exc.status != "UNAVAILABLE" or self.recovery_timeout_s <= 0:
+            self._fail(s, exc)
+            return
+        now = time.monotonic()
+        if s.recovery_deadline is None:
+            s.recovery_deadline, s.recovery_start = now + self.recovery_timeout_s, now
+        if now >= s.recovery_deadline:
+            self._fail(s, StatusError("UNAVAILABLE", f"verifier unavailable for {self.recovery_timeout_s:g} s: "
+                                                     f"{exc.message}"))
+            return
+        self._end(s)
+        s.admission_deadline = s.recovery_deadline
+        self._waiting.appendleft(s)
+
+    def _back_off(self) -> None:
+        """After sessions lost their verifier, open none for a while (0.05 s, doubling up to 1 s)."""
         self._backoff = min(max(2 * self._backoff, 0.05), 1.0)
-        self._retry_at = now + self._backoff
+        self._retry_at = time.monotonic() + self._backoff
 
     def _admit(self) -> list[_Session]:
         """Waiting sessions to open now: as many as free draft slots and the session limit allow."""
@@ -574,18 +597,23 @@ class DraftScheduler:
 
     def _apply(self, results: Sequence[StepResult], rounds: dict[int, trace.Span],
                timing: tuple[float, float, float, float]) -> None:
-        """Hand every result to its session; `timing` (draft, build, verify, network seconds) is the step's."""
+        """Hand every result to its session; `timing` (draft, build, verify, network seconds) is the step's.
+        Sessions whose verifier was lost under them (LinkLost: one replica of several) recover."""
+        lost = []
         for r in results:
             s = self._running.get(r.session_id)
             span = rounds.pop(r.session_id, None)
             if s is None:
                 continue
             o = r.outcome
-            if isinstance(o, StatusError):
+            if isinstance(o, LinkLost):
+                lost.append((s, o))
+            elif isinstance(o, StatusError):
                 s.open_on_verifier = False
-                if o.status == "RESOURCE_EXHAUSTED" and s.rounds == 0 and not s.result.tokens \
+                if o.status == "RESOURCE_EXHAUSTED" and (s.recovery_deadline is not None or s.rounds == 0
+                                                         and not s.result.tokens) \
                         and time.monotonic() < s.admission_deadline:
-                    del self._running[s.sid]  # the verifier is full: retry the open later
+                    del self._running[s.sid]  # the verifier is full: retry the open (or re-open) later
                     self._waiting.appendleft(s)
                 else:
                     self._fail(s, o)
@@ -597,6 +625,10 @@ class DraftScheduler:
                 span.end()
         for span in rounds.values():
             span.end()
+        for s, o in reversed(lost):  # appendleft keeps their order
+            self._recover(s, o)
+        if lost:
+            self._back_off()
 
     def _prefilled(self, s: _Session, p: Prefilled) -> None:
         s.open_on_verifier = True
@@ -604,6 +636,8 @@ class DraftScheduler:
         if s.drafts and p.features.shape[0] != len(prompt):
             self._fail(s, StatusError("INTERNAL", f"verifier sent {p.features.shape[0]} feature rows for a "
                                                   f"{len(prompt)}-token prompt"))
+            return
+        if self._lacks_logprobs(s, p.logprobs, 1):
             return
         if s.recovery_deadline is None:
             s.result.time_to_first_token_s = time.perf_counter() - s.start
@@ -620,7 +654,7 @@ class DraftScheduler:
                 self._fail(s, exc if isinstance(exc, StatusError) else StatusError("INVALID_ARGUMENT", str(exc)))
                 return
             s.new_tokens, s.new_features = [p.token], p.features[:0]
-        self._deliver(s, RoundUpdate(s.rounds, s.emit([p.token])))  # round 0, or the last one before a re-open
+        self._deliver(s, s.emit(s.rounds, [p.token], p.logprobs))  # round 0, or the last one before a re-open
 
     def _verified(self, s: _Session, v: Verified, span: trace.Span | None,
                   timing: tuple[float, float, float, float]) -> None:
@@ -628,6 +662,8 @@ class DraftScheduler:
         if s.drafts and v.features.shape[0] != len(emitted):
             self._fail(s, StatusError("INTERNAL", f"verifier sent {v.features.shape[0]} feature rows for "
                                                   f"{len(emitted)} tokens"))
+            return
+        if self._lacks_logprobs(s, v.logprobs, len(emitted)):
             return
         s.rounds += 1
         s.length += len(emitted)
@@ -638,9 +674,16 @@ class DraftScheduler:
             span.set_attributes({"tree.nodes": s.tree.num_nodes, "accepted": len(v.accepted_tokens)})
         cancelled = bool(s.result.finish_reason)  # ended while this step was in flight: drop its tokens
         if not cancelled:
-            self._deliver(s, RoundUpdate(s.rounds, s.emit(emitted), s.tree.num_nodes))
+            self._deliver(s, s.emit(s.rounds, emitted, v.logprobs, s.tree.num_nodes))
         if not s.result.finish_reason and s.max_seq_len - s.length - 1 < 0:
             s.result.finish_reason = "length"
+
+    def _lacks_logprobs(self, s: _Session, logprobs: list | None, tokens: int) -> bool:
+        """Fail the session (True) when it asks for logprobs and the verifier sent none for its tokens."""
+        if s.config.logprobs is None or (logprobs is not None and len(logprobs) == tokens):
+            return False
+        self._fail(s, StatusError("INTERNAL", f"verifier sent {len(logprobs or ())} logprobs for {tokens} tokens"))
+        return True
 
     def _deliver(self, s: _Session, update: RoundUpdate) -> None:
         if s.deliver(update) is True and not s.result.finish_reason:

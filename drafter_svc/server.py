@@ -36,7 +36,7 @@ from common.config import load_draft_config, load_target_config
 from common.devices import device_id
 from common.grpc_server import MIB, start_grpc_server
 from common.logs import memory_summary
-from common.protocol import StatusError
+from common.protocol import StatusError, TokenLogprob
 from common.rpc import GENERATION_SERVICE, decode_message, pb, pb_grpc
 from common.tls import ChannelTls, ServerTls
 from common.wire import decode_sampling
@@ -44,12 +44,12 @@ from drafter_svc.budget import BudgetPlanner
 from drafter_svc.chat import ChatPrompt, ChatTemplate, load_chat_template
 from drafter_svc.drafter import DFlashProposer, DraftMode
 from drafter_svc.oracle import ControlledAcceptance
-from drafter_svc.link import GrpcLink, check_verifier, connect_error, open_channel, status_error
+from drafter_svc.link import GrpcLink, check_verifier, open_channel, verifier_stub
+from drafter_svc.replicas import Replica, ReplicaLink, State, check_replica, verifier_addresses, wait_for_verifier
 from drafter_svc.scheduler import DraftScheduler, GenerationConfig, GenerationResult, QueueFull, RoundUpdate
 from drafter_svc.text_stream import TextStream
 
 log = logging.getLogger("drafter_svc")
-WAIT_REPORT_S = 5.0  # while start-up waits for the verifier, a progress line this often
 
 
 @dataclass(frozen=True)
@@ -134,53 +134,56 @@ class _Request:
 class DrafterEngine:
     """Draft model, tokenizer, verifier link and the scheduler shared by all requests."""
 
-    def __init__(self, cfg: DrafterConfig, scheduler: DraftScheduler, tokenizer, channel: grpc.Channel | None,
+    def __init__(self, cfg: DrafterConfig, scheduler: DraftScheduler, tokenizer, channels: list[grpc.Channel],
                  info: pb.InfoResponse, chat_template: ChatTemplate):
-        self.cfg, self.scheduler, self.tokenizer, self.channel, self.info = cfg, scheduler, tokenizer, channel, info
+        self.cfg, self.scheduler, self.tokenizer = cfg, scheduler, tokenizer
+        self.channels = channels  # one per verifier replica
+        self.info = info  # the first replica's
         self.chat_template = chat_template
         self.vocab_size = info.vocab_size
 
     @classmethod
     def start(cls, cfg: DrafterConfig, torch_dtype) -> "DrafterEngine":
-        """Load the draft, wait for the verifier, check it serves our target, start the scheduler."""
+        """Load the draft, wait for a verifier replica, check it serves our target, start the scheduler
+        over every replica (`drafter_svc.replicas`: the others join as they answer)."""
         target_cfg = load_target_config(cfg.target_dir)
         draft_cfg = load_draft_config(cfg.draft_dir)
         tokenizer = load_tokenizer(cfg.target_dir)
         chat_template = load_chat_template(cfg.target_dir)
-        channel = open_channel(cfg.verifier, cfg.verifier_tls)
-        stub = pb_grpc.VerifierStub(channel)
-        waiting_since = time.monotonic()
-        deadline, next_report = waiting_since + cfg.verifier_wait_s, waiting_since + WAIT_REPORT_S
-        while True:
-            try:
-                info = stub.Info(pb.InfoRequest(), timeout=5.0, wait_for_ready=True)
-                break
-            except grpc.RpcError as exc:
-                now = time.monotonic()
-                if now >= next_report and now < deadline:
-                    log.info("waiting for the verifier at %s (%.0f s of %.0f)", cfg.verifier, now - waiting_since,
-                             cfg.verifier_wait_s)
-                    next_report = now + WAIT_REPORT_S
-                if now >= deadline:
-                    reason = status_error(connect_error(stub, exc)).message
-                    channel.close()
-                    raise StatusError("UNAVAILABLE", f"verifier at {cfg.verifier} did not answer within "
-                                                     f"{cfg.verifier_wait_s:.0f} s: {reason}")
-        check_verifier(info, target_cfg, draft_cfg)
-        # One context slot per session that can be drafting at once: the verifier admits no more.
-        slots = max(1, min(info.max_sessions, cfg.max_concurrent))
-        # A verifier that projects the features (InfoResponse.feature_projection) sends context rows.
-        proposer = DFlashProposer.from_pretrained(cfg.draft_dir, cfg.target_dir, cfg.device, torch_dtype,
-                                                  info.max_seq_len, slots, cfg.cuda_graphs,
-                                                  projected_features=bool(info.feature_projection))
-        if info.feature_projection and info.feature_projection != proposer.projection_fingerprint():
-            channel.close()
-            raise StatusError("FAILED_PRECONDITION", (
-                f"the verifier projects features with another draft's fc + hidden_norm (fingerprint "
-                f"{info.feature_projection}, this draft's {proposer.projection_fingerprint()}): start it with "
-                f"--draft pointing at this draft, or with --raw-features"))
-        link = GrpcLink(stub, vocab_size=info.vocab_size, feature_dim=proposer.feature_dim,
-                        max_seq_len=info.max_seq_len)
+        addresses = verifier_addresses(cfg.verifier, cfg.verifier_tls)
+        channels = [open_channel(a.address, a.tls) for a in addresses]
+        stubs = [verifier_stub(channel) for channel in channels]
+        try:
+            # The first replica to answer (and serve our target) sets what the others must match.
+            first, info, refused = wait_for_verifier([a.address for a in addresses], stubs, cfg.verifier_wait_s,
+                                                     lambda answer: check_verifier(answer, target_cfg, draft_cfg))
+            # One context slot per session that can be drafting at once: the verifiers admit no more
+            # (replicas are taken to be alike).
+            slots = max(1, min(info.max_sessions * (len(addresses) - len(refused)), cfg.max_concurrent))
+            # A verifier that projects the features (InfoResponse.feature_projection) sends context rows.
+            proposer = DFlashProposer.from_pretrained(cfg.draft_dir, cfg.target_dir, cfg.device, torch_dtype,
+                                                      info.max_seq_len, slots, cfg.cuda_graphs,
+                                                      projected_features=bool(info.feature_projection))
+            if info.feature_projection and info.feature_projection != proposer.projection_fingerprint():
+                raise StatusError("FAILED_PRECONDITION", (
+                    f"the verifier projects features with another draft's fc + hidden_norm (fingerprint "
+                    f"{info.feature_projection}, this draft's {proposer.projection_fingerprint()}): start it with "
+                    f"--draft pointing at this draft, or with --raw-features"))
+        except BaseException:
+            for channel in channels:
+                channel.close()
+            raise
+
+        def check(answer: pb.InfoResponse) -> None:  # a replica that (re)answers must serve as the first does
+            check_verifier(answer, target_cfg, draft_cfg)
+            check_replica(info, answer)
+
+        link = ReplicaLink([Replica(a.address, GrpcLink(stub, vocab_size=info.vocab_size,
+                                                        feature_dim=proposer.feature_dim, max_seq_len=info.max_seq_len),
+                                    functools.partial(stub.Info, pb.InfoRequest(), timeout=2.0),
+                                    State.UP if i == first else State.REFUSED if i in refused else State.NEW,
+                                    info.max_sessions if i == first else 0)
+                            for i, (a, stub) in enumerate(zip(addresses, stubs))], check)
         hook = ControlledAcceptance.load(cfg.bench_oracle) if cfg.bench_oracle else None
         scheduler = DraftScheduler(link, proposer, max_sessions=slots,
                                    feature_layer_ids=draft_cfg.target_layer_ids,
@@ -192,7 +195,7 @@ class DrafterEngine:
                  else "in lockstep", cfg.pipelining, info.device_id or "?",
                  "adaptive (requests' budgets are caps)" if scheduler.planner else "as each request sets it")
         scheduler.start()
-        return cls(cfg, scheduler, tokenizer, channel, info, chat_template)
+        return cls(cfg, scheduler, tokenizer, channels, info, chat_template)
 
     def summary(self) -> str:
         """The start-up line's facts: device, dtype, draft context slots, CUDA graphs, memory."""
@@ -208,8 +211,8 @@ class DrafterEngine:
 
     def stop(self) -> None:
         self.scheduler.stop()
-        if self.channel is not None:
-            self.channel.close()
+        for channel in self.channels:
+            channel.close()
 
     def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """A text prompt's token ids; ValueError, before tokenising, past max_prompt_bytes (tokenising
@@ -250,7 +253,8 @@ class DrafterEngine:
             raise ValueError(f"tree_budget {budget} exceeds the verifier's limit of {self.info.max_tree_nodes - 1}")
         mode = DraftMode("chain", 0) if self.cfg.chain and not request.HasField("tree_budget") else DraftMode("tree", budget)
         config = GenerationConfig(max_new_tokens=max_new, sampling=decode_sampling(request.sampling),
-                                  stop_token_ids=tuple(request.stop_token_ids), mode=mode)
+                                  stop_token_ids=tuple(request.stop_token_ids), mode=mode,
+                                  logprobs=request.logprobs if request.HasField("logprobs") else None)
         config.check()
         return _Request(prompt_ids, config, list(request.stop))
 
@@ -306,6 +310,7 @@ class TextDelta:
     tokens: list[int]
     text: str
     round: int
+    logprobs: list[TokenLogprob] | None = None  # one per token, when the request asks for them
 
 
 @dataclass
@@ -441,6 +446,8 @@ class GenerationService:
                     if text.stopped:  # the result counts only the tokens up to the stop string's end
                         item.finish_reason = "stop"
                         item.tokens = item.tokens[:text.kept]
+                        if item.logprobs is not None:
+                            item.logprobs = item.logprobs[:text.kept]
                     yield item
                     return
                 assert isinstance(item, RoundUpdate)
@@ -458,7 +465,8 @@ class GenerationService:
                         metrics.TIME_TO_FIRST_TOKEN.observe(now - arrived)
                     last_round = now
                 if tokens or delta:
-                    yield TextDelta(tokens, delta, item.round)
+                    yield TextDelta(tokens, delta, item.round,
+                                    item.logprobs[: len(tokens)] if item.logprobs is not None else None)
                 if text.stopped:
                     stopped = True
                     scheduler.cancel(sid, "stop")  # the scheduler closes the session and sends the result
@@ -496,7 +504,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                         yield pb.GenerateResponse(final=self._final(item))
                     else:
                         yield pb.GenerateResponse(delta=pb.TokenDelta(round=max(item.round, 0),
-                                                                      token_ids=item.tokens, text=item.text))
+                                                                      token_ids=item.tokens, text=item.text,
+                                                                      logprobs=encode_logprobs(item.logprobs)))
         except StatusError as exc:
             await _abort(context, exc)
 
@@ -506,11 +515,18 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             async with contextlib.aclosing(self.service.generate(request, "grpc")) as items:
                 async for item in items:
                     if isinstance(item, Finished):
-                        return pb.GenerateOnceResponse(token_ids=tokens, text="".join(text), final=self._final(item))
+                        return pb.GenerateOnceResponse(token_ids=tokens, text="".join(text), final=self._final(item),
+                                                       logprobs=encode_logprobs(item.result.logprobs))
                     tokens.extend(item.tokens)
                     text.append(item.text)
         except StatusError as exc:
             await _abort(context, exc)
+
+
+def encode_logprobs(logprobs: list[TokenLogprob] | None) -> list[pb.TokenLogprob]:
+    """The public API's per-token logprobs (none when the request did not ask)."""
+    return [pb.TokenLogprob(token_id=t.token, logprob=t.logprob,
+                            top=[pb.TopLogprob(token_id=i, logprob=v) for i, v in t.top]) for t in logprobs or ()]
 
 
 async def _abort(context, exc: StatusError) -> None:

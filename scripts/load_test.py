@@ -1,22 +1,23 @@
 """A bounded load test with a verifier restart: many concurrent clients against both services,
-the verifier SIGKILLed and started again once mid-run.
+one verifier replica SIGKILLed and started again once mid-run.
 
-    python scripts/load_test.py [--clients 64] [--requests 20] [--max-new-tokens 32] [--out-json FILE]
+    python scripts/load_test.py [--clients 64] [--requests 20] [--max-new-tokens 32] [--replicas 2] [--out-json FILE]
 
 Both services run as processes on loopback with the shipped pair (models/default) on CPU
-(`bench.serve.Service`). After one warm-up request per client, `--clients` clients each send
+(`bench.serve.Service`): `--replicas` verifiers, each with room for every client, and one
+drafter pointed at all of them. After one warm-up request per client, `--clients` clients each send
 `--requests` streaming Generate requests one after another. Once `--kill-at` of them have
-finished, the verifier is killed with SIGKILL, stays down `--down-s` seconds and is started
-again on the same port; the drafter re-opens the sessions it lost there (`--recovery-timeout`)
-and queues new requests meanwhile. Prompts are windows of the target's held-out text. Every
-prompt is sent twice (greedy), by two clients at
+finished, replica 0 is killed with SIGKILL, stays down `--down-s` seconds and is started
+again on the same port; the drafter re-opens the sessions it lost there on another replica, or
+on it once it is back (`--recovery-timeout`), and queues new requests meanwhile. Prompts are
+windows of the target's held-out text. Every prompt is sent twice (greedy), by two clients at
 different times, so a pair whose outputs differ means an output that depended on the batch
 or on the restart.
 
 Reported: failed requests (target 0), differing pairs, latency p50 / p99 / max and
-time to first token p50 / p99, the outage, whether every verifier slot is free at the end
-(`Info().free_sessions`) and the drafter serves, and the resident memory (VmRSS) of both
-processes before the run and after it (the verifier's "after" is its restarted process).
+time to first token p50 / p99, the outage, whether every slot of every replica is free at the end
+(`Info().free_sessions`) and the drafter serves, and the resident memory (VmRSS) of every
+process before the run and after it (replica 0's "after" is its restarted process).
 Prints a table and, with --out-json, writes the numbers; exits non-zero when a request failed or
 capacity is not back to full. A differing pair is reported, not failed: on CPU, float32 GEMMs
 are not batch-invariant, and a near-tie can flip a greedy token (seen as 1 pair in 640 with
@@ -72,9 +73,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prompt-len", type=int, default=32, help="prompt tokens, random ids (default 32)")
     p.add_argument("--tree-budget", type=int, default=8, help="drafted nodes per tree (default 8)")
     p.add_argument("--kill-at", type=float, default=0.3,
-                   help="kill the verifier once this fraction of the requests has finished (default 0.3; "
+                   help="kill replica 0 once this fraction of the requests has finished (default 0.3; "
                         "a negative value: no kill)")
-    p.add_argument("--down-s", type=float, default=1.0, help="seconds the verifier stays down (default 1)")
+    p.add_argument("--down-s", type=float, default=1.0, help="seconds replica 0 stays down (default 1)")
+    p.add_argument("--replicas", type=int, default=2,
+                   help="verifier processes, the drafter pointed at all of them (default 2)")
     p.add_argument("--recovery-timeout", type=float, default=300.0,
                    help="the drafter's --recovery-timeout and --queue-timeout in s (default 300)")
     p.add_argument("--request-timeout", type=float, default=600.0, help="deadline of one request in s (default 600)")
@@ -88,6 +91,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--clients, --requests, --max-new-tokens and --prompt-len must be >= 1, --tree-budget >= 0")
     if a.kill_at >= 1:
         p.error("--kill-at must be below 1 (a negative value: no kill)")
+    if a.replicas < 1:
+        p.error(f"--replicas must be >= 1, got {a.replicas}")
     a.target, a.draft = str((ROOT / a.target).resolve()), str((ROOT / a.draft).resolve())
     return a
 
@@ -119,17 +124,19 @@ class ThreadSafeService(Service):
         return self
 
 
-def verifier_service(a: argparse.Namespace, port: int, logs: Path, run: int) -> Service:
+def verifier_service(a: argparse.Namespace, port: int, logs: Path, replica: int, run: int) -> Service:
+    """Verifier replica `replica`, its `run`-th process; each has room for every client."""
     max_seq_len = -(-(a.prompt_len + a.max_new_tokens + a.tree_budget + 1) // 64) * 64
     argv = [sys.executable, "-m", "verifier_svc", "--target", a.target, "--draft", a.draft, "--host", "127.0.0.1",
             "--port", str(port), "--device", "cpu", "--max-sessions", str(a.clients), "--max-seq-len",
             str(max_seq_len), "--max-tree-nodes", str(a.tree_budget + 1)]
-    return ThreadSafeService(f"verifier#{run}", argv, logs / f"verifier-{run}.log")
+    return ThreadSafeService(f"verifier{replica}#{run}", argv, logs / f"verifier{replica}-{run}.log")
 
 
-def drafter_service(a: argparse.Namespace, verifier_port: int, logs: Path) -> Service:
+def drafter_service(a: argparse.Namespace, verifier_ports: list[int], logs: Path) -> Service:
+    replicas = ",".join(f"127.0.0.1:{port}" for port in verifier_ports)
     argv = [sys.executable, "-m", "drafter_svc", "--target", a.target, "--draft", a.draft, "--host", "127.0.0.1",
-            "--port", "0", "--device", "cpu", "--verifier", f"127.0.0.1:{verifier_port}",
+            "--port", "0", "--device", "cpu", "--verifier", replicas,
             "--tree-budget", str(a.tree_budget), "--max-new-tokens", str(a.max_new_tokens),
             "--max-concurrent", str(a.clients), "--recovery-timeout", str(a.recovery_timeout),
             "--queue-timeout", str(a.recovery_timeout)]
@@ -213,10 +220,12 @@ def make_prompts(a: argparse.Namespace, count: int, rng: random.Random) -> list[
 
 
 class Run:
-    """The clients, and the verifier's kill and restart once `kill_after` requests have finished."""
+    """The clients, and replica 0's kill and restart once `kill_after` requests have finished."""
 
-    def __init__(self, a: argparse.Namespace, drafter: Service, verifier: Service, logs: Path, port: int):
-        self.a, self.drafter, self.verifier, self.logs, self.port = a, drafter, verifier, logs, port
+    def __init__(self, a: argparse.Namespace, drafter: Service, verifiers: list[Service], logs: Path,
+                 ports: list[int]):
+        self.a, self.drafter, self.logs, self.ports = a, drafter, logs, ports
+        self.verifiers = list(verifiers)  # the replicas' current processes
         rng = random.Random(a.seed)
         total = a.clients * a.requests
         self.prompts = make_prompts(a, (total + 1) // 2, rng)
@@ -240,19 +249,20 @@ class Run:
         return outcomes
 
     def restart_verifier(self) -> None:
-        """SIGKILL the verifier, wait, start a new one on the same port. On the main thread, while the
+        """SIGKILL replica 0, wait, start a new one on the same port. On the main thread, while the
         clients run on theirs: a service gets SIGTERM when the thread that started it ends."""
-        log(f"{self.finished} requests finished: SIGKILL to the verifier (pid {self.verifier.proc.pid})")
+        at_request = self.finished  # the other replicas keep serving while this one is down
+        log(f"{at_request} requests finished: SIGKILL to verifier 0 (pid {self.verifiers[0].proc.pid})")
         killed = self.killed_at = time.perf_counter()
-        self.verifier.proc.kill()
-        self.verifier.proc.wait()
+        self.verifiers[0].proc.kill()
+        self.verifiers[0].proc.wait()
         time.sleep(self.a.down_s)
-        self.verifier = verifier_service(self.a, self.port, self.logs, 2)
-        self.verifier.start(self.a.startup_timeout)
+        self.verifiers[0] = verifier_service(self.a, self.ports[0], self.logs, 0, 2)
+        self.verifiers[0].start(self.a.startup_timeout)
         self.back_at = time.perf_counter()
-        self.outage = {"at_request": self.finished, "verifier_down_s": time.perf_counter() - killed,
-                       "restart_s": self.verifier.startup_s}
-        log(f"verifier back after {self.outage['verifier_down_s']:.1f} s")
+        self.outage = {"at_request": at_request, "verifier_down_s": time.perf_counter() - killed,
+                       "restart_s": self.verifiers[0].startup_s}
+        log(f"verifier 0 back after {self.outage['verifier_down_s']:.1f} s")
 
     async def warm_up(self) -> None:
         async with grpc.aio.insecure_channel(self.drafter.address, options=CHANNEL_OPTIONS) as channel:
@@ -320,7 +330,7 @@ def summarise(a: argparse.Namespace, outcomes: list[Outcome], wall: float, run: 
         return None if value is None else round(value * 1e3, 1)
 
     return {
-        "clients": a.clients, "requests_per_client": a.requests, "requests": len(outcomes),
+        "clients": a.clients, "requests_per_client": a.requests, "requests": len(outcomes), "replicas": a.replicas,
         "max_new_tokens": a.max_new_tokens, "prompt_len": a.prompt_len, "tree_budget": a.tree_budget,
         "failed": len(failed), "errors": sorted({o.error for o in failed})[:10],
         "pairs_compared": len(pairs), "pairs_differing": len(differing), "finish_reasons": reasons,
@@ -348,19 +358,20 @@ def print_table(r: dict) -> None:
         ("wall", f"{r['wall_s']} s, {r['tokens']} tokens, {r['tokens_per_s']} tok/s"),
         ("latency p50 / p99 / max", " / ".join(f"{r['latency_ms'][k]} ms" for k in ("p50", "p99", "max"))),
         ("ttft p50 / p99", " / ".join(f"{r['ttft_ms'][k]} ms" for k in ("p50", "p99"))),
-        ("verifier killed", (f"after request {r['outage']['at_request']}, down {r['outage']['verifier_down_s']} s "
+        ("replica 0 killed", (f"after request {r['outage']['at_request']}, down {r['outage']['verifier_down_s']} s "
                              f"(restart {r['outage']['restart_s']} s), {r['outage']['sessions_reopened']} sessions "
                              f"re-opened, {r['requests_across_outage']} requests in flight") if r["outage"] else "no"),
-        ("capacity back to full", (f"{r['capacity']['free_sessions']} of {r['capacity']['max_sessions']} slots free, "
-                                   f"drafter {'SERVING' if r['capacity']['drafter_serving'] else 'NOT serving'}")),
+        ("capacity back to full", (" / ".join(map(str, r["capacity"]["free_sessions"]))
+                                   + f" of {r['capacity']['max_sessions']} slots free (per replica), drafter "
+                                   f"{'SERVING' if r['capacity']['drafter_serving'] else 'NOT serving'}")),
     ]
-    for name in ("drafter", "verifier"):
+    for name in r["rss_mib"]:
         m = r["rss_mib"][name]
         rows.append((f"{name} RSS before / after", f"{m['before']:.0f} / {m['after']:.0f} MiB"
                      if m["before"] is not None and m["after"] is not None else str(m)))
     width = max(len(k) for k, _ in rows)
     print(f"\nload test: {r['clients']} clients x {r['requests_per_client']} requests, "
-          f"{r['max_new_tokens']} new tokens, tree budget {r['tree_budget']}, CPU")
+          f"{r['max_new_tokens']} new tokens, tree budget {r['tree_budget']}, {r['replicas']} verifier replicas, CPU")
     for key, value in rows:
         print(f"  {key:<{width}}  {value}")
     for error in r["errors"]:
@@ -368,33 +379,46 @@ def print_table(r: dict) -> None:
 
 
 def started(services: list[Service], run: Run | None) -> list[Service]:
-    """Every service process started: the first verifier, the drafter, and the restarted verifier."""
-    every = services + ([run.verifier] if run is not None else [])
+    """Every service process started: the first verifiers, the drafter, and the restarted replica 0."""
+    every = services + (run.verifiers if run is not None else [])
     return list({id(s): s for s in every if s.proc is not None}.values())
+
+
+def capacity_back(verifiers: list[Service], max_sessions: int, timeout_s: float = 30.0) -> list[int]:
+    """Each replica's free sessions, once every one has all `max_sessions` free (or after `timeout_s`:
+    sessions close as their last replies are read)."""
+    deadline = time.monotonic() + timeout_s
+    while (free := [free_sessions(v.address) for v in verifiers]) != [max_sessions] * len(verifiers) \
+            and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return free
 
 
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     logs = Path(a.log_dir) if a.log_dir else Path(tempfile.mkdtemp(prefix="load-test-"))
     logs.mkdir(parents=True, exist_ok=True)
-    port = free_port()
+    ports = [free_port() for _ in range(a.replicas)]
     services: list[Service] = []
     run = None
     try:
-        verifier = verifier_service(a, port, logs, 1).start(a.startup_timeout)
-        services.append(verifier)
-        drafter = drafter_service(a, port, logs).start(a.startup_timeout)
+        verifiers = []
+        for replica, port in enumerate(ports):
+            verifiers.append(verifier_service(a, port, logs, replica, 1).start(a.startup_timeout))
+            services.append(verifiers[-1])
+        drafter = drafter_service(a, ports, logs).start(a.startup_timeout)
         services.append(drafter)
-        run = Run(a, drafter, verifier, logs, port)
+        run = Run(a, drafter, verifiers, logs, ports)
         asyncio.run(run.warm_up())
-        memory = {"drafter": {"before": rss_mib(drafter)}, "verifier": {"before": rss_mib(verifier)}}
+        memory = {"drafter": {"before": rss_mib(drafter)}}
+        memory |= {f"verifier{i}": {"before": rss_mib(v)} for i, v in enumerate(verifiers)}
         log(f"warmed up; {a.clients} clients x {a.requests} requests")
         outcomes, wall = run.run()
-        deadline = time.monotonic() + 30  # sessions close as their last replies are read
-        while (free := free_sessions(run.verifier.address)) != a.clients and time.monotonic() < deadline:
-            time.sleep(0.1)
+        free = capacity_back(run.verifiers, a.clients)
         capacity = {"free_sessions": free, "max_sessions": a.clients, "drafter_serving": serving(drafter.address)}
-        memory["drafter"]["after"], memory["verifier"]["after"] = rss_mib(drafter), rss_mib(run.verifier)
+        memory["drafter"]["after"] = rss_mib(drafter)
+        for i, v in enumerate(run.verifiers):
+            memory[f"verifier{i}"]["after"] = rss_mib(v)
         reopened = drafter.log_path.read_text(errors="replace").count(" re-opened after ")  # drafter_svc.scheduler
         result = summarise(a, outcomes, wall, run, memory, capacity, reopened)
     except BaseException:
@@ -410,7 +434,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.out_json:
         Path(a.out_json).write_text(json.dumps(result, indent=2) + "\n")
         log(f"wrote {a.out_json}")
-    ok = result["failed"] == 0 and capacity["free_sessions"] == a.clients and capacity["drafter_serving"]
+    ok = result["failed"] == 0 and capacity["free_sessions"] == [a.clients] * a.replicas and capacity["drafter_serving"]
     return 0 if ok else 1
 
 

@@ -2,6 +2,8 @@
 embeddings, tiny temperatures and attention-layout fields, against transformers itself."""
 import json
 import shutil
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -311,3 +313,90 @@ def test_unsupported_attention_fields_are_refused(tmp_path, tiny_tokenizer, fiel
         edit_config(folder, **fields)
         with pytest.raises(CheckpointError, match=message):
             load(folder)
+
+
+# -- logprobs ---------------------------------------------------------------------------------
+
+LOGPROB_SAMPLING = {"greedy": {}, "temperature": {"temperature": 0.7, "seed": 11},
+                    "top-k-top-p": {"temperature": 1.3, "top_k": 20, "top_p": 0.8, "seed": 12}}
+
+
+def want_logprobs(logits: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
+    """float64 log probabilities [R, V] of the distribution each row samples from (-inf: dropped)."""
+    from kernels.probs import process_probs_reference
+
+    if sampling.greedy:
+        return torch.log_softmax(logits.double(), dim=-1)
+    r = logits.shape[0]
+    probs = process_probs_reference(logits, torch.full((r,), sampling.temperature), torch.full((r,), sampling.top_k),
+                                    torch.full((r,), float(sampling.top_p)))
+    return probs.double().log()
+
+
+def check_logprobs(folder, prompt, result, sampling: SamplingParams, top_n: int) -> None:
+    """Each emitted token's logprob and its top-N, against transformers' logits of the same text."""
+    with torch.no_grad():
+        logits = hf_model(folder)(torch.tensor([prompt + result.tokens])).logits[0]
+    want = want_logprobs(logits[len(prompt) - 1: len(prompt) - 1 + len(result.tokens)], sampling)
+    assert len(result.logprobs) == len(result.tokens) > 1
+    for row, token, got in zip(want, result.tokens, result.logprobs):
+        assert got.token == token
+        # float32 noise: our logits and transformers' differ by ~1e-4 (the test above), over T
+        assert got.logprob == pytest.approx(row[token].item(), abs=5e-4)
+        assert got.logprob > float("-inf")
+        kept = int((row > float("-inf")).sum())
+        values, ids = row.topk(min(top_n, kept))
+        assert [i for i, _ in got.top] == ids.tolist()
+        assert [v for _, v in got.top] == pytest.approx(values.tolist(), abs=5e-4)
+
+
+SHIPPED = Path(__file__).resolve().parent.parent / "models" / "default"
+
+
+@pytest.fixture(scope="module")
+def shipped():
+    """The shipped trained pair (its draft is accepted, so tree rounds emit several tokens) and a
+    held-out prompt of its corpus."""
+    engine = LocalEngine.load(str(SHIPPED / "target"), str(SHIPPED / "draft"),
+                              limits=VerifierLimits(max_sessions=4, max_seq_len=256))
+    sys.path.insert(0, str(SHIPPED.parent.parent / "bench"))
+    from acceptance import load_prompts
+
+    (_, prompt), = load_prompts(SHIPPED / "target", engine.tokenizer, 1, 48)
+    return engine, prompt
+
+
+@pytest.mark.parametrize("sampling", LOGPROB_SAMPLING, ids=list(LOGPROB_SAMPLING))
+@pytest.mark.parametrize("mode", [DraftMode("ar", 0), DraftMode("tree", 8)], ids=["ar", "tree"])
+def test_logprobs_equal_transformers(shipped, mode, sampling):
+    """Logprobs of every emitted token (the prefill's first included), plain and tree rounds,
+    greedy and sampled, equal those of transformers' logits under the request's filters."""
+    engine, prompt = shipped
+    params = SamplingParams(**LOGPROB_SAMPLING[sampling])
+    result = engine.generate(prompt, GenerationConfig(N, params, mode=mode, logprobs=5))
+    check_logprobs(SHIPPED / "target", prompt, result, params, 5)
+    if mode.kind == "tree":
+        assert max(result.acceptance_lengths) > 1  # rounds that accepted drafted tokens
+    plain = engine.generate(prompt, GenerationConfig(N, params, mode=mode))
+    assert plain.tokens == result.tokens and plain.logprobs is None  # asking changes no token
+
+
+def test_logprobs_alone_equal_logprobs_in_a_batch(shipped):
+    """A session's logprobs do not depend on what else is batched with it (float32)."""
+    engine, prompt = shipped
+    config = GenerationConfig(N, SamplingParams(temperature=0.9, top_k=30, seed=4), mode=DraftMode("tree", 6),
+                              logprobs=3)
+    alone = engine.generate(prompt, config)
+    others = [(prompt[i:], GenerationConfig(N, mode=DraftMode("tree", 4 + i))) for i in range(1, 4)]
+    batched = engine.generate_many([(prompt, config)] + others)
+    assert batched[0].tokens == alone.tokens
+    assert all(o.logprobs is None for o in batched[1:])
+    for a, b in zip(alone.logprobs, batched[0].logprobs):
+        assert a.token == b.token and a.logprob == pytest.approx(b.logprob, abs=1e-5)
+        assert [i for i, _ in a.top] == [i for i, _ in b.top]
+
+
+@pytest.mark.parametrize("logprobs", [-1, 21])
+def test_out_of_range_logprobs_are_refused(logprobs):
+    with pytest.raises(ValueError, match="logprobs must be in"):
+        GenerationConfig(N, logprobs=logprobs).check()

@@ -169,6 +169,36 @@ def test_token_id_prompts_and_sampling_options(client):
     assert again.token_ids == result.token_ids  # seeded: the same tokens
 
 
+def test_logprobs_sync_async_and_streamed_agree(client, address):
+    """Typed logprobs: one per token, the same through GenerateOnce, the stream and asyncio;
+    none unless asked."""
+    options = dict(max_new_tokens=16, logprobs=2, timeout=TIMEOUT)
+    once = client.generate(PROMPT, **options)
+    *deltas, streamed = client.stream(PROMPT, **options)
+
+    async def async_once():
+        async with AsyncGenerationClient(address, api_key=API_KEY) as c:
+            return await c.generate(PROMPT, **options)
+
+    assert len(once.logprobs) == len(once.token_ids) == 16
+    assert [t.token_id for t in once.logprobs] == list(once.token_ids)
+    assert all(len(t.top) == 2 and t.logprob <= 0 for t in once.logprobs)
+    assert streamed.logprobs == tuple(t for d in deltas for t in d.logprobs) == once.logprobs
+    assert run_async(async_once()).logprobs == once.logprobs
+    assert client.generate(PROMPT, max_new_tokens=4, timeout=TIMEOUT).logprobs is None
+
+
+def test_cli_prints_logprobs(address, capsys):
+    client_cli.main(["--server", address, "--api-key", API_KEY, "--max-new-tokens", "6", "--logprobs", "1", "--json",
+                     PROMPT])
+    out = json.loads(capsys.readouterr().out)
+    assert [t["token"] for t in out["logprobs"]] == out["tokens"] and all(len(t["top"]) == 1 for t in out["logprobs"])
+    client_cli.main(["--server", address, "--api-key", API_KEY, "--max-new-tokens", "6", "--logprobs", "1", PROMPT])
+    table = capsys.readouterr().err.splitlines()
+    first = next(i for i, line in enumerate(table) if line.split()[:2] == ["token", "logprob"])
+    assert [int(line.split()[0]) for line in table[first + 1:]] == out["tokens"]
+
+
 def test_build_request_sets_only_what_is_given():
     req = build_request(PROMPT)
     assert req.WhichOneof("prompt") == "text" and not req.HasField("max_new_tokens")

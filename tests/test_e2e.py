@@ -197,8 +197,9 @@ def test_stop_string_cuts_the_text_and_the_tokens(client, local, qwen3_pair, ver
             assert cut_tokens == tokens[:k] and final.usage.completion_tokens == k < len(tokens)
             ran = list(final.stats.acceptance_lengths)  # the verify rounds that ran: the last completed the stop
             assert 1 + sum(ran[:-1]) < k <= 1 + sum(ran), (k, ran)
-            once = stub.GenerateOnce(request(PROMPTS[0], n=16, stop=[stop]), timeout=60)
+            once = stub.GenerateOnce(request(PROMPTS[0], n=16, stop=[stop], logprobs=0), timeout=60)
             assert list(once.token_ids) == tokens[:k] and once.text == cut
+            assert [t.token_id for t in once.logprobs] == tokens[:k]  # cut with the tokens
             assert once.final.usage.completion_tokens == k and once.final.finish_reason == "stop"
 
 
@@ -214,6 +215,7 @@ def test_stop_string_cuts_the_text_and_the_tokens(client, local, qwen3_pair, ver
     (request([1, 2], n=0), "max_new_tokens"),
     (request([1, 2], budget=10_000), "tree_budget"),
     (request([1, 2], stop_token_ids=[10**9]), "stop token"),
+    (request([1, 2], logprobs=21), "logprobs must be in [0, 20]"),
 ])
 def test_bad_requests_are_invalid_argument(client, verifier_stub, req, needle):
     with pytest.raises(grpc.RpcError) as err:
@@ -221,6 +223,32 @@ def test_bad_requests_are_invalid_argument(client, verifier_stub, req, needle):
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert needle in err.value.details()
     assert run(client, request(PROMPTS[1], n=4))[2].finish_reason == "length"  # still serving
+    wait_full(verifier_stub)
+
+
+@pytest.mark.parametrize("sampling", [SamplingParams(), SamplingParams(temperature=0.9, top_k=50, top_p=0.95, seed=7)],
+                         ids=["greedy", "sampled"])
+def test_logprobs_over_grpc_equal_local(client, local, verifier_stub, sampling):
+    """Streamed and one-shot logprobs: one per token, as the in-process engine computes them."""
+    s = sampling
+    req = request(PROMPTS[2], n=16, budget=8, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, seed=s.seed,
+                  logprobs=4)
+    streamed, tokens = [], []
+    for reply in client.Generate(req, timeout=60):
+        if reply.HasField("delta"):
+            assert len(reply.delta.logprobs) == len(reply.delta.token_ids)
+            streamed.extend(reply.delta.logprobs)
+            tokens.extend(reply.delta.token_ids)
+    once = client.GenerateOnce(req, timeout=60)
+    want = local.generate(PROMPTS[2], GenerationConfig(16, s, mode=DraftMode("tree", 8), logprobs=4))
+    assert tokens == list(once.token_ids) == want.tokens
+    for got in (streamed, list(once.logprobs)):
+        assert [t.token_id for t in got] == want.tokens
+        assert [t.logprob for t in got] == pytest.approx([t.logprob for t in want.logprobs], abs=1e-5)
+        assert [[a.token_id for a in t.top] for t in got] == [[i for i, _ in t.top] for t in want.logprobs]
+        assert all(len(t.top) == 4 for t in got)
+    plain = client.GenerateOnce(request(PROMPTS[2], n=4), timeout=60)
+    assert not plain.logprobs  # only asked for
     wait_full(verifier_stub)
 
 

@@ -215,7 +215,9 @@ def test_stop_cuts_text_and_usage(client, grpc_stub):
     ({"prompt": PROMPT, "temperature": "hot"}, "temperature", "number"),
     ({"prompt": PROMPT, "stream": "yes"}, "stream", "boolean"),
     ({"prompt": PROMPT, "stop": [1, 2]}, "stop", "strings"),
-    ({"prompt": PROMPT, "logprobs": 1}, "logprobs", "not supported yet"),
+    ({"prompt": PROMPT, "logprobs": 21}, "logprobs", "[0, 21)"),
+    ({"prompt": PROMPT, "logprobs": True}, "logprobs", "integer"),
+    ({"prompt": PROMPT, "echo": True}, "echo", "not supported"),
     ({"prompt": PROMPT, "stream_options": {"include_usage": True}}, "stream_options", "stream"),
     ({"prompt": PROMPT, "presence_penalty": 0.5}, "presence_penalty", "not supported"),
     ({"prompt": PROMPT, "seed": -1}, "seed", "seed"),
@@ -242,7 +244,9 @@ def test_bad_completion_requests_get_400_with_openai_error_body(drafter, body, p
     ({"messages": "hi"}, "messages"),
     ({"messages": [{"role": "user"}]}, "content"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, "text parts"),
-    ({"messages": [{"role": "user", "content": "hi"}], "logprobs": True}, "not supported yet"),
+    ({"messages": [{"role": "user", "content": "hi"}], "logprobs": 2}, "boolean"),
+    ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 3}, "needs logprobs"),
+    ({"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 30}, "top_logprobs"),
     ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": -3}, "max_completion_tokens"),
     ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, "tools"),
     ({"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"x": 1}}, "chat_template_kwargs"),
@@ -317,3 +321,51 @@ def test_https_and_api_key_guard_the_http_api(tmp_path):
             get(drafter, "/health")
         with urllib.request.urlopen(f"https://localhost:{drafter.server.http_port}/health", context=context) as r:
             assert r.status == 200  # health needs no key
+
+
+def grpc_logprobs(grpc_stub, n: int, **fields):
+    once = grpc_stub.GenerateOnce(pb.GenerateRequest(max_new_tokens=24, logprobs=n, **fields), timeout=60)
+    return once, [(t.token_id, t.logprob, [(a.token_id, a.logprob) for a in t.top]) for t in once.logprobs]
+
+
+def test_completion_logprobs_equal_grpc(client, grpc_stub):
+    """OpenAI's completions format (tokens, token_logprobs, top_logprobs, text_offset), streamed
+    and not, carries the gRPC API's values; the tokens' texts make up the completion's text."""
+    once, want = grpc_logprobs(grpc_stub, 3, text=PROMPT)
+    whole = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=24, temperature=0, logprobs=3)
+    lp = whole.choices[0].logprobs
+    assert lp.token_logprobs == pytest.approx([v for _, v, _ in want], abs=1e-6)
+    assert all(len(top) == 3 for top in lp.top_logprobs)
+    assert [v for top in lp.top_logprobs for v in sorted(top.values(), reverse=True)] == pytest.approx(
+        [v for _, _, alts in want for _, v in alts], abs=1e-6)
+    assert "".join(lp.tokens) == whole.choices[0].text == once.text
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    streamed = [c.choices[0].logprobs for c in client.completions.create(
+        model=MODEL_NAME, prompt=PROMPT, max_tokens=24, temperature=0, logprobs=3, stream=True)
+        if c.choices and c.choices[0].logprobs is not None]
+    assert [v for c in streamed for v in c.token_logprobs] == lp.token_logprobs
+    assert [o for c in streamed for o in c.text_offset] == lp.text_offset
+
+
+def test_chat_logprobs_equal_grpc(client, grpc_stub):
+    """OpenAI's chat format: content entries with token, logprob, bytes and top_logprobs, seeded
+    sampling included (the values are of the filtered distribution the tokens were drawn from)."""
+    messages = [{"role": "user", "content": "write a function"}]
+    sampling = dict(temperature=0.8, top_p=0.9, seed=5)
+    chat = pb.Chat(messages=[pb.ChatMessage(role="user", content="write a function")])
+    once, want = grpc_logprobs(grpc_stub, 2, chat=chat,
+                               sampling=pb.SamplingParams(temperature=0.8, top_p=0.9, seed=5))
+    whole = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=24, logprobs=True,
+                                           top_logprobs=2, **sampling)
+    content = whole.choices[0].logprobs.content
+    assert [c.logprob for c in content] == pytest.approx([v for _, v, _ in want], abs=1e-6)
+    assert [a.logprob for c in content for a in c.top_logprobs] == pytest.approx(
+        [v for _, _, alts in want for _, v in alts], abs=1e-6)
+    assert all(bytes(c.bytes).decode("utf-8") == c.token for c in content)
+    assert whole.choices[0].message.content == once.text
+    streamed = [e for c in client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=24,
+                                                          logprobs=True, top_logprobs=2, stream=True, **sampling)
+                if c.choices and c.choices[0].logprobs is not None for e in c.choices[0].logprobs.content]
+    assert [c.logprob for c in streamed] == [c.logprob for c in content]
+    plain = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=4)
+    assert plain.choices[0].logprobs is None

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from common.protocol import CloseEntry, OpenEntry, Prefilled, SamplingParams, StatusError, StepResult, TreeEntry, Verified
+from common.protocol import (CloseEntry, OpenEntry, Prefilled, SamplingParams, StatusError, StepResult, TokenLogprob,
+                             TreeEntry, Verified)
 from common.tree import DraftTree
 from common.wire import (LinkLimits, WireError, decode_link_request, decode_link_response, encode_link_request,
                          encode_link_response)
@@ -23,11 +24,12 @@ def features(rows: int, seed: int) -> torch.Tensor:
 
 
 def test_request_round_trip():
-    entries = [OpenEntry(3, [1, 2, 3], SamplingParams(0.5, 4, 0.9, 7), "tp", (0, 2)), TreeEntry(1, 2, chain([4, 5, 6])),
-               CloseEntry(9), TreeEntry(2, 1, chain([7]))]
+    entries = [OpenEntry(3, [1, 2, 3], SamplingParams(0.5, 4, 0.9, 7), "tp", (0, 2), 5), TreeEntry(1, 2, chain([4, 5, 6])),
+               CloseEntry(9), TreeEntry(2, 1, chain([7])), OpenEntry(4, [1], SamplingParams(), logprobs=0)]
     got = decode_link_request(encode_link_request(11, entries), LinkLimits(max_entries=8, max_tree_nodes=4))
-    assert [type(e) for e in got] == [OpenEntry, TreeEntry, CloseEntry, TreeEntry]
-    assert got[0] == entries[0]
+    assert [type(e) for e in got] == [OpenEntry, TreeEntry, CloseEntry, TreeEntry, OpenEntry]
+    assert got[0] == entries[0] and got[4] == entries[4]
+    assert encode_link_request(1, entries[:1]).entries[0].open.logprobs == 5
     for e, g in ((entries[1], got[1]), (entries[3], got[3])):
         assert (g.session_id, g.round) == (e.session_id, e.round)
         for field in ("tokens", "next_token", "next_sibling"):
@@ -45,6 +47,42 @@ def test_response_round_trip_keeps_each_sessions_rows():
     assert (got[1].outcome.status, got[1].outcome.message) == ("NOT_FOUND", "gone")
     assert got[2].outcome.token == 8 and torch.equal(got[2].outcome.features, rows[3:7])
     assert got[3].outcome.features.shape == (0, WIDTH)
+
+
+def lp(token: int, value: float = -0.5, top=((1, -0.25), (2, -0.5))) -> TokenLogprob:
+    return TokenLogprob(token, value, tuple(top))
+
+
+def test_logprobs_round_trip():
+    """float32 values (what the verifier computes) come back exactly; unset stays None."""
+    results = [StepResult(1, Verified([4, 5], 6, features(3, 0), 2, [lp(4), lp(5, -1.5, ()), lp(6, -0.125)])),
+               StepResult(2, Prefilled(8, features(2, 1), 64, [lp(8, 0.0, ((8, 0.0),))])),
+               StepResult(3, Verified([7], 9, features(2, 2), 1))]
+    got = decode_link_response(_response(results), vocab_size=VOCAB, feature_dim=WIDTH, max_feature_rows=100)
+    assert got[0].outcome.logprobs == results[0].outcome.logprobs
+    assert got[1].outcome.logprobs == results[1].outcome.logprobs
+    assert got[2].outcome.logprobs is None
+
+
+@pytest.mark.parametrize("logprobs, needle", [
+    ([lp(4)], "logprobs for 1 tokens"),
+    ([lp(4), lp(6, top=((VOCAB, -1.0),))], "outside the vocabulary"),
+    ([lp(4), lp(6, 0.5)], "finite number <= 0"),
+    ([lp(4), lp(6, float("nan"))], "finite number <= 0"),
+    ([lp(4), lp(6, top=((1, float("-inf")),))], "finite number <= 0"),
+    ([lp(4), lp(6, top=tuple((i, -1.0) for i in range(21)))], "top logprobs"),
+])
+def test_bad_logprobs_are_refused(logprobs, needle):
+    reply = _response([StepResult(1, Verified([4], 6, features(2, 0), 1, logprobs))])
+    with pytest.raises(WireError, match=needle):
+        decode_link_response(reply, vocab_size=VOCAB, feature_dim=WIDTH, max_feature_rows=100)
+
+
+def test_top_counts_must_match_the_ids():
+    reply = _response([StepResult(1, Verified([4], 6, features(2, 0), 1, [lp(4), lp(6)]))])
+    reply.results[0].verified.logprobs.top_counts[1] = 3
+    with pytest.raises(WireError, match="top logprobs"):
+        decode_link_response(reply, vocab_size=VOCAB, feature_dim=WIDTH, max_feature_rows=100)
 
 
 def _response(results, width=WIDTH):
@@ -91,10 +129,10 @@ def test_check_results_matches_replies_to_entries():
 
 
 class _CannedStub:
-    """A VerifierStub whose Link stream answers each message with the next canned reply."""
+    """A `verifier_stub` whose raw Link stream answers each message with the next canned reply."""
 
     def __init__(self, replies):
-        self.replies = replies
+        self.replies = [r.SerializeToString() for r in replies]
 
     def Link(self, requests):
         return iter(self.replies)

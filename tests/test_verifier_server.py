@@ -280,8 +280,9 @@ def free_sessions(stub) -> int:
     return stub.Info(pb.InfoRequest(), timeout=5).free_sessions
 
 
-def opening(sid: int, layers, prompt=PROMPT, sampling: SamplingParams = GREEDY, traceparent="") -> OpenEntry:
-    return OpenEntry(sid, list(prompt), sampling, traceparent, tuple(layers))
+def opening(sid: int, layers, prompt=PROMPT, sampling: SamplingParams = GREEDY, traceparent="",
+            logprobs: int | None = None) -> OpenEntry:
+    return OpenEntry(sid, list(prompt), sampling, traceparent, tuple(layers), logprobs)
 
 
 def root_only(root: int) -> DraftTree:
@@ -692,6 +693,7 @@ BAD_OPENS = {
     "prompt too long": ({"prompt": [1] * MAX_SEQ_LEN}, "INVALID_ARGUMENT", "does not fit max_seq_len"),
     "id >= vocab": ({"prompt": [1, VOCAB]}, "INVALID_ARGUMENT", "outside the vocabulary"),
     "id < 0": ({"prompt": [-1, 2]}, "INVALID_ARGUMENT", "outside the vocabulary"),
+    "logprobs above 20": ({"logprobs": 21}, "INVALID_ARGUMENT", "logprobs must be in [0, 20]"),
     "feature layers differ": ({"layers": (0,)}, "FAILED_PRECONDITION", "features of target layers"),
     "feature layers reordered": ({"layers": "reversed"}, "FAILED_PRECONDITION", "features of target layers"),
 }
@@ -701,7 +703,8 @@ BAD_OPENS = {
 def test_bad_open_fails_only_its_session(stub, twin, layers, case):
     fields, status, needle = BAD_OPENS[case]
     bad_layers = tuple(reversed(layers)) if fields.get("layers") == "reversed" else fields.get("layers", layers)
-    bad = opening(2, bad_layers, fields.get("prompt", PROMPT), fields.get("sampling", GREEDY))
+    bad = opening(2, bad_layers, fields.get("prompt", PROMPT), fields.get("sampling", GREEDY),
+                  logprobs=fields.get("logprobs"))
     local = twin()
     with LinkStream(stub) as link:
         reply = link.send([opening(1, layers, PROMPTS[0]), bad, opening(3, layers, PROMPTS[3], SEEDED)])

@@ -20,10 +20,11 @@ from contextlib import AbstractContextManager
 import torch
 from torch import Tensor
 
-from common.protocol import SamplingParams
+from common.protocol import SamplingParams, TokenLogprob
 from common.tree import DraftTree
 from kernels.fused_accept import tree_accept
 from kernels.keyed_sampling import keyed_scores
+from kernels.probs import process_probs_reference
 
 # Coins are kept inside (0, 1): a coin of exactly 0 would accept a zero-probability child
 # (the test is `coin <= mass`), one of exactly 1 could pick a zero-probability bonus token.
@@ -125,3 +126,37 @@ def accept_roots(roots: list[DraftTree], logits: Tensor, sampling: list[Sampling
     with torch.inference_mode():
         result, _ = accept_batch(mode, tokens, links, links, logits[:, None], logits.new_zeros(b, 1, 0), **extra)
     return result[:, 1].tolist()
+
+
+def emitted_logprobs(logits: Tensor, tokens: list[int], sampling: list[SamplingParams],
+                     top_n: list[int]) -> list[TokenLogprob]:
+    """Log probabilities of emitted tokens, each under the distribution it was drawn from.
+
+    Row r of logits [R, V] is the target's at the position that emitted tokens[r], for a
+    session with sampling[r], asking for the top_n[r] most likely tokens. A greedy row's
+    distribution is the target's softmax; a sampled row's is the accept step's
+    (`kernels.probs.process_probs_reference`: temperature, top-k, top-p, renormalised), and the
+    tokens it drops are never listed. One batched call for all rows; only rounds that ask run it.
+    """
+    dev = logits.device
+    greedy = [s.greedy for s in sampling]
+    temperature = torch.tensor([1.0 if g else s.temperature for g, s in zip(greedy, sampling)],
+                               dtype=torch.float32, device=dev)
+    top_k = torch.tensor([0 if g else s.top_k for g, s in zip(greedy, sampling)], dtype=torch.int64, device=dev)
+    top_p = torch.tensor([1.0 if g else s.top_p for g, s in zip(greedy, sampling)], dtype=torch.float32, device=dev)
+    with torch.inference_mode():
+        scaled = torch.log_softmax(logits.float() / temperature[:, None], dim=-1)
+        kept = process_probs_reference(logits, temperature, top_k, top_p) > 0
+        mass = torch.where(kept, scaled.exp(), 0.0).sum(dim=-1, keepdim=True)
+        logp = torch.where(kept, (scaled - mass.log()).clamp(max=0.0), float("-inf"))
+        # Unmasked: should the filters here and the accept kernel's part at a near-tie, the token
+        # still gets its finite share.
+        chosen = (scaled - mass.log()).clamp(max=0.0).gather(1, torch.tensor(tokens, device=dev)[:, None])[:, 0]
+        n = max(top_n)
+        values, ids = logp.topk(n, dim=-1) if n else (logp[:, :0], logp[:, :0].long())
+        chosen, values, ids = chosen.tolist(), values.tolist(), ids.tolist()
+    out = []
+    for r, token in enumerate(tokens):
+        top = tuple((i, v) for i, v in zip(ids[r][: top_n[r]], values[r][: top_n[r]]) if v > float("-inf"))
+        out.append(TokenLogprob(token, chosen[r], top))
+    return out

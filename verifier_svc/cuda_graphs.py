@@ -31,7 +31,8 @@ static-shape code runs eagerly (CPU, or shapes no graph covers) and under CUDA g
 Graphs are captured at start-up into one memory pool (largest first), after the warm-up runs
 PyTorch needs on a side stream; capture runs dummy trees in the scratch slot, so sessions'
 K/V are never touched. Outputs of a replay live in static buffers, overwritten by the next
-replay of the same graph. The attention inside is `kernels.slot_attention` (see
+replay of the same graph; the logits, which rows asking for logprobs read after the replay,
+go to one buffer all graphs share (overwritten by the next replay of any graph). The attention inside is `kernels.slot_attention` (see
 `TargetModel.attention`): it reads each row's cache slot in place, so slots are data.
 """
 from __future__ import annotations
@@ -105,6 +106,7 @@ class VerifyRow:
     sampling: SamplingParams
     coins: Tensor | None = None  # float32 [n + 1] when sampling with coins
     seed: int = 0  # the session's sampling seed (position-keyed sampling)
+    logprobs: int | None = None  # the emitted tokens' logprobs and the top N are wanted (None: not)
 
 
 class _Fields:
@@ -144,6 +146,9 @@ class BatchInputs:
         # Where a graph leaves the path rows' features: one buffer per (B, T) that every graph of
         # that shape shares, rather than one output per graph (set by VerifyGraphs).
         self.features_out: Tensor | None = None
+        # Where the forward writes the logits [B, T, V] (set by VerifyGraphs: a view of one buffer
+        # all graphs share), so that they outlive the replay for the rows that ask for logprobs.
+        self.logits_out: Tensor | None = None
 
     def fill(self, rows: Sequence[VerifyRow], masks: Tensor, scratch_slot: int) -> None:
         """Stage the rows (masks bool [len(rows), W, W] with W <= T: each tree's ancestor mask in
@@ -207,8 +212,8 @@ def verify_step(model: TargetModel, cache: KVCache, inp: BatchInputs, length: in
     """The static-shape step over key length `length` (captured on CUDA, eager otherwise).
 
     "forward": ForwardOutput of all B x T rows. "greedy" / "keyed" / "sample": (result int64 [B, T + 2] =
-    [accepted, bonus, path padded with -1] per row, features of the path rows [B, T, F]), with
-    each row's accepted K/V already compacted to [past, past + 1 + accepted).
+    [accepted, bonus, path padded with -1] per row, features of the path rows [B, T, F], logits
+    [B, T, V] of every node), with each row's accepted K/V already compacted to [past, past + 1 + accepted).
     """
     b, t = inp.B, inp.T
     i, f = inp.ints, inp.floats
@@ -219,7 +224,7 @@ def verify_step(model: TargetModel, cache: KVCache, inp: BatchInputs, length: in
     local = torch.gather(inp.tree_mask, 2, rel.clamp(0, t - 1)[:, None, :].expand(b, t, length))
     mask = (local & inside[:, None, :]) | (cols[None] < past)[:, None, :]  # [B, T, L]
     cache_pos = past + inp.arange[None]
-    out = model(i.tokens, i.positions, cache, i.slot, cache_pos, mask)
+    out = model(i.tokens, i.positions, cache, i.slot, cache_pos, mask, logits_out=inp.logits_out)
     if mode == "forward":
         return out
     result, features = accept_batch(mode, i.tokens, i.next_token, i.next_sibling, out.logits, out.features,
@@ -235,7 +240,7 @@ def verify_step(model: TargetModel, cache: KVCache, inp: BatchInputs, length: in
     if inp.features_out is not None:
         inp.features_out.copy_(features)
         features = inp.features_out
-    return result, features
+    return result, features, out.logits
 
 
 class VerifyGraphs:
@@ -255,6 +260,10 @@ class VerifyGraphs:
         kv = config.kv_buckets or auto_kv_buckets(cache.max_seq_len, config.max_kv_buckets)
         self.kv_buckets = tuple(sorted({min(k, cache.max_seq_len) for k in kv}))
         self._inputs: dict[tuple[int, int], BatchInputs] = {}
+        # One logits buffer for the largest (B, T); every shape's logits are a view of its front.
+        most = max((b * t for b in self.batch_buckets for t in self.token_buckets if b * t <= config.max_tokens),
+                   default=0)
+        self._logits = torch.empty(most * model.cfg.vocab_size, device=self.device, dtype=model.lm_head.weight.dtype)
         self._graphs: dict[tuple[str, int, int, int], tuple[torch.cuda.CUDAGraph, object]] = {}
         self._pool = None
         self.capture_s = 0.0
@@ -286,6 +295,7 @@ class VerifyGraphs:
             if self.capture:
                 inp.features_out = torch.empty(batch, tokens, self.model.feature_dim, device=self.device,
                                                dtype=self.cache.k.dtype)
+                inp.logits_out = self._logits[: batch * tokens * self.model.cfg.vocab_size].view(batch, tokens, -1)
             self._inputs[key] = inp
         return self._inputs[key]
 

@@ -122,6 +122,7 @@ class TargetModel(nn.Module):
         cache_pos: torch.Tensor,   # [B, T] where each token's K/V is stored
         mask: torch.Tensor,        # [B, T, kv_len] bool, True = visible
         logit_rows: torch.Tensor | None = None,  # [R] rows to return logits for (all when None)
+        logits_out: torch.Tensor | None = None,  # [B, R, vocab] buffer to write the logits into
     ) -> ForwardOutput:
         cfg = self.cfg
         h = self.embed_tokens(input_ids)
@@ -147,4 +148,8 @@ class TargetModel(nn.Module):
             feats = self.feature_projection(feats)
         if logit_rows is not None:
             x = x[:, logit_rows]
-        return ForwardOutput(logits=self.lm_head(x), features=feats)
+        if logits_out is None:
+            return ForwardOutput(logits=self.lm_head(x), features=feats)
+        # The same GEMM as lm_head's, into a buffer that outlives a CUDA graph's private memory.
+        torch.mm(x.reshape(-1, x.shape[-1]), self.lm_head.weight.t(), out=logits_out.view(-1, logits_out.shape[-1]))
+        return ForwardOutput(logits=logits_out, features=feats)

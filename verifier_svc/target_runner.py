@@ -21,6 +21,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from common.protocol import TokenLogprob
+from verifier_svc.accept import emitted_logprobs
 from verifier_svc.cuda_graphs import (SAMPLING, BatchInputs, GraphConfig, VerifyGraphs, VerifyRow, cache_length,
                                       verify_step)
 from verifier_svc.target_model import ForwardOutput, KVCache, TargetModel
@@ -32,7 +34,9 @@ class VerifiedBatch:
 
     paths: list[list[int]]  # node indices, root first
     bonus: list[int]
+    accepted: list[list[int]]  # the tokens of each path's nodes after the root
     features: Tensor  # [sum of path lengths, F] on the CPU: the path rows of the rows asked for, in row order
+    logprobs: list[list[TokenLogprob] | None]  # per row: of its emitted tokens, for the rows that ask
 
 
 class TargetRunner:
@@ -134,7 +138,8 @@ class TargetRunner:
         accept, and compact each row's accepted K/V to [past, past + len(path)).
 
         Two device-to-host copies: the per-row results, then the features of the accepted rows
-        of the rows `with_features` marks (default: all).
+        of the rows `with_features` marks (default: all); a third, only when a row asks for
+        logprobs (`VerifyRow.logprobs`), for theirs.
         """
         mode = "greedy" if all(r.sampling.greedy for r in rows) else self.sampling
         outputs = self.graphs.run(mode, rows, masks) if self.graphs is not None else None
@@ -142,12 +147,43 @@ class TargetRunner:
             inp, length = self._eager_inputs(rows, masks)
             with torch.inference_mode():
                 outputs = verify_step(self.model, self.cache, inp, length, mode)
-        result, features = outputs
+        result, features, logits = outputs
         values = result[: len(rows)].cpu().tolist()
         paths = [v[2: 3 + v[0]] for v in values]
+        bonus = [v[1] for v in values]
+        accepted = []
+        for row, path in zip(rows, paths):
+            tokens = row.tree.tokens.tolist()  # a list once: cheaper than a tensor index per row
+            accepted.append([tokens[node] for node in path[1:]])
         wanted = with_features if with_features is not None else [True] * len(rows)
         b, t, f = features.shape
         index = torch.tensor([i * t + j for i, path in enumerate(paths) if wanted[i] for j in range(len(path))],
                              dtype=torch.int64, device=features.device)
         picked = features.reshape(b * t, f).index_select(0, index).cpu()
-        return VerifiedBatch(paths=paths, bonus=[v[1] for v in values], features=picked)
+        return VerifiedBatch(paths=paths, bonus=bonus, accepted=accepted, features=picked,
+                             logprobs=self._path_logprobs(rows, accepted, bonus, logits, paths))
+
+    @staticmethod
+    def _path_logprobs(rows: Sequence[VerifyRow], accepted: list[list[int]], bonus: list[int], logits: Tensor,
+                       paths: list[list[int]]) -> list[list[TokenLogprob] | None]:
+        """Each asking row's emitted tokens (the path's nodes after the root, then the bonus
+        token), each under the logits of the node before it, in one batched call."""
+        asking = [i for i, r in enumerate(rows) if r.logprobs is not None]
+        out: list[list[TokenLogprob] | None] = [None] * len(rows)
+        if not asking:
+            return out
+        t = logits.shape[1]
+        index, tokens, sampling, top_n = [], [], [], []
+        for i in asking:
+            path, row = paths[i], rows[i]
+            index += [i * t + node for node in path]
+            tokens += accepted[i] + [bonus[i]]
+            sampling += [row.sampling] * len(path)
+            top_n += [row.logprobs] * len(path)
+        rows_logits = logits.reshape(-1, logits.shape[-1]).index_select(
+            0, torch.tensor(index, dtype=torch.int64, device=logits.device))
+        flat = emitted_logprobs(rows_logits, tokens, sampling, top_n)
+        at = 0
+        for i in asking:
+            out[i], at = flat[at: at + len(paths[i])], at + len(paths[i])
+        return out

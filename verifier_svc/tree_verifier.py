@@ -22,10 +22,10 @@ from dataclasses import dataclass
 
 import torch
 
-from common.protocol import (CloseEntry, Entry, OpenEntry, Prefilled, SamplingParams, StatusError, StepResult,
-                             TreeEntry, Verified)
+from common.protocol import (MAX_LOGPROBS, CloseEntry, Entry, OpenEntry, Prefilled, SamplingParams, StatusError,
+                             StepResult, TreeEntry, Verified)
 from common.tree import DraftTree, TreeError, TreeLayout, ancestor_masks, walk_trees
-from verifier_svc.accept import Stage, accept_roots, draw_coins, no_stage
+from verifier_svc.accept import Stage, accept_roots, draw_coins, emitted_logprobs, no_stage
 from verifier_svc.cuda_graphs import VerifyRow
 from verifier_svc.target_runner import TargetRunner
 
@@ -52,6 +52,7 @@ class _Session:
     next_token: int = -1   # the bonus token the next tree must start from
     rounds: int = 0        # trees verified
     features: bool = True  # the drafter wants the target features of its tokens
+    logprobs: int | None = None  # its emitted tokens' logprobs and the top N are wanted (None: not)
 
 
 Key = tuple[Hashable, int]  # (owner, session id)
@@ -193,6 +194,8 @@ class TreeVerifier:
             e.sampling.check()
         except ValueError as exc:
             raise VerifierError("INVALID_ARGUMENT", str(exc)) from None
+        if e.logprobs is not None and not 0 <= e.logprobs <= MAX_LOGPROBS:
+            raise VerifierError("INVALID_ARGUMENT", f"logprobs must be in [0, {MAX_LOGPROBS}], got {e.logprobs}")
         return prompt
 
     def _prefill(self, group: Sequence[tuple[int, Key, OpenEntry, torch.Tensor]],
@@ -202,7 +205,7 @@ class TreeVerifier:
         for _, key, e, _ in group:
             seed = e.sampling.seed if e.sampling.seed is not None else secrets.randbits(63)
             session = _Session(self._free_slots.pop(), e.sampling, seed, torch.Generator().manual_seed(seed),
-                               features=bool(e.feature_layer_ids))
+                               features=bool(e.feature_layer_ids), logprobs=e.logprobs)
             self._sessions[key] = session
             sessions.append(session)
         try:
@@ -219,13 +222,26 @@ class TreeVerifier:
                         bonus = accept_roots(roots, logits, sampling, coins=[
                             None if s.sampling.greedy else draw_coins(s.generator, 1) for s in sessions])
                     rows = [(f if s.features else f[:0]).cpu() for s, f in zip(sessions, features)]
+                    logprobs = self._first_logprobs(sessions, logits, bonus)
         except Exception:
             for _, key, _, _ in group:
                 self.close(key)
             raise
-        for (i, _, _, prompt), s, token, f in zip(group, sessions, bonus, rows):
+        for (i, _, _, prompt), s, token, f, lp in zip(group, sessions, bonus, rows, logprobs):
             s.length, s.next_token = prompt.shape[0], token
-            outcomes[i] = Prefilled(token=token, features=f, max_seq_len=self.limits.max_seq_len)
+            outcomes[i] = Prefilled(token=token, features=f, max_seq_len=self.limits.max_seq_len, logprobs=lp)
+
+    @staticmethod
+    def _first_logprobs(sessions: Sequence[_Session], logits: torch.Tensor, tokens: list[int]) -> list:
+        """The first tokens' logprobs for the sessions that ask (None for the others)."""
+        asking = [j for j, s in enumerate(sessions) if s.logprobs is not None]
+        out: list = [None] * len(sessions)
+        if asking:
+            flat = emitted_logprobs(logits[asking], [tokens[j] for j in asking], [sessions[j].sampling for j in asking],
+                                    [sessions[j].logprobs for j in asking])
+            for j, lp in zip(asking, flat):
+                out[j] = [lp]
+        return out
 
     def close(self, key: Key) -> None:
         """Free the session's slot; closing an unknown or closed session is a no-op."""
@@ -263,7 +279,8 @@ class TreeVerifier:
                 s = self._sessions[key]
                 coins = (None if s.sampling.greedy or self.runner.sampling != "sample"
                          else draw_coins(s.generator, e.tree.num_nodes))
-                rows.append(VerifyRow(s.slot, s.length, e.tree, layouts[i].depths, s.sampling, coins, s.seed))
+                rows.append(VerifyRow(s.slot, s.length, e.tree, layouts[i].depths, s.sampling, coins, s.seed,
+                                      s.logprobs))
             masks = ancestor_masks([layouts[i] for i in good], max(r.tree.num_nodes for r in rows))
             with_features = [self._sessions[items[i][0]].features for i in good]
             with stage("forward"):
@@ -277,10 +294,11 @@ class TreeVerifier:
                     s.length += len(path)
                     s.next_token = batch.bonus[j]
                     s.rounds += 1
-                    accepted = e.tree.tokens[path[1:]].tolist()
+                    accepted = batch.accepted[j]
                     taken = len(path) if s.features else 0
                     outcomes[i] = Verified(accepted_tokens=accepted, next_token=batch.bonus[j],
-                                           features=batch.features[offset: offset + taken], round=e.round)
+                                           features=batch.features[offset: offset + taken], round=e.round,
+                                           logprobs=batch.logprobs[j])
                     offset += taken
         return outcomes
 

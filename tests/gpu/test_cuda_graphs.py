@@ -808,6 +808,34 @@ def test_mixed_batches_on_gpu_are_seeded_and_batch_independent(tiny_pair):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_logprobs_through_graphs_equal_eager_on_gpu(tiny_pair):
+    """Logprobs read from the graphs' shared logits buffer (float32): those of the eager step, for
+    greedy and sampled sessions batched with sessions that do not ask; asking changes no token."""
+    graphs, eager = _engine(tiny_pair, torch.float32), _engine(tiny_pair, torch.float32, cuda_graphs=False)
+    assert graphs.verifier.runner.graphs.num_graphs > 0
+    oracle = OracleProposer(load_model(tiny_pair), block_size=8, rank1_every=5)  # long accepted paths
+    graphs, eager = (dataclasses.replace(e, proposer=oracle) for e in (graphs, eager))
+    asking = [GenerationConfig(40, mode=DraftMode("tree", 16), logprobs=5),
+              GenerationConfig(40, sampling=SamplingParams(0.9, 30, 0.95, seed=3), mode=DraftMode("tree", 16),
+                               logprobs=2)]
+    requests = [(PROMPTS[0], asking[0]), (PROMPTS[1], GenerationConfig(40, mode=DraftMode("tree", 16))),
+                (PROMPTS[2], asking[1])]
+    calls = _count_graph_runs(graphs.verifier.runner.graphs)
+    got, want = graphs.generate_many(requests), eager.generate_many(requests)
+    assert any(hit and rows > 1 for _, rows, hit in calls)
+    for g, w in zip(got, want):
+        assert g.tokens == w.tokens
+    assert got[1].logprobs is None and max(got[0].acceptance_lengths) > 2
+    for i in (0, 2):
+        assert len(got[i].logprobs) == 40
+        assert [t.logprob for t in got[i].logprobs] == pytest.approx([t.logprob for t in want[i].logprobs], abs=1e-4)
+        assert [[a for a, _ in t.top] for t in got[i].logprobs] == [[a for a, _ in t.top] for t in want[i].logprobs]
+    plain = graphs.generate_many([(p, dataclasses.replace(c, logprobs=None)) for p, c in requests])
+    assert [o.tokens for o in plain] == [o.tokens for o in got]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
 def test_greedy_equals_ar_on_gpu_triton_attention(tiny_pair):
     """attention="triton" in the captured graphs (float32): batched tree decoding == AR with "sdpa"."""
     engine = _engine(tiny_pair, torch.float32)
