@@ -74,9 +74,10 @@ class TokenLogprob:
 
 @dataclass
 class Prefilled:
-    """Verifier's reply to Open: the first generated token and the prompt's features."""
+    """Verifier's reply to an Open (or to the Extend of a prompt's last chunk): the first
+    generated token and the features of the entry's prompt tokens."""
     token: int
-    features: torch.Tensor  # [prompt_len, feature_dim]
+    features: torch.Tensor  # [the entry's prompt tokens, feature_dim]
     max_seq_len: int        # the session can hold this many tokens in all
     logprobs: list[TokenLogprob] | None = None  # [token's], when the Open asked for them
 
@@ -100,6 +101,23 @@ class OpenEntry:
     traceparent: str = ""
     feature_layer_ids: tuple[int, ...] = ()  # what the drafter needs; must equal the verifier's
     logprobs: int | None = None  # None: none; N in [0, MAX_LOGPROBS]: emitted tokens' logprobs and the top N
+    more: bool = False  # prompt_ids is the prompt's first chunk, the rest follows in ExtendEntry's
+
+
+@dataclass
+class ExtendEntry:
+    """The next chunk of a session's prompt (chunked prefill); the reply is `Extended`, or
+    `Prefilled` for the last chunk (`more` False)."""
+    session_id: int
+    prompt_ids: list[int]
+    more: bool = False
+    traceparent: str = ""
+
+
+@dataclass
+class Extended:
+    """Verifier's reply to a prompt chunk that is not the last: the chunk's features."""
+    features: torch.Tensor  # [chunk tokens, feature_dim]
 
 
 @dataclass
@@ -117,11 +135,11 @@ class CloseEntry:
     session_id: int
 
 
-Entry = OpenEntry | TreeEntry | CloseEntry
+Entry = OpenEntry | ExtendEntry | TreeEntry | CloseEntry
 
 
 @dataclass
 class StepResult:
-    """The outcome of one open or tree entry; a StatusError means the session failed and is closed."""
+    """The outcome of one open, extend or tree entry; a StatusError means the session failed and is closed."""
     session_id: int
-    outcome: Prefilled | Verified | StatusError
+    outcome: Prefilled | Extended | Verified | StatusError

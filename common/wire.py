@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import grpc
 import torch
 
-from common.protocol import (MAX_LOGPROBS, CloseEntry, Entry, OpenEntry, Prefilled, SamplingParams, StatusError,
-                             StepResult, TokenLogprob, TreeEntry, Verified)
+from common.protocol import (MAX_LOGPROBS, CloseEntry, Entry, Extended, ExtendEntry, OpenEntry, Prefilled,
+                             SamplingParams, StatusError, StepResult, TokenLogprob, TreeEntry, Verified)
 from common.rpc import pb
 from common.tree import DraftTree
 
@@ -121,13 +121,16 @@ def encode_link_request(step: int, entries: Sequence[Entry]) -> pb.LinkRequest:
         if isinstance(e, OpenEntry):
             entry = msg.entries.add(session_id=e.session_id, open=pb.Open(
                 prompt_token_ids=e.prompt_ids, sampling=encode_sampling(e.sampling), traceparent=e.traceparent,
-                feature_layer_ids=e.feature_layer_ids))
+                feature_layer_ids=e.feature_layer_ids, more=e.more))
             if e.logprobs is not None:
                 entry.open.logprobs = e.logprobs
         elif isinstance(e, TreeEntry):
             msg.entries.add(session_id=e.session_id, tree=pb.Tree(round=e.round, num_nodes=e.tree.num_nodes,
                                                                   traceparent=e.traceparent))
             trees.append(e.tree)
+        elif isinstance(e, ExtendEntry):
+            msg.entries.add(session_id=e.session_id, extend=pb.Extend(prompt_token_ids=e.prompt_ids, more=e.more,
+                                                                      traceparent=e.traceparent))
         else:
             msg.entries.add(session_id=e.session_id, close=pb.Close())
     if trees:
@@ -174,7 +177,9 @@ def decode_link_request(msg: pb.LinkRequest, limits: LinkLimits) -> list[Entry |
                 continue
             logprobs = e.open.logprobs if e.open.HasField("logprobs") else None
             out.append(OpenEntry(sid, list(e.open.prompt_token_ids), sampling, e.open.traceparent,
-                                 tuple(e.open.feature_layer_ids), logprobs))
+                                 tuple(e.open.feature_layer_ids), logprobs, e.open.more))
+        elif kind == "extend":
+            out.append(ExtendEntry(sid, list(e.extend.prompt_token_ids), e.extend.more, e.extend.traceparent))
         elif kind == "tree":
             n = e.tree.num_nodes
             if framing:
@@ -188,7 +193,7 @@ def decode_link_request(msg: pb.LinkRequest, limits: LinkLimits) -> list[Entry |
         elif kind == "close":
             out.append(CloseEntry(sid))
         else:
-            out.append(_invalid(sid, "an entry must be open, tree or close"))
+            out.append(_invalid(sid, "an entry must be open, extend, tree or close"))
     return out
 
 
@@ -214,6 +219,9 @@ def encode_link_response(step: int, results: Sequence[StepResult], feature_dim: 
                 round=o.round, accepted_tokens=o.accepted_tokens, next_token=o.next_token,
                 feature_rows=o.features.shape[0]))
             _write_logprobs(result.verified, o.logprobs)
+            rows.append(o.features)
+        elif isinstance(o, Extended):
+            msg.results.add(session_id=r.session_id, extended=pb.Extended(feature_rows=o.features.shape[0]))
             rows.append(o.features)
         else:
             msg.results.add(session_id=r.session_id, error=pb.Error(code=status_code(o.status), message=o.message))
@@ -309,10 +317,12 @@ def decode_link_response(msg: pb.LinkResponse, *, vocab_size: int, feature_dim: 
                 raise WireError(f"a Verified of {len(accepted)} accepted tokens with {v.feature_rows} feature rows")
             outcome = Verified(accepted, token(v.next_token), take(v.feature_rows), v.round,
                                _read_logprobs(v, accepted + [v.next_token], vocab_size))
+        elif kind == "extended":
+            outcome = Extended(take(r.extended.feature_rows))
         elif kind == "error":
             outcome = StatusError(status_name(r.error.code), r.error.message)
         else:
-            raise WireError("a result must be prefilled, verified or error")
+            raise WireError("a result must be prefilled, extended, verified or error")
         out.append(StepResult(r.session_id, outcome))
     if row != features.shape[0]:
         raise WireError(f"{features.shape[0]} feature rows sent, the results use {row}")

@@ -67,6 +67,10 @@ def parse_args(argv=None) -> DrafterConfig:
            help="requests that may wait for a session slot beyond the free ones; past that a request gets "
                 "RESOURCE_EXHAUSTED at once, with a retry hint (trailing metadata retry-after-ms; HTTP Retry-After); "
                 f"0 = none wait (default {d.max_queue})")
+    p.flag("--prefill-chunk", env="DRAFTER_PREFILL_CHUNK", default=d.prefill_chunk, type=int,
+           help="prompt tokens one step may prefill, over every session: a longer prompt is prefilled in "
+                "chunks over several steps, between the other sessions' rounds, so that none waits more than one "
+                f"chunk for it; 0 = no limit, each prompt in one piece (default {d.prefill_chunk})")
     p.flag("--recovery-timeout", env="DRAFTER_RECOVERY_TIMEOUT_S", default=d.recovery_timeout_s, type=float,
            help="when a verifier link is lost (the verifier died or restarted), seconds each of its sessions "
                 "keeps trying to re-open on a verifier that answers, by prefilling its prompt plus the tokens emitted "
@@ -107,6 +111,8 @@ def parse_args(argv=None) -> DrafterConfig:
         fail("--recovery-timeout and --grace must be >= 0")
     if a.max_queue < 0:
         fail(f"--max-queue must be >= 0, got {a.max_queue}")
+    if a.prefill_chunk < 0:
+        fail(f"--prefill-chunk must be >= 0 (0 = no limit), got {a.prefill_chunk}")
     if a.tree_budget < 0 or a.max_new_tokens < 1 or a.max_concurrent < 1:
         fail("--tree-budget must be >= 0, --max-new-tokens and --max-concurrent >= 1")
     if a.max_message_mb < 1 or a.max_prompt_bytes < 1:
@@ -117,7 +123,7 @@ def parse_args(argv=None) -> DrafterConfig:
                          device=a.device, dtype=a.dtype, tree_budget=a.tree_budget, chain=a.chain,
                          max_new_tokens=a.max_new_tokens, max_concurrent=a.max_concurrent,
                          verifier_wait_s=a.verifier_wait, queue_timeout_s=a.queue_timeout,
-                         max_queue=a.max_queue,
+                         max_queue=a.max_queue, prefill_chunk=a.prefill_chunk,
                          recovery_timeout_s=a.recovery_timeout, grace_s=a.grace,
                          trace_console=a.trace_console, cuda_graphs=not a.no_cuda_graphs,
                          max_message_mb=a.max_message_mb, max_prompt_bytes=a.max_prompt_bytes,

@@ -54,6 +54,10 @@ class BlockProposer(Protocol):
 
     def start(self, prompt_ids: list[int], features: torch.Tensor) -> object: ...
 
+    def extend(self, state: object, prompt_ids: list[int], features: torch.Tensor) -> None:
+        """The next chunk of the prompt (chunked prefill): its tokens and their features."""
+        ...
+
     def propose(self, states: Sequence[object], roots: Sequence[int], new_tokens: Sequence[list[int]],
                 new_features: Sequence[torch.Tensor]) -> torch.Tensor: ...
 
@@ -157,19 +161,30 @@ class DFlashProposer:
 
     @torch.inference_mode()
     def start(self, prompt_ids: list[int], features: torch.Tensor) -> DraftState:
-        """A session's context (a pool slot) holding the prompt's features. Raises
-        StatusError(RESOURCE_EXHAUSTED) when every slot is taken."""
+        """A session's context (a pool slot) holding the prompt's features (or its first chunk's).
+        Raises StatusError(RESOURCE_EXHAUSTED) when every slot is taken."""
         slot = self.pool.acquire()
         if slot is None:
             raise StatusError("RESOURCE_EXHAUSTED", f"all {self.pool.num_slots - 1} draft context slots are in use")
-        k = features.shape[0]
-        if k > self.max_seq_len:
+        state = DraftState(slot)
+        try:
+            self.extend(state, prompt_ids, features)
+        except ValueError:
             self.pool.release(slot)
-            raise ValueError(f"{k} prompt rows exceed max_seq_len {self.max_seq_len}")
+            raise
+        return state
+
+    @torch.inference_mode()
+    def extend(self, state: DraftState, prompt_ids: list[int], features: torch.Tensor) -> None:
+        """Append prompt features to a session's context (the next chunk, in chunked prefill)."""
+        k = features.shape[0]
+        if state.length + k > self.max_seq_len:
+            raise ValueError(f"{state.length + k} prompt rows exceed max_seq_len {self.max_seq_len}")
         dev = self.device
-        self.draft.extend(self.pool.kv, torch.tensor([slot], device=dev), torch.zeros(1, dtype=torch.long, device=dev),
-                          features[None].to(dev), self.projected)
-        return DraftState(slot, k)
+        self.draft.extend(self.pool.kv, torch.tensor([state.slot], device=dev),
+                          torch.tensor([state.length], dtype=torch.long, device=dev), features[None].to(dev),
+                          self.projected)
+        state.length += k
 
     @torch.inference_mode()
     def propose(self, states: Sequence[DraftState], roots: Sequence[int], new_tokens: Sequence[list[int]],

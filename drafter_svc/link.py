@@ -23,7 +23,8 @@ from typing import Protocol
 import grpc
 
 from common.config import DraftConfig, TargetConfig
-from common.protocol import CloseEntry, Entry, OpenEntry, Prefilled, StatusError, StepResult, TreeEntry, Verified
+from common.protocol import (CloseEntry, Entry, Extended, ExtendEntry, OpenEntry, Prefilled, StatusError, StepResult,
+                             TreeEntry, Verified)
 from common.rpc import CHANNEL_OPTIONS, decode_message, pb, pb_grpc
 from common.tls import ChannelTls
 from common.tls import open_channel as open_tls_channel
@@ -103,15 +104,20 @@ def status_error(exc: grpc.RpcError) -> StatusError:
 
 
 def check_results(entries: Sequence[Entry], results: Sequence[StepResult]) -> None:
-    """Raise StatusError(INTERNAL) unless `results` answer the open and tree entries one by one,
-    and every Verified fits the tree it answers."""
+    """Raise StatusError(INTERNAL) unless `results` answer the open, extend and tree entries one
+    by one (a prompt chunk with more to come by an Extended, the last by the Prefilled), and
+    every Verified fits the tree it answers."""
     asked = [e for e in entries if not isinstance(e, CloseEntry)]
     if [r.session_id for r in results] != [e.session_id for e in asked]:
         raise StatusError("INTERNAL", f"verifier answered sessions {[r.session_id for r in results][:8]}, "
                                       f"expected {[e.session_id for e in asked][:8]}")
     for e, r in zip(asked, results):
-        if isinstance(r.outcome, Prefilled) and not isinstance(e, OpenEntry):
+        chunk = isinstance(e, (OpenEntry, ExtendEntry))
+        if isinstance(r.outcome, Prefilled) and not (chunk and not e.more):
             raise StatusError("INTERNAL", f"verifier sent a Prefilled that answers no open of session {e.session_id}")
+        if isinstance(r.outcome, Extended) and not (chunk and e.more):
+            raise StatusError("INTERNAL", f"verifier sent an Extended that answers no prompt chunk of session "
+                                          f"{e.session_id}")
         if isinstance(r.outcome, Verified):
             if not isinstance(e, TreeEntry) or r.outcome.round != e.round:
                 raise StatusError("INTERNAL", f"verifier sent a Verified that answers no tree of session {e.session_id}")

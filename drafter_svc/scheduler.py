@@ -41,8 +41,8 @@ from dataclasses import dataclass, field
 from opentelemetry import trace
 from torch import Tensor
 
-from common.protocol import (MAX_LOGPROBS, CloseEntry, Entry, LinkLost, OpenEntry, Prefilled, SamplingParams,
-                             StatusError, StepResult, TokenLogprob, TreeEntry, Verified)
+from common.protocol import (MAX_LOGPROBS, CloseEntry, Entry, ExtendEntry, Extended, LinkLost, OpenEntry, Prefilled,
+                             SamplingParams, StatusError, StepResult, TokenLogprob, TreeEntry, Verified)
 from common import metrics
 from common.tracing import traceparent_of, tracer
 from common.tree import DraftTree
@@ -186,6 +186,12 @@ class _Session:
         self.new_features = None
         self.rounds = 0
         self.tree = None  # the tree in flight
+        # The prompt being prefilled since the last open (chunked prefill: `DraftScheduler.prefill_chunk`),
+        # how much of it has been sent, and the size of the chunk in flight.
+        self.chunk_prompt: list[int] = []
+        self.prompt_sent = 0
+        self.chunk_in_flight = 0
+        self.prompt_done = False  # the verifier answered its last chunk (Prefilled): trees may go
         self.span = _tracer.start_span("generate", attributes={
             "prompt.tokens": len(prompt_ids), "mode": config.mode.kind, "tree.budget": config.mode.budget})
 
@@ -231,7 +237,7 @@ class DraftScheduler:
                  feature_layer_ids: tuple[int, ...] = (), eos_token_ids: tuple[int, ...] = (),
                  queue_timeout_s: float = 30.0, logits_hook: LogitsHook | None = None, pipelined: bool = True,
                  recovery_timeout_s: float = 0.0, planner: BudgetPlanner | None = None,
-                 adapt_sampled: bool = False, max_queue: int = 256):
+                 adapt_sampled: bool = False, max_queue: int = 256, prefill_chunk: int = 0):
         self.link, self.proposer = link, proposer
         # The adaptive tree budget (None: each request's budget as given). It adapts greedy
         # sessions, and sampled ones only when `adapt_sampled` (the verifier samples keyed by
@@ -239,6 +245,9 @@ class DraftScheduler:
         # that follows the batch would make it depend on the other sessions.
         self.planner, self.adapt_sampled = planner, adapt_sampled
         self.pipelined = pipelined
+        # Prompt tokens one step may prefill, over every session (0: no limit): a longer prompt is
+        # sent in chunks over several steps, so that no round waits more than one chunk for it.
+        self.prefill_chunk = prefill_chunk
         # After the link fails with UNAVAILABLE, sessions re-open for this long (0: they fail).
         self.recovery_timeout_s = recovery_timeout_s
         self._retry_at = 0.0  # no opens before this (backoff after a failed link)
@@ -409,12 +418,9 @@ class DraftScheduler:
         entries: list[Entry] = [CloseEntry(sid) for sid in self._ending]
         self._ending = []
         self._expire_waiting()
-        opening = self._admit()
-        entries += [OpenEntry(s.sid, s.open_prompt(), s.config.sampling, traceparent_of(s.span),
-                              self.feature_layer_ids if s.drafts else (),  # plain decoding needs no features
-                              s.config.logprobs)
-                    for s in opening]
-        ready = [s for s in self._running.values() if s.open_on_verifier and not s.in_flight]
+        chunking, chunks = self._prompt_chunks()
+        entries += chunks
+        ready = [s for s in self._running.values() if s.open_on_verifier and s.prompt_done and not s.in_flight]
         if self.pipelined and ready:
             in_flight = sum(1 for s in self._running.values() if s.in_flight and s.open_on_verifier)
             total = len(ready) + in_flight
@@ -428,9 +434,9 @@ class DraftScheduler:
             drafted = self._trees(ready, rounds)
             entries += drafted.entries
             rpc_span = _tracer.start_span("verify_rpc")
-        for s in list(opening) + ready:
+        for s in chunking + ready:
             s.in_flight = True
-        self._inflight.append(_InFlight(list(opening) + ready, rounds, step_span, rpc_span, started, drafted.budget,
+        self._inflight.append(_InFlight(chunking + ready, rounds, step_span, rpc_span, started, drafted.budget,
                                         drafted.draft_s, drafted.build_s))
         try:
             self.link.send(entries)
@@ -517,8 +523,37 @@ class DraftScheduler:
         self._backoff = min(max(2 * self._backoff, 0.05), 1.0)
         self._retry_at = time.monotonic() + self._backoff
 
-    def _admit(self) -> list[_Session]:
-        """Waiting sessions to open now: as many as free draft slots and the session limit allow."""
+    def _prompt_chunks(self) -> tuple[list[_Session], list[Entry]]:
+        """This step's prompt tokens, within `prefill_chunk` of them: the next chunk of each prompt
+        already being prefilled (oldest first), then Open entries for waiting sessions admitted
+        (each with its prompt's first chunk). Returns the sessions and their entries."""
+        budget = self.prefill_chunk or float("inf")
+        sessions, entries = [], []
+
+        def take(s: _Session) -> tuple[list[int], bool]:
+            nonlocal budget
+            n = int(min(len(s.chunk_prompt) - s.prompt_sent, budget))
+            chunk, s.chunk_in_flight = s.chunk_prompt[s.prompt_sent: s.prompt_sent + n], n
+            s.prompt_sent += n
+            budget -= n
+            sessions.append(s)
+            return chunk, s.prompt_sent < len(s.chunk_prompt)
+
+        for s in self._running.values():
+            if s.open_on_verifier and not s.prompt_done and not s.in_flight and budget > 0:
+                chunk, more = take(s)
+                entries.append(ExtendEntry(s.sid, chunk, more, traceparent_of(s.span)))
+        for s in self._admit(budget):
+            s.chunk_prompt, s.prompt_sent, s.prompt_done = s.open_prompt(), 0, False
+            chunk, more = take(s)
+            entries.append(OpenEntry(s.sid, chunk, s.config.sampling, traceparent_of(s.span),
+                                     self.feature_layer_ids if s.drafts else (),  # plain decoding needs no features
+                                     s.config.logprobs, more))
+        return sessions, entries
+
+    def _admit(self, tokens: float = float("inf")) -> list[_Session]:
+        """Waiting sessions to open now: as many as free draft slots and the session limit allow,
+        until their prompts hold `tokens` (the last one admitted may hold more: it is chunked)."""
         opening = []
         if time.monotonic() < self._retry_at:  # the link just failed: wait before opening again
             return opening
@@ -526,8 +561,9 @@ class DraftScheduler:
         if self.proposer is not None:
             free = min(free, self.proposer.free_slots - sum(1 for s in self._running.values() if s.draft_state is None
                                                           and s.drafts))
-        while self._waiting and free > 0:
+        while self._waiting and free > 0 and tokens > 0:
             s = self._waiting.popleft()
+            tokens -= len(s.open_prompt())
             self._running[s.sid] = s
             s.admitted = time.perf_counter()
             self._dequeued(s)
@@ -619,6 +655,8 @@ class DraftScheduler:
                     self._fail(s, o)
             elif isinstance(o, Prefilled):
                 self._prefilled(s, o)
+            elif isinstance(o, Extended):
+                self._extended(s, o)
             else:
                 self._verified(s, o, span, timing)
             if span is not None:
@@ -630,29 +668,45 @@ class DraftScheduler:
         if lost:
             self._back_off()
 
+    def _extended(self, s: _Session, e: Extended) -> None:
+        """A chunk of the session's prompt is prefilled, more are to come (chunked prefill)."""
+        s.open_on_verifier = True
+        self._context_grows(s, e.features)
+
+    def _context_grows(self, s: _Session, features) -> bool:
+        """The answered prompt chunk's features extend the session's draft context (its first chunk
+        takes a context slot). False when that failed the session."""
+        if not s.drafts or s.result.finish_reason:  # no draft, or ending anyway
+            return True
+        if features.shape[0] != s.chunk_in_flight:
+            self._fail(s, StatusError("INTERNAL", f"verifier sent {features.shape[0]} feature rows for a "
+                                                  f"{s.chunk_in_flight}-token prompt chunk"))
+            return False
+        try:
+            if s.draft_state is None:
+                s.draft_state = self.proposer.start(s.chunk_prompt[: s.prompt_sent], features)
+            else:
+                self.proposer.extend(s.draft_state, s.chunk_prompt[s.prompt_sent - s.chunk_in_flight: s.prompt_sent],
+                                     features)
+        except (StatusError, ValueError) as exc:
+            self._fail(s, exc if isinstance(exc, StatusError) else StatusError("INVALID_ARGUMENT", str(exc)))
+            return False
+        return True
+
     def _prefilled(self, s: _Session, p: Prefilled) -> None:
         s.open_on_verifier = True
-        prompt = s.open_prompt()
-        if s.drafts and p.features.shape[0] != len(prompt):
-            self._fail(s, StatusError("INTERNAL", f"verifier sent {p.features.shape[0]} feature rows for a "
-                                                  f"{len(prompt)}-token prompt"))
+        if self._lacks_logprobs(s, p.logprobs, 1) or not self._context_grows(s, p.features):
             return
-        if self._lacks_logprobs(s, p.logprobs, 1):
-            return
+        s.prompt_done = True
         if s.recovery_deadline is None:
             s.result.time_to_first_token_s = time.perf_counter() - s.start
         else:  # re-opened after a lost verifier: carry on
             log.info("session %d re-opened after %d tokens, %.2f s after its link was lost", s.sid,
                      len(s.result.tokens), time.monotonic() - s.recovery_start)
             s.recovery_deadline = None
-        s.max_seq_len, s.length, s.root = p.max_seq_len, len(prompt), p.token
+        s.max_seq_len, s.length, s.root = p.max_seq_len, len(s.chunk_prompt), p.token
         s.round_base = s.rounds
-        if s.drafts and not s.result.finish_reason:
-            try:
-                s.draft_state = self.proposer.start(prompt, p.features)
-            except (StatusError, ValueError) as exc:
-                self._fail(s, exc if isinstance(exc, StatusError) else StatusError("INVALID_ARGUMENT", str(exc)))
-                return
+        if s.draft_state is not None:
             s.new_tokens, s.new_features = [p.token], p.features[:0]
         self._deliver(s, s.emit(s.rounds, [p.token], p.logprobs))  # round 0, or the last one before a re-open
 

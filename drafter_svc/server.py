@@ -71,6 +71,9 @@ class DrafterConfig:
     verifier_wait_s: float = 60.0    # how long start-up waits for the verifier
     queue_timeout_s: float = 30.0    # how long a request waits for a free session slot
     max_queue: int = 256             # requests waiting beyond the free slots; more get RESOURCE_EXHAUSTED at once
+    # Prompt tokens one step may prefill, over every session: longer prompts go in chunks over
+    # several steps, so that a long prompt stalls the others' rounds by one chunk at most (0 = no limit).
+    prefill_chunk: int = 1024
     recovery_timeout_s: float = 30.0  # after a lost verifier link, how long sessions try to re-open (0 = fail)
     grace_s: float = 25.0  # on SIGTERM, how long running generations may finish (compose waits 30 s)
     trace_console: bool = False
@@ -190,7 +193,8 @@ class DrafterEngine:
                                    eos_token_ids=target_cfg.eos_token_ids, queue_timeout_s=cfg.queue_timeout_s,
                                    logits_hook=hook, pipelined=cfg.pipelined(info.device_id),
                                    recovery_timeout_s=cfg.recovery_timeout_s, planner=cfg.budget_planner(info),
-                                   adapt_sampled=info.sampling == "keyed", max_queue=cfg.max_queue)
+                                   adapt_sampled=info.sampling == "keyed", max_queue=cfg.max_queue,
+                                   prefill_chunk=cfg.prefill_chunk)
         log.info("rounds %s (--pipelining %s; verifier on %s); tree budget %s", "pipelined" if scheduler.pipelined
                  else "in lockstep", cfg.pipelining, info.device_id or "?",
                  "adaptive (requests' budgets are caps)" if scheduler.planner else "as each request sets it")

@@ -38,6 +38,7 @@ import argparse
 import asyncio
 import json
 import random
+import re
 import shutil
 import subprocess
 import tempfile
@@ -308,7 +309,7 @@ class Run:
 
 
 def summarise(a: argparse.Namespace, outcomes: list[Outcome], wall: float, run: Run, memory: dict,
-              capacity: dict, reopened: int) -> dict:
+              capacity: dict, reopened: list[float]) -> dict:
     failed = [o for o in outcomes if o.error]
     by_prompt: dict[int, list[Outcome]] = {}
     for o in outcomes:
@@ -342,8 +343,10 @@ def summarise(a: argparse.Namespace, outcomes: list[Outcome], wall: float, run: 
         "latency_ms": {"p50": ms(percentile(latencies, 50)), "p99": ms(percentile(latencies, 99)),
                        "max": ms(max(latencies, default=None))},
         "ttft_ms": {"p50": ms(percentile(ttfts, 50)), "p99": ms(percentile(ttfts, 99))},
-        "outage": {k: round(v, 2) for k, v in run.outage.items()} | ({"sessions_reopened": reopened}
-                                                                      if run.outage else {}),
+        "outage": {k: round(v, 2) for k, v in run.outage.items()} | ({
+            "sessions_reopened": len(reopened), "recovery_s": {"p50": percentile(reopened, 50),
+                                                               "max": max(reopened, default=None)}}
+            if run.outage else {}),
         "capacity": capacity, "rss_mib": memory,
     }
 
@@ -361,6 +364,8 @@ def print_table(r: dict) -> None:
         ("replica 0 killed", (f"after request {r['outage']['at_request']}, down {r['outage']['verifier_down_s']} s "
                              f"(restart {r['outage']['restart_s']} s), {r['outage']['sessions_reopened']} sessions "
                              f"re-opened, {r['requests_across_outage']} requests in flight") if r["outage"] else "no"),
+        ("session recovery p50 / max", (" / ".join(f"{r['outage']['recovery_s'][k]:.2f} s" for k in ("p50", "max"))
+                                        if r["outage"] and r["outage"]["sessions_reopened"] else "-")),
         ("capacity back to full", (" / ".join(map(str, r["capacity"]["free_sessions"]))
                                    + f" of {r['capacity']['max_sessions']} slots free (per replica), drafter "
                                    f"{'SERVING' if r['capacity']['drafter_serving'] else 'NOT serving'}")),
@@ -419,7 +424,9 @@ def main(argv: list[str] | None = None) -> int:
         memory["drafter"]["after"] = rss_mib(drafter)
         for i, v in enumerate(run.verifiers):
             memory[f"verifier{i}"]["after"] = rss_mib(v)
-        reopened = drafter.log_path.read_text(errors="replace").count(" re-opened after ")  # drafter_svc.scheduler
+        # drafter_svc.scheduler logs each re-open with how long after the lost link it came
+        reopened = [float(x) for x in re.findall(r" re-opened after \d+ tokens, ([0-9.]+) s after its link was lost",
+                                                 drafter.log_path.read_text(errors="replace"))]
         result = summarise(a, outcomes, wall, run, memory, capacity, reopened)
     except BaseException:
         for s in started(services, run):

@@ -108,6 +108,9 @@ class OracleProposer:
     def start(self, prompt_ids, features):
         return list(prompt_ids)
 
+    def extend(self, state, prompt_ids, features):
+        state.extend(prompt_ids)
+
     def finish(self, state):
         pass
 

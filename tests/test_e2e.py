@@ -353,6 +353,24 @@ def test_pipelined_drafter_changes_no_output(qwen3_pair, client, verifier, verif
     wait_full(verifier_stub)
 
 
+def test_chunked_prefill_over_grpc_changes_no_output(qwen3_pair, client, verifier, verifier_stub):
+    """A drafter that sends prompts in 8-token chunks (Open + Extend entries, their features
+    back in Extended results) gives every concurrent request, greedy or seeded, the tokens and
+    rounds of the drafter that sends each prompt in one piece."""
+    reqs = [request(PROMPTS[i % 3] * (1 + i), n=12, budget=(4, 8, 16, 0)[i], temperature=(0.0, 0.9)[i % 2],
+                    top_k=20, seed=70 + i) for i in range(MAX_SESSIONS)]
+    alone = [run(client, r) for r in reqs]
+    engine = drafter_engine(qwen3_pair, verifier.port, prefill_chunk=8)
+    with ServerThread(lambda: serve_drafter(engine, "127.0.0.1", 0)) as chunked, \
+            grpc.insecure_channel(f"127.0.0.1:{chunked.port}", options=CHANNEL_OPTIONS) as channel:
+        stub = pb_grpc.GenerationStub(channel)
+        with ThreadPoolExecutor(len(reqs)) as pool:
+            together = list(pool.map(lambda r: run(stub, r), reqs))
+    for (tokens, _, final), (want, _, want_final) in zip(together, alone):
+        assert tokens == want and list(final.stats.acceptance_lengths) == list(want_final.stats.acceptance_lengths)
+    wait_full(verifier_stub)
+
+
 def test_info_reports_device_projection_and_busy_time(client, verifier_stub, qwen3_pair):
     from common.feature_projection import FeatureProjection
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from common.protocol import (CloseEntry, OpenEntry, Prefilled, SamplingParams, StatusError, StepResult, TokenLogprob,
-                             TreeEntry, Verified)
+from common.protocol import (CloseEntry, Extended, ExtendEntry, OpenEntry, Prefilled, SamplingParams, StatusError,
+                             StepResult, TokenLogprob, TreeEntry, Verified)
 from common.tree import DraftTree
 from common.wire import (LinkLimits, WireError, decode_link_request, decode_link_response, encode_link_request,
                          encode_link_response)
@@ -25,10 +25,11 @@ def features(rows: int, seed: int) -> torch.Tensor:
 
 def test_request_round_trip():
     entries = [OpenEntry(3, [1, 2, 3], SamplingParams(0.5, 4, 0.9, 7), "tp", (0, 2), 5), TreeEntry(1, 2, chain([4, 5, 6])),
-               CloseEntry(9), TreeEntry(2, 1, chain([7])), OpenEntry(4, [1], SamplingParams(), logprobs=0)]
+               CloseEntry(9), TreeEntry(2, 1, chain([7])), OpenEntry(4, [1], SamplingParams(), logprobs=0, more=True),
+               ExtendEntry(5, [8, 9], more=True, traceparent="tp5"), ExtendEntry(6, [10])]
     got = decode_link_request(encode_link_request(11, entries), LinkLimits(max_entries=8, max_tree_nodes=4))
-    assert [type(e) for e in got] == [OpenEntry, TreeEntry, CloseEntry, TreeEntry, OpenEntry]
-    assert got[0] == entries[0] and got[4] == entries[4]
+    assert [type(e) for e in got] == [OpenEntry, TreeEntry, CloseEntry, TreeEntry, OpenEntry, ExtendEntry, ExtendEntry]
+    assert got[0] == entries[0] and got[4:] == entries[4:]
     assert encode_link_request(1, entries[:1]).entries[0].open.logprobs == 5
     for e, g in ((entries[1], got[1]), (entries[3], got[3])):
         assert (g.session_id, g.round) == (e.session_id, e.round)
@@ -39,10 +40,12 @@ def test_request_round_trip():
 def test_response_round_trip_keeps_each_sessions_rows():
     rows = features(7, 0)
     results = [StepResult(1, Verified([4, 5], 6, rows[:3], 2)), StepResult(2, StatusError("NOT_FOUND", "gone")),
-               StepResult(3, Prefilled(8, rows[3:7], 64)), StepResult(4, Verified([], 9, rows[:0], 1))]
+               StepResult(3, Prefilled(8, rows[3:7], 64)), StepResult(4, Verified([], 9, rows[:0], 1)),
+               StepResult(5, Extended(rows[2:6]))]
     got = decode_link_response(encode_link_response(5, results, WIDTH, torch.float32), vocab_size=VOCAB,
                                feature_dim=WIDTH, max_feature_rows=100)
-    assert [r.session_id for r in got] == [1, 2, 3, 4]
+    assert [r.session_id for r in got] == [1, 2, 3, 4, 5]
+    assert isinstance(got[4].outcome, Extended) and torch.equal(got[4].outcome.features, rows[2:6])
     assert got[0].outcome.accepted_tokens == [4, 5] and torch.equal(got[0].outcome.features, rows[:3])
     assert (got[1].outcome.status, got[1].outcome.message) == ("NOT_FOUND", "gone")
     assert got[2].outcome.token == 8 and torch.equal(got[2].outcome.features, rows[3:7])
@@ -126,6 +129,19 @@ def test_check_results_matches_replies_to_entries():
         with pytest.raises(StatusError) as err:
             check_results(entries, results)
         assert err.value.status == "INTERNAL"
+
+
+def test_check_results_matches_prompt_chunks():
+    """A chunk with more to come is answered by an Extended, the last one by the Prefilled."""
+    entries = [OpenEntry(1, [1, 2], SamplingParams(), more=True), ExtendEntry(2, [3], more=True), ExtendEntry(3, [4])]
+    extended, prefilled = Extended(features(1, 0)), Prefilled(3, features(1, 0), 16)
+    check_results(entries, [StepResult(1, extended), StepResult(2, extended), StepResult(3, prefilled)])
+    for bad in ([StepResult(1, prefilled), StepResult(2, extended), StepResult(3, prefilled)],
+                [StepResult(1, extended), StepResult(2, extended), StepResult(3, extended)],
+                [StepResult(1, extended), StepResult(2, Verified([], 3, features(1, 0), 1)),
+                 StepResult(3, prefilled)]):
+        with pytest.raises(StatusError, match="answers no"):
+            check_results(entries, bad)
 
 
 class _CannedStub:

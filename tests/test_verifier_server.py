@@ -804,7 +804,7 @@ def test_decode_time_errors_are_in_band(stub, twin, layers):
         assert_error(got[2], 5, "INVALID_ARGUMENT", "two entries for this session")
         assert_error(got[3], 6, "INVALID_ARGUMENT", "0 nodes")
         assert_error(got[4], 7, "INVALID_ARGUMENT", f"{MAX_TREE_NODES + 1} nodes")
-        assert_error(got[5], 8, "INVALID_ARGUMENT", "open, tree or close")
+        assert_error(got[5], 8, "INVALID_ARGUMENT", "open, extend, tree or close")
         for i in (2, 3, 4, 5):
             assert_error_code(reply, i, grpc.StatusCode.INVALID_ARGUMENT)
         want = local([TreeEntry(1, 1, small_tree(roots[1])), TreeEntry(2, 1, chain(roots[2], 4))])
@@ -823,7 +823,7 @@ DECODE_CASES = {  # session 1 is open at root r1, session 2 at r2: the message's
     "empty tree": (lambda r1, r2: [(1, 1, [], [], []), as_raw(2, 1, root_only(r2))], "0 nodes"),
     "too many nodes": (lambda r1, r2: [(1, 1, *([[r1] * (MAX_TREE_NODES + 1)] * 3)), as_raw(2, 1, root_only(r2))],
                        "nodes, expected"),
-    "no kind": (lambda r1, r2: [_entry(1), as_raw(2, 1, root_only(r2))], "open, tree or close"),
+    "no kind": (lambda r1, r2: [_entry(1), as_raw(2, 1, root_only(r2))], "open, extend, tree or close"),
     "buffers short": (lambda r1, r2: [_entry(1, tree=pb.Tree(round=1, num_nodes=3))], "add up to 3"),
 }
 

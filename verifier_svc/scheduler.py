@@ -35,7 +35,7 @@ import torch
 from opentelemetry import trace
 
 from common import metrics
-from common.protocol import CloseEntry, Entry, OpenEntry, StatusError, StepResult, TreeEntry, Verified
+from common.protocol import CloseEntry, Entry, ExtendEntry, OpenEntry, StatusError, StepResult, TreeEntry, Verified
 from common.tracing import context_from_traceparent, tracer
 from common.wire import encode_link_response
 from verifier_svc.tree_verifier import TreeVerifier, VerifierError
@@ -97,7 +97,7 @@ class SessionTimers:
             elif isinstance(item, CloseEntry):
                 self.sessions.discard(sid)
                 self._timed_out.pop(sid, None)
-            elif isinstance(item, TreeEntry) and sid not in self.sessions and sid in self._timed_out:
+            elif isinstance(item, (TreeEntry, ExtendEntry)) and sid not in self.sessions and sid in self._timed_out:
                 item = StepResult(sid, VerifierError("NOT_FOUND", f"no open session {sid}: {self._timed_out[sid]}"))
             out.append(item)
         return out
@@ -110,7 +110,7 @@ class SessionTimers:
                 self.sessions.discard(sid)
                 self._deadlines.pop(sid, None)
             elif sid in self.sessions:
-                opened = kind == "prefilled"
+                opened = kind in ("prefilled", "extended")  # no tree yet: the open timeout
                 self._deadlines[sid] = (now + (self.open_timeout_s if opened else self.idle_timeout_s), opened)
 
     def wait_s(self, now: float) -> float | None:
@@ -297,7 +297,7 @@ class ModelWorker:
                         if result is None:  # a close
                             continue
                         out.append(result)
-                        if isinstance(item, (OpenEntry, TreeEntry)) and item.traceparent:
+                        if isinstance(item, (OpenEntry, ExtendEntry, TreeEntry)) and item.traceparent:
                             _session_span(item, result, span.get_span_context(), start_ns, end_ns)
                     try:
                         replies.append(encode_link_response(s.step, out, self.feature_dim, self.dtype, step_s))
@@ -330,16 +330,16 @@ class ModelWorker:
             histogram.observe(time.perf_counter() - start)
 
 
-def _session_span(entry: OpenEntry | TreeEntry, result: StepResult, step_context, start_ns: int,
+def _session_span(entry: OpenEntry | ExtendEntry | TreeEntry, result: StepResult, step_context, start_ns: int,
                   end_ns: int) -> None:
     """A `prefill` or `verify` span under the drafter's span for the session, covering the step
     it was batched in, linked to the step's span."""
     parent = context_from_traceparent(entry.traceparent)
     if parent is None:
         return
-    name = "prefill" if isinstance(entry, OpenEntry) else "verify"
+    name = "verify" if isinstance(entry, TreeEntry) else "prefill"
     span = _tracer.start_span(name, context=parent, links=[trace.Link(step_context)], start_time=start_ns)
-    if isinstance(entry, OpenEntry):
+    if not isinstance(entry, TreeEntry):
         attributes = {"prompt.tokens": len(entry.prompt_ids)}
     else:
         attributes = {"round": entry.round, "tree.nodes": entry.tree.num_nodes}

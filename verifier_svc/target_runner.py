@@ -93,27 +93,32 @@ class TargetRunner:
             times.append(time.perf_counter() - start)
         return sorted(times)[len(times) // 2]
 
-    def prefill(self, slots: Sequence[int], prompts: Sequence[Tensor]) -> tuple[Tensor, list[Tensor]]:
-        """Causal forward of B prompts into empty slots, in one pass. Returns the logits [B, V] of
-        each prompt's last token and each prompt's features [n_b, F].
+    def prefill(self, slots: Sequence[int], prompts: Sequence[Tensor],
+                pasts: Sequence[int] | None = None) -> tuple[Tensor, list[Tensor]]:
+        """Causal forward of B prompt chunks, in one pass: row b's tokens go to cache positions
+        pasts[b] .. pasts[b] + n_b - 1 of its slot (default 0: whole prompts into empty slots) and
+        see the slot's first pasts[b] positions, the chunks before it. Returns the logits [B, V] of
+        each chunk's last token and each chunk's features [n_b, F].
 
-        The prompts are right-aligned in T = the longest one's columns, so every row's last token
+        The chunks are right-aligned in T = the longest one's columns, so every row's last token
         is the same column and the head runs on that column only. Row b's padding columns (the
-        first T - n_b) go to cache positions n_b .. T - 1, past its prompt (overwritten later,
-        never visible), and see only themselves.
+        first T - n_b) go to cache positions past its chunk, up to pasts[b] + T - 1 (overwritten
+        later, never visible; the caller keeps that inside the cache), and see only themselves.
         """
         dev = self.device
         b, t = len(prompts), max(p.shape[0] for p in prompts)
         sizes = torch.tensor([p.shape[0] for p in prompts])
+        past = torch.tensor(list(pasts) if pasts is not None else [0] * b)[:, None]
         col = torch.arange(t)[None]
-        start = (t - sizes)[:, None]  # the first prompt column of each row
+        start = (t - sizes)[:, None]  # the first chunk column of each row
         in_prompt = col >= start
-        cache_pos = torch.where(in_prompt, col - start, sizes[:, None] + col)  # [B, T], unique per row
-        positions = torch.where(in_prompt, col - start, 0)
+        cache_pos = past + torch.where(in_prompt, col - start, sizes[:, None] + col)  # [B, T], unique per row
+        positions = torch.where(in_prompt, cache_pos, 0)
         tokens = torch.zeros(b, t, dtype=torch.int64)
         tokens[in_prompt] = torch.cat(list(prompts))
-        causal = cache_pos[:, :, None] >= torch.arange(t)[None, None]
-        mask = torch.where(in_prompt[:, :, None], causal, cache_pos[:, :, None] == torch.arange(t)[None, None])
+        keys = torch.arange(int((past + t).max()))[None, None]
+        causal = cache_pos[:, :, None] >= keys  # the chunks before and this one's tokens up to itself
+        mask = torch.where(in_prompt[:, :, None], causal, cache_pos[:, :, None] == keys)
         with torch.inference_mode():
             out = self.model(tokens.to(dev), positions.to(dev), self.cache, torch.tensor(list(slots), device=dev),
                              cache_pos.to(dev), mask.to(dev), torch.tensor([t - 1], device=dev))

@@ -1,5 +1,10 @@
 """Verifier sessions: open (prefill), verify many sessions' draft trees in one step, close.
 
+A prompt may come in chunks (chunked prefill): an Open with `more` carries its first chunk,
+each ExtendEntry the next, prefilled after the ones before it in the step's batched prefill;
+the chunk that ends the prompt samples the first token (`Prefilled`), the others are answered
+with their features (`Extended`). No tree is taken until then.
+
 Everything that arrives from a drafter is checked here before it touches the model:
 prompt ids, sampling values, feature layers, the trees' buffers (`common.tree.walk_trees`,
 vectorised over the step), each tree's root, round and fit in its session's KV capacity.
@@ -9,7 +14,7 @@ the rest of the step goes on.
 Sessions are keyed by (owner, session id): the owner is the link they came over, the id
 the drafter's, so several drafters can share one verifier and their sessions batch together.
 When the KV slots run short, a drafter refused a slot gets the next free ones while it holds
-less than its fair share (`TreeVerifier.open`): a drafter that closes a session and opens
+less than its fair share (`TreeVerifier.prefill`): a drafter that closes a session and opens
 another in one message cannot keep every slot while the others wait.
 """
 from __future__ import annotations
@@ -22,8 +27,8 @@ from dataclasses import dataclass
 
 import torch
 
-from common.protocol import (MAX_LOGPROBS, CloseEntry, Entry, OpenEntry, Prefilled, SamplingParams, StatusError,
-                             StepResult, TreeEntry, Verified)
+from common.protocol import (MAX_LOGPROBS, CloseEntry, Entry, Extended, ExtendEntry, OpenEntry, Prefilled,
+                             SamplingParams, StatusError, StepResult, TreeEntry, Verified)
 from common.tree import DraftTree, TreeError, TreeLayout, ancestor_masks, walk_trees
 from verifier_svc.accept import Stage, accept_roots, draw_coins, emitted_logprobs, no_stage
 from verifier_svc.cuda_graphs import VerifyRow
@@ -53,6 +58,7 @@ class _Session:
     rounds: int = 0        # trees verified
     features: bool = True  # the drafter wants the target features of its tokens
     logprobs: int | None = None  # its emitted tokens' logprobs and the top N are wanted (None: not)
+    prefilling: bool = False  # more prompt chunks are to come (ExtendEntry); no tree until the last
 
 
 Key = tuple[Hashable, int]  # (owner, session id)
@@ -85,7 +91,8 @@ class TreeVerifier:
     # -- one step ------------------------------------------------------------------------
 
     def step(self, entries: Sequence[tuple[Hashable, Entry]], *, stage: Stage = no_stage) -> list[StepResult | None]:
-        """Run one step: closes first, then every tree in one batched verify, then the opens.
+        """Run one step: closes first, then every tree in one batched verify, then the opens and
+        prompt chunks (extends) in batched prefills.
 
         Returns a list aligned with `entries`: a result for each open and tree entry, None for
         a close. A session may have one entry per step. An error result means the session has
@@ -96,7 +103,7 @@ class TreeVerifier:
         results: dict[int, StepResult] = {}
         counts = collections.Counter((owner, e.session_id) for owner, e in entries)
         trees: list[tuple[int, Key, TreeEntry]] = []
-        opens: list[tuple[int, Key, OpenEntry]] = []
+        chunks: list[tuple[int, Key, OpenEntry | ExtendEntry]] = []
         for i, (owner, e) in enumerate(entries):
             key = (owner, e.session_id)
             if counts[key] > 1:  # every entry of the session fails, and it is closed
@@ -108,12 +115,12 @@ class TreeVerifier:
             elif isinstance(e, TreeEntry):
                 trees.append((i, key, e))
             else:
-                opens.append((i, key, e))
+                chunks.append((i, key, e))
         if trees:
             for (i, key, e), outcome in zip(trees, self._verify([(key, e) for _, key, e in trees], stage)):
                 results[i] = StepResult(e.session_id, outcome)
-        if opens:
-            for (i, key, e), outcome in zip(opens, self.open([(key, e) for _, key, e in opens], stage=stage)):
+        if chunks:
+            for (i, key, e), outcome in zip(chunks, self.prefill([(key, e) for _, key, e in chunks], stage=stage)):
                 results[i] = StepResult(e.session_id, outcome)
                 if isinstance(outcome, VerifierError):
                     self.close(key)
@@ -121,41 +128,53 @@ class TreeVerifier:
 
     # -- session lifecycle -------------------------------------------------------------
 
-    def open(self, items: Sequence[tuple[Key, OpenEntry]], *, stage: Stage = no_stage
-             ) -> list[Prefilled | VerifierError]:
-        """Open new sessions: check each, prefill the good ones together (in groups of at most
-        `max_prefill_tokens` padded tokens) and sample each one's first token."""
-        outcomes: list[Prefilled | VerifierError | None] = [None] * len(items)
-        ready: list[tuple[int, Key, OpenEntry, torch.Tensor]] = []
+    def prefill(self, items: Sequence[tuple[Key, OpenEntry | ExtendEntry]], *, stage: Stage = no_stage
+                ) -> list[Prefilled | Extended | VerifierError]:
+        """Open new sessions and take prompt chunks: check each, prefill the good ones together (in
+        groups of at most `max_prefill_tokens` padded tokens) and sample the first token of each
+        prompt that is complete."""
+        outcomes: list[Prefilled | Extended | VerifierError | None] = [None] * len(items)
+        ready: list[tuple[int, Key, OpenEntry | ExtendEntry, torch.Tensor]] = []
         now = time.monotonic()
         self._refused = {o: t for o, t in self._refused.items() if now - t < self.contention_window_s}
         held = collections.Counter(owner for owner, _ in self._sessions)
+        opening = 0  # slots taken by the opens admitted so far
         for i, (key, e) in enumerate(items):
             try:
-                prompt = self._check_open(key, e)
+                chunk = self._check_open(key, e) if isinstance(e, OpenEntry) else self._check_extend(key, e)
             except VerifierError as exc:
                 outcomes[i] = exc
                 continue
-            owner, free = key[0], len(self._free_slots) - len(ready)
-            if free <= 0 or free <= self._kept_for_others(owner, held):
-                reason = (f"all {self.limits.max_sessions} session slots are in use" if free <= 0 else
-                          "the free session slots are kept for other drafters below their fair share")
-                outcomes[i] = VerifierError("RESOURCE_EXHAUSTED", reason)
-                self._refused[owner] = now
-                continue
-            ready.append((i, key, e, prompt))
-            held[owner] += 1
-            self._refused.pop(owner, None)
+            if isinstance(e, OpenEntry):
+                owner, free = key[0], len(self._free_slots) - opening
+                if free <= 0 or free <= self._kept_for_others(owner, held):
+                    reason = (f"all {self.limits.max_sessions} session slots are in use" if free <= 0 else
+                              "the free session slots are kept for other drafters below their fair share")
+                    outcomes[i] = VerifierError("RESOURCE_EXHAUSTED", reason)
+                    self._refused[owner] = now
+                    continue
+                opening += 1
+                held[owner] += 1
+                self._refused.pop(owner, None)
+            ready.append((i, key, e, chunk))
+        self._open_sessions([(key, e) for _, key, e, _ in ready if isinstance(e, OpenEntry)])
         ready.sort(key=lambda item: item[3].shape[0])  # similar lengths together: less padding
-        group: list[tuple[int, Key, OpenEntry, torch.Tensor]] = []
+        group: list[tuple[int, Key, OpenEntry | ExtendEntry, torch.Tensor]] = []
         for item in ready:
-            if group and (len(group) + 1) * item[3].shape[0] > self.max_prefill_tokens:
+            if group and not self._fits(group + [item]):
                 self._prefill(group, outcomes, stage)
                 group = []
             group.append(item)
         if group:
             self._prefill(group, outcomes, stage)
         return outcomes
+
+    def _fits(self, group: Sequence[tuple[int, Key, OpenEntry | ExtendEntry, torch.Tensor]]) -> bool:
+        """Whether one prefill may take these chunks: at most `max_prefill_tokens` padded tokens, and
+        every row's padding columns inside its cache slot."""
+        width = max(c.shape[0] for *_, c in group)
+        longest_past = max(self._sessions[key].length for _, key, _, _ in group)
+        return len(group) * width <= self.max_prefill_tokens and longest_past + width <= self.runner.cache.max_seq_len
 
     def _kept_for_others(self, owner: Hashable, held: collections.Counter) -> int:
         """Free slots kept for the other owners refused a slot lately, up to their fair share
@@ -177,19 +196,7 @@ class TreeVerifier:
                 "FAILED_PRECONDITION",
                 f"the drafter asks for features of target layers {list(e.feature_layer_ids)}, this verifier "
                 f"returns layers {list(self.feature_layer_ids)}; start both with the same draft checkpoint")
-        if not e.prompt_ids:
-            raise VerifierError("INVALID_ARGUMENT", "prompt is empty")
-        if len(e.prompt_ids) >= self.limits.max_seq_len:
-            raise VerifierError(
-                "INVALID_ARGUMENT",
-                f"prompt of {len(e.prompt_ids)} tokens does not fit max_seq_len {self.limits.max_seq_len} "
-                "(room for at least one generated token is needed)",
-            )
-        prompt = torch.tensor(e.prompt_ids, dtype=torch.int64)
-        bad = prompt[(prompt < 0) | (prompt >= self.vocab_size)]
-        if bad.numel():
-            raise VerifierError("INVALID_ARGUMENT",
-                                f"token ids {bad[:5].tolist()} outside the vocabulary [0, {self.vocab_size})")
+        prompt = self._checked_chunk(e.prompt_ids, 0)
         try:
             e.sampling.check()
         except ValueError as exc:
@@ -198,38 +205,80 @@ class TreeVerifier:
             raise VerifierError("INVALID_ARGUMENT", f"logprobs must be in [0, {MAX_LOGPROBS}], got {e.logprobs}")
         return prompt
 
-    def _prefill(self, group: Sequence[tuple[int, Key, OpenEntry, torch.Tensor]],
-                 outcomes: list, stage: Stage) -> None:
-        """One batched prefill, then every first token in one batched accept of root-only trees."""
-        sessions = []
-        for _, key, e, _ in group:
+    def _check_extend(self, key: Key, e: ExtendEntry) -> torch.Tensor:
+        """The next prompt chunk of a session that is prefilling, as a tensor, or VerifierError."""
+        session = self._sessions.get(key)
+        if session is None:
+            raise VerifierError("NOT_FOUND", f"no open session {e.session_id}")
+        if not session.prefilling:
+            raise VerifierError("FAILED_PRECONDITION", f"session {e.session_id} has no prompt chunk to come")
+        return self._checked_chunk(e.prompt_ids, session.length)
+
+    def _checked_chunk(self, ids: list[int], past: int) -> torch.Tensor:
+        """Prompt tokens that go after `past` committed ones, as a tensor, or VerifierError."""
+        if not ids:
+            raise VerifierError("INVALID_ARGUMENT", "prompt is empty" if not past else "prompt chunk is empty")
+        if past + len(ids) >= self.limits.max_seq_len:
+            raise VerifierError(
+                "INVALID_ARGUMENT",
+                f"prompt of {past + len(ids)} tokens does not fit max_seq_len {self.limits.max_seq_len} "
+                "(room for at least one generated token is needed)",
+            )
+        chunk = torch.tensor(ids, dtype=torch.int64)
+        bad = chunk[(chunk < 0) | (chunk >= self.vocab_size)]
+        if bad.numel():
+            raise VerifierError("INVALID_ARGUMENT",
+                                f"token ids {bad[:5].tolist()} outside the vocabulary [0, {self.vocab_size})")
+        return chunk
+
+    def _open_sessions(self, opens: Sequence[tuple[Key, OpenEntry]]) -> None:
+        """Give each admitted open a slot and its sampling state (its length stays 0 until prefilled)."""
+        for key, e in opens:
             seed = e.sampling.seed if e.sampling.seed is not None else secrets.randbits(63)
-            session = _Session(self._free_slots.pop(), e.sampling, seed, torch.Generator().manual_seed(seed),
-                               features=bool(e.feature_layer_ids), logprobs=e.logprobs)
-            self._sessions[key] = session
-            sessions.append(session)
+            self._sessions[key] = _Session(self._free_slots.pop(), e.sampling, seed,
+                                           torch.Generator().manual_seed(seed), features=bool(e.feature_layer_ids),
+                                           logprobs=e.logprobs, prefilling=True)
+
+    def _prefill(self, group: Sequence[tuple[int, Key, OpenEntry | ExtendEntry, torch.Tensor]],
+                 outcomes: list, stage: Stage) -> None:
+        """One batched prefill of the chunks, then the first token of every prompt it completes in
+        one batched accept of root-only trees."""
+        sessions = [self._sessions[key] for _, key, _, _ in group]
+        last = [j for j, (_, _, e, _) in enumerate(group) if not e.more]  # chunks that end their prompt
         try:
             with stage("prefill"):
                 with stage("forward"):
-                    logits, features = self.runner.prefill([s.slot for s in sessions], [p for *_, p in group])
+                    logits, features = self.runner.prefill([s.slot for s in sessions], [c for *_, c in group],
+                                                           [s.length for s in sessions])
                 with stage("sample"):
-                    roots = [DraftTree.root_only(p[-1]) for *_, p in group]
-                    sampling = [s.sampling for s in sessions]
-                    if self.runner.sampling == "keyed":  # the first token's position: the prompt length
-                        bonus = accept_roots(roots, logits, sampling, seeds=[s.seed for s in sessions],
-                                             positions=[p.shape[0] - 1 for *_, p in group])
+                    ending = [sessions[j] for j in last]
+                    roots = [DraftTree.root_only(group[j][3][-1]) for j in last]
+                    sampling = [s.sampling for s in ending]
+                    bonus = []
+                    if not last:
+                        pass
+                    elif self.runner.sampling == "keyed":  # the first token's position: the prompt length
+                        bonus = accept_roots(roots, logits[last], sampling, seeds=[s.seed for s in ending],
+                                             positions=[s.length + group[j][3].shape[0] - 1
+                                                        for s, j in zip(ending, last)])
                     else:
-                        bonus = accept_roots(roots, logits, sampling, coins=[
-                            None if s.sampling.greedy else draw_coins(s.generator, 1) for s in sessions])
+                        bonus = accept_roots(roots, logits[last], sampling, coins=[
+                            None if s.sampling.greedy else draw_coins(s.generator, 1) for s in ending])
                     rows = [(f if s.features else f[:0]).cpu() for s, f in zip(sessions, features)]
-                    logprobs = self._first_logprobs(sessions, logits, bonus)
+                    logprobs = self._first_logprobs(ending, logits[last], bonus) if last else []
         except Exception:
             for _, key, _, _ in group:
                 self.close(key)
             raise
-        for (i, _, _, prompt), s, token, f, lp in zip(group, sessions, bonus, rows, logprobs):
-            s.length, s.next_token = prompt.shape[0], token
-            outcomes[i] = Prefilled(token=token, features=f, max_seq_len=self.limits.max_seq_len, logprobs=lp)
+        first = dict(zip(last, zip(bonus, logprobs)))
+        for j, ((i, _, e, chunk), s, f) in enumerate(zip(group, sessions, rows)):
+            s.length += chunk.shape[0]
+            if j not in first:
+                outcomes[i] = Extended(features=f)
+                continue
+            s.next_token, s.prefilling = first[j][0], False
+            outcomes[i] = Prefilled(token=first[j][0], features=f, max_seq_len=self.limits.max_seq_len,
+                                    logprobs=first[j][1])
 
     @staticmethod
     def _first_logprobs(sessions: Sequence[_Session], logits: torch.Tensor, tokens: list[int]) -> list:
@@ -306,6 +355,8 @@ class TreeVerifier:
         session = self._sessions.get(key)
         if session is None:
             raise VerifierError("NOT_FOUND", f"no open session {e.session_id}")
+        if session.prefilling:
+            raise VerifierError("FAILED_PRECONDITION", f"session {e.session_id}'s prompt is not all prefilled yet")
         if isinstance(layout, TreeError):
             raise VerifierError("INVALID_ARGUMENT", f"malformed tree: {layout}")
         if e.round != session.rounds + 1:

@@ -826,8 +826,8 @@ def test_logprobs_through_graphs_equal_eager_on_gpu(tiny_pair):
     for g, w in zip(got, want):
         assert g.tokens == w.tokens
     assert got[1].logprobs is None and max(got[0].acceptance_lengths) > 2
-    for i in (0, 2):
-        assert len(got[i].logprobs) == 40
+    for i in (0, 2):  # (the sampled session may end early, at its EOS)
+        assert len(got[i].logprobs) == len(got[i].tokens) > 1 and len(got[0].tokens) == 40
         assert [t.logprob for t in got[i].logprobs] == pytest.approx([t.logprob for t in want[i].logprobs], abs=1e-4)
         assert [[a for a, _ in t.top] for t in got[i].logprobs] == [[a for a, _ in t.top] for t in want[i].logprobs]
     plain = graphs.generate_many([(p, dataclasses.replace(c, logprobs=None)) for p, c in requests])

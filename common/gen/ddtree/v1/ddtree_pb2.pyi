@@ -192,18 +192,30 @@ class PackedInts(_message.Message):
     def __init__(self, data: _Optional[bytes] = ..., width: _Optional[int] = ...) -> None: ...
 
 class Open(_message.Message):
-    __slots__ = ("prompt_token_ids", "sampling", "traceparent", "feature_layer_ids", "logprobs")
+    __slots__ = ("prompt_token_ids", "sampling", "traceparent", "feature_layer_ids", "logprobs", "more")
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
     FEATURE_LAYER_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    MORE_FIELD_NUMBER: _ClassVar[int]
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
     traceparent: str
     feature_layer_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: int
-    def __init__(self, prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., traceparent: _Optional[str] = ..., feature_layer_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[int] = ...) -> None: ...
+    more: bool
+    def __init__(self, prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., traceparent: _Optional[str] = ..., feature_layer_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[int] = ..., more: _Optional[bool] = ...) -> None: ...
+
+class Extend(_message.Message):
+    __slots__ = ("prompt_token_ids", "more", "traceparent")
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    MORE_FIELD_NUMBER: _ClassVar[int]
+    TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    more: bool
+    traceparent: str
+    def __init__(self, prompt_token_ids: _Optional[_Iterable[int]] = ..., more: _Optional[bool] = ..., traceparent: _Optional[str] = ...) -> None: ...
 
 class Tree(_message.Message):
     __slots__ = ("round", "num_nodes", "traceparent")
@@ -220,16 +232,18 @@ class Close(_message.Message):
     def __init__(self) -> None: ...
 
 class SessionEntry(_message.Message):
-    __slots__ = ("session_id", "open", "tree", "close")
+    __slots__ = ("session_id", "open", "tree", "close", "extend")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     OPEN_FIELD_NUMBER: _ClassVar[int]
     TREE_FIELD_NUMBER: _ClassVar[int]
     CLOSE_FIELD_NUMBER: _ClassVar[int]
+    EXTEND_FIELD_NUMBER: _ClassVar[int]
     session_id: int
     open: Open
     tree: Tree
     close: Close
-    def __init__(self, session_id: _Optional[int] = ..., open: _Optional[_Union[Open, _Mapping]] = ..., tree: _Optional[_Union[Tree, _Mapping]] = ..., close: _Optional[_Union[Close, _Mapping]] = ...) -> None: ...
+    extend: Extend
+    def __init__(self, session_id: _Optional[int] = ..., open: _Optional[_Union[Open, _Mapping]] = ..., tree: _Optional[_Union[Tree, _Mapping]] = ..., close: _Optional[_Union[Close, _Mapping]] = ..., extend: _Optional[_Union[Extend, _Mapping]] = ...) -> None: ...
 
 class LinkRequest(_message.Message):
     __slots__ = ("step", "entries", "tree_tokens", "tree_next_token", "tree_next_sibling")
@@ -269,6 +283,12 @@ class Prefilled(_message.Message):
     logprobs: Logprobs
     def __init__(self, token: _Optional[int] = ..., max_seq_len: _Optional[int] = ..., feature_rows: _Optional[int] = ..., logprobs: _Optional[_Union[Logprobs, _Mapping]] = ...) -> None: ...
 
+class Extended(_message.Message):
+    __slots__ = ("feature_rows",)
+    FEATURE_ROWS_FIELD_NUMBER: _ClassVar[int]
+    feature_rows: int
+    def __init__(self, feature_rows: _Optional[int] = ...) -> None: ...
+
 class Verified(_message.Message):
     __slots__ = ("round", "accepted_tokens", "next_token", "feature_rows", "logprobs")
     ROUND_FIELD_NUMBER: _ClassVar[int]
@@ -292,16 +312,18 @@ class Error(_message.Message):
     def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
 
 class SessionResult(_message.Message):
-    __slots__ = ("session_id", "prefilled", "verified", "error")
+    __slots__ = ("session_id", "prefilled", "verified", "error", "extended")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PREFILLED_FIELD_NUMBER: _ClassVar[int]
     VERIFIED_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    EXTENDED_FIELD_NUMBER: _ClassVar[int]
     session_id: int
     prefilled: Prefilled
     verified: Verified
     error: Error
-    def __init__(self, session_id: _Optional[int] = ..., prefilled: _Optional[_Union[Prefilled, _Mapping]] = ..., verified: _Optional[_Union[Verified, _Mapping]] = ..., error: _Optional[_Union[Error, _Mapping]] = ...) -> None: ...
+    extended: Extended
+    def __init__(self, session_id: _Optional[int] = ..., prefilled: _Optional[_Union[Prefilled, _Mapping]] = ..., verified: _Optional[_Union[Verified, _Mapping]] = ..., error: _Optional[_Union[Error, _Mapping]] = ..., extended: _Optional[_Union[Extended, _Mapping]] = ...) -> None: ...
 
 class LinkResponse(_message.Message):
     __slots__ = ("step", "results", "features", "step_seconds")

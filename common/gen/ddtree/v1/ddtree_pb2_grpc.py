@@ -158,8 +158,8 @@ class VerifierStub:
     """---------------------------------------------------------------------------------------
     Internal API, served by the verifier: one long-lived bidirectional `Link` stream per
     drafter connection. Each LinkRequest carries the entries of one drafter step for many
-    sessions (open / tree / close); the verifier answers every LinkRequest with exactly one
-    LinkResponse, in order, holding a result for each open and tree entry. A session's
+    sessions (open / extend / tree / close); the verifier answers every LinkRequest with exactly one
+    LinkResponse, in order, holding a result for each open, extend and tree entry. A session's
     failure is a per-session Error result; the link and the other sessions carry on.
     ---------------------------------------------------------------------------------------
 
@@ -187,8 +187,8 @@ class VerifierServicer:
     """---------------------------------------------------------------------------------------
     Internal API, served by the verifier: one long-lived bidirectional `Link` stream per
     drafter connection. Each LinkRequest carries the entries of one drafter step for many
-    sessions (open / tree / close); the verifier answers every LinkRequest with exactly one
-    LinkResponse, in order, holding a result for each open and tree entry. A session's
+    sessions (open / extend / tree / close); the verifier answers every LinkRequest with exactly one
+    LinkResponse, in order, holding a result for each open, extend and tree entry. A session's
     failure is a per-session Error result; the link and the other sessions carry on.
     ---------------------------------------------------------------------------------------
 
@@ -231,8 +231,8 @@ class Verifier:
     """---------------------------------------------------------------------------------------
     Internal API, served by the verifier: one long-lived bidirectional `Link` stream per
     drafter connection. Each LinkRequest carries the entries of one drafter step for many
-    sessions (open / tree / close); the verifier answers every LinkRequest with exactly one
-    LinkResponse, in order, holding a result for each open and tree entry. A session's
+    sessions (open / extend / tree / close); the verifier answers every LinkRequest with exactly one
+    LinkResponse, in order, holding a result for each open, extend and tree entry. A session's
     failure is a per-session Error result; the link and the other sessions carry on.
     ---------------------------------------------------------------------------------------
 

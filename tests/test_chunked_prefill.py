@@ -1,0 +1,184 @@
+"""Chunked prefill: a prompt sent in chunks over several steps (`DraftScheduler.prefill_chunk`,
+the verifier's Extend entries) gives the same K/V, features, first token, trees and output as
+the prompt in one piece, alone and batched (float32); every step stays within its chunk of
+prompt tokens while the other sessions keep their rounds; bad chunks fail their session only."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from common.protocol import (CloseEntry, Extended, ExtendEntry, OpenEntry, Prefilled, SamplingParams, StatusError,
+                             TreeEntry)
+from common.tree import DraftTree
+from drafter_svc.drafter import DraftMode
+from drafter_svc.generate import LocalEngine
+from drafter_svc.link import LocalLink
+from drafter_svc.scheduler import DraftScheduler, GenerationConfig
+from verifier_svc.target_runner import TargetRunner
+from verifier_svc.tree_verifier import TreeVerifier, VerifierLimits
+
+SHIPPED = Path(__file__).resolve().parent.parent / "models" / "default"
+PROMPTS = [list(range(40, 77)), [5, 17, 42, 99, 3], list(range(200, 300))]  # 37, 5 and 100 tokens
+N = 24
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_pair):
+    target, draft = tiny_pair
+    return LocalEngine.load(str(target), str(draft), limits=VerifierLimits(max_sessions=4, max_seq_len=256))
+
+
+@pytest.fixture(scope="module")
+def shipped():
+    """The trained pair (its trees are accepted, so equal trees show as equal acceptance) and three
+    held-out prompts of 40 to 120 tokens."""
+    engine = LocalEngine.load(str(SHIPPED / "target"), str(SHIPPED / "draft"),
+                              limits=VerifierLimits(max_sessions=4, max_seq_len=512))
+    sys.path.insert(0, str(SHIPPED.parent.parent / "bench"))
+    from acceptance import load_prompts
+
+    prompts = [ids for _, ids in load_prompts(SHIPPED / "target", engine.tokenizer, 3, 120)]
+    return engine, [p[: 40 + 40 * i] for i, p in enumerate(prompts)]
+
+
+def run(engine, requests, chunk):
+    out = engine.generate_many(requests, prefill_chunk=chunk)
+    assert not [o for o in out if isinstance(o, StatusError)], out
+    return out
+
+
+def test_chunked_prefill_equals_one_piece_in_the_runner(tiny_pair):
+    """TargetRunner.prefill of a prompt in chunks after the K/V of the ones before: the same
+    logits, features and K/V as one piece (float32), rows of different pasts in one call."""
+    from verifier_svc.target_model import TargetModel
+
+    model = TargetModel.from_pretrained(tiny_pair[0], (0, 1))
+    runner = TargetRunner(model, 3, 256, 17)
+    prompts = [torch.tensor(p) for p in PROMPTS]
+    whole_logits, whole_features = runner.prefill([0, 1, 2], prompts)
+    k_whole = runner.cache.k[:, :3].clone()
+    runner.cache.k.zero_()
+    cuts = [(0, 20, 37), (0, 5), (0, 33, 34, 100)]  # chunk boundaries of each prompt
+    got_features = [[] for _ in prompts]
+    got_logits = [None] * 3
+    for step in range(3):  # each step takes the next chunk of every prompt that has one
+        rows = [i for i, c in enumerate(cuts) if step + 1 < len(c)]
+        logits, features = runner.prefill(rows, [prompts[i][cuts[i][step]: cuts[i][step + 1]] for i in rows],
+                                          [cuts[i][step] for i in rows])
+        for j, i in enumerate(rows):
+            got_features[i].append(features[j])
+            got_logits[i] = logits[j]
+    for i, p in enumerate(prompts):
+        n = p.shape[0]
+        # float32 rounding: the chunks' GEMMs have other shapes than the whole prompt's
+        torch.testing.assert_close(torch.cat(got_features[i]), whole_features[i], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(got_logits[i], whole_logits[i], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(runner.cache.k[:, i, :, :n], k_whole[:, i, :, :n], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 16, 64])
+def test_chunked_output_equals_one_piece(engine, chunk):
+    """Greedy and seeded sessions of several modes, batched, with prompts longer and shorter
+    than the chunk: the tokens and rounds of the unchunked run."""
+    configs = [GenerationConfig(N, mode=DraftMode("tree", 8)),
+               GenerationConfig(N, SamplingParams(0.9, 20, 0.95, seed=3), mode=DraftMode("tree", 4)),
+               GenerationConfig(N, mode=DraftMode("ar", 0))]
+    requests = list(zip(PROMPTS, configs))
+    want, got = run(engine, requests, 0), run(engine, requests, chunk)
+    for w, g in zip(want, got):
+        assert g.tokens == w.tokens and len(g.tokens) > 1
+        assert g.acceptance_lengths == w.acceptance_lengths
+
+
+def test_the_drafters_trees_are_the_same_whatever_the_chunk(shipped):
+    """The draft's context grows chunk by chunk from the features each chunk returns: with the
+    trained pair every round accepts what it accepted unchunked, logprobs included."""
+    engine, prompts = shipped
+    requests = [(p, GenerationConfig(32, mode=DraftMode("tree", 8), logprobs=2)) for p in prompts]
+    want = run(engine, requests, 0)
+    assert max(max(w.acceptance_lengths) for w in want) > 2
+    for chunk in (13, 50):
+        for w, g in zip(want, run(engine, requests, chunk)):
+            assert g.tokens == w.tokens and g.acceptance_lengths == w.acceptance_lengths
+            assert [t.logprob for t in g.logprobs] == pytest.approx([t.logprob for t in w.logprobs], abs=1e-5)
+
+
+class _Recording(LocalLink):
+    """The in-process link, keeping every message's entries."""
+
+    def __init__(self, verifier):
+        super().__init__(verifier)
+        self.messages: list[list] = []
+
+    def send(self, entries):
+        self.messages.append(list(entries))
+        super().send(entries)
+
+
+def test_each_step_stays_within_its_chunk_and_rounds_go_on(engine):
+    """Two sessions decode while a 100-token prompt arrives with a 16-token chunk: no message
+    carries more than 16 prompt tokens, the long prompt takes several steps (its Open, then
+    Extends), and each of those steps still carries a tree for both decoding sessions."""
+    link = _Recording(engine.verifier)
+    scheduler = DraftScheduler(link, engine.proposer, max_sessions=4, feature_layer_ids=engine.verifier.feature_layer_ids,
+                               queue_timeout_s=60.0, pipelined=False, prefill_chunk=16)
+    ends = {}
+    for i, prompt in enumerate(PROMPTS[:2]):
+        scheduler.submit(prompt[:16], GenerationConfig(60, mode=DraftMode("tree", 4)),
+                         lambda item, i=i: ends.__setitem__(i, item))
+    for _ in range(3):  # both decoding
+        scheduler.step()
+    scheduler.submit(PROMPTS[2], GenerationConfig(4, mode=DraftMode("tree", 4)),
+                     lambda item: ends.__setitem__(2, item))
+    scheduler.run_until_idle()
+    assert all(not isinstance(e, StatusError) for e in ends.values()) and len(ends) == 3
+    chunk_messages = [m for m in link.messages if any(isinstance(e, (OpenEntry, ExtendEntry)) and len(e.prompt_ids) > 5
+                                                      for e in m)]
+    for m in link.messages:
+        assert sum(len(e.prompt_ids) for e in m if isinstance(e, (OpenEntry, ExtendEntry))) <= 16
+    long_chunks = [e for m in link.messages for e in m if isinstance(e, (OpenEntry, ExtendEntry)) and e.session_id == 3]
+    assert [len(e.prompt_ids) for e in long_chunks] == [16] * 6 + [4]
+    assert [e.more for e in long_chunks] == [True] * 6 + [False]
+    assert isinstance(long_chunks[0], OpenEntry) and all(isinstance(e, ExtendEntry) for e in long_chunks[1:])
+    for m in chunk_messages[2:]:  # after both short sessions opened: their rounds go on beside the chunks
+        assert {e.session_id for e in m if isinstance(e, TreeEntry)} == {1, 2}
+    assert ends[2].tokens == engine.generate(PROMPTS[2], GenerationConfig(4, mode=DraftMode("tree", 4))).tokens
+
+
+@pytest.fixture()
+def verifier(tiny_pair):
+    from verifier_svc.target_model import TargetModel
+
+    model = TargetModel.from_pretrained(tiny_pair[0], (0, 1))
+    return TreeVerifier(TargetRunner(model, 2, 64, 9), VerifierLimits(max_sessions=2, max_seq_len=64, max_tree_nodes=9))
+
+
+def outcomes(verifier, entries):
+    return [r.outcome if r is not None else None for r in verifier.step([("d", e) for e in entries])]
+
+
+def test_bad_chunks_fail_their_session_only(verifier):
+    greedy = SamplingParams()
+    got = outcomes(verifier, [OpenEntry(1, [1, 2, 3], greedy, feature_layer_ids=(0, 1), more=True),
+                              OpenEntry(2, [4, 5], greedy, more=True)])
+    assert [type(o) for o in got] == [Extended, Extended] and got[0].features.shape[0] == 3
+    got = outcomes(verifier, [TreeEntry(1, 1, DraftTree.root_only(3)), ExtendEntry(2, [6], more=True),
+                              ExtendEntry(9, [1], more=False)])
+    assert got[0].status == "FAILED_PRECONDITION" and "not all prefilled" in got[0].message  # session 1 closed
+    assert isinstance(got[1], Extended)
+    assert got[2].status == "NOT_FOUND"
+    got = outcomes(verifier, [ExtendEntry(2, [7, 10**6])])
+    assert got[0].status == "INVALID_ARGUMENT" and "outside the vocabulary" in got[0].message
+    assert verifier.free_capacity == 2
+    got = outcomes(verifier, [OpenEntry(3, list(range(1, 40)), greedy, more=True)])
+    got = outcomes(verifier, [ExtendEntry(3, list(range(1, 30)))])
+    assert got[0].status == "INVALID_ARGUMENT" and "does not fit max_seq_len" in got[0].message
+    got = outcomes(verifier, [OpenEntry(4, [1, 2], greedy, feature_layer_ids=(0, 1), more=True)])
+    got = outcomes(verifier, [ExtendEntry(4, [3], more=False)])
+    assert isinstance(got[0], Prefilled) and got[0].features.shape[0] == 1
+    got = outcomes(verifier, [ExtendEntry(4, [3]), CloseEntry(4)])
+    assert got[0].status == "FAILED_PRECONDITION"  # two entries for one session: both fail
+    assert verifier.free_capacity == 2
