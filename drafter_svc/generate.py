@@ -44,9 +44,9 @@ class LocalEngine:
     @classmethod
     def load(cls, target_dir: str, draft_dir: str | None, device: str = "cpu", dtype: torch.dtype | None = None,
              limits: VerifierLimits = VerifierLimits(), cuda_graphs: bool = True,
-             sampling: str = "sample") -> "LocalEngine":
+             sampling: str = "keyed") -> "LocalEngine":
         """`cuda_graphs` (on CUDA): replay captured graphs for the draft step and the verify step;
-        `sampling`: "sample" (the coin walk) or "keyed" (position-keyed), see `TargetRunner`."""
+        `sampling`: "keyed" (position-keyed) or "sample" (the coin walk), see `TargetRunner`."""
         dtype = dtype or default_dtype(device)
         layer_ids = load_draft_config(draft_dir).target_layer_ids if draft_dir else ()
         proposer = None

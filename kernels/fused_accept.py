@@ -46,6 +46,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from kernels.keyed_sampling import _M31, _MUL, _SEED_SALT, _TOKEN_SALT, keyed_scores
 from kernels.probs import process_probs_reference
 from kernels.tree_sampling import (
     expect_tensor,
@@ -63,6 +64,8 @@ HIST_BLOCK = 256
 RADIX_BITS = 4
 KEY_BITS = {torch.bfloat16: 16, torch.float16: 16, torch.float32: 32}
 LOG2E = tl.constexpr(1.4426950408889634)
+# kernels.keyed_sampling's hash constants, as the kernels see them.
+HASH_M31, HASH_MUL, HASH_SEED_SALT, HASH_TOKEN_SALT = (tl.constexpr(v) for v in (_M31, _MUL, _SEED_SALT, _TOKEN_SALT))
 
 
 def chunk_size(vocab_size: int) -> int:
@@ -663,6 +666,127 @@ def _run_searches(search: _SearchBuffers, logits, temperature, top_k, top_p, par
     last = (search.levels - 1) % 2
     _search_result_kernel[(rows,)](search.counts[last], search.masses[last], *filters, part_max, part_sum,
                                    *search.state(), floor, kept, nodes, logits.shape[2], num_chunks, rows, **meta)
+
+
+# ---------------------------------------------------------------------------------------
+# Position-keyed sampling (kernels/keyed_sampling.py): the greedy walk over perturbed scores.
+# ---------------------------------------------------------------------------------------
+
+
+def _check_keyed_args(logits, tokens, next_token, next_sibling, predicts, accept_index, accept_num, greedy_rows,
+                      seeds, positions, temperature, top_k, top_p) -> tuple[int, int, int]:
+    bs, nodes, vocab = _check_accept_args(logits, tokens, next_token, next_sibling, predicts, accept_index,
+                                          accept_num, True, None, None, None, None, None, False)
+    dev = logits.device
+    for name, t, dtype, shape in (("greedy_rows", greedy_rows, torch.bool, (bs,)), ("seeds", seeds, torch.int64, (bs,)),
+                                  ("positions", positions, torch.int64, (bs, nodes)),
+                                  ("temperature", temperature, torch.float32, (bs,)),
+                                  ("top_k", top_k, torch.int64, (bs,)), ("top_p", top_p, torch.float32, (bs,))):
+        expect_tensor(name, t, dtype, shape, dev)
+    return bs, nodes, vocab
+
+
+def tree_accept_keyed_reference(logits: Tensor, tokens: Tensor, next_token: Tensor, next_sibling: Tensor,
+                                predicts: Tensor, accept_index: Tensor, accept_num: Tensor, *, greedy_rows: Tensor,
+                                seeds: Tensor, positions: Tensor, temperature: Tensor, top_k: Tensor,
+                                top_p: Tensor) -> None:
+    """The specification: each sampled node's scores are `keyed_scores` at its `positions` entry
+    (the position of the token it samples), a greedy row's its logits, and the greedy walk
+    follows their argmax (the first maximum)."""
+    bs, nodes, vocab = _check_keyed_args(logits, tokens, next_token, next_sibling, predicts, accept_index,
+                                         accept_num, greedy_rows, seeds, positions, temperature, top_k, top_p)
+    per_node = [t.repeat_interleave(nodes) for t in (seeds, temperature, top_k, top_p)]
+    scores = keyed_scores(logits.reshape(bs * nodes, vocab), per_node[0], positions.reshape(-1), *per_node[1:])
+    scores = torch.where(greedy_rows[:, None, None], logits.float(), scores.view(bs, nodes, vocab))
+    slots = torch.arange(bs * nodes, device=logits.device).view(bs, nodes)
+    verify_tree_greedy_reference(predicts, accept_index, accept_num, tokens, slots, next_token, next_sibling,
+                                 scores.argmax(-1))
+
+
+@triton.jit
+def _mix(x):
+    """kernels.keyed_sampling._mix: int64 values in [0, 2^32) -> [0, 2^31)."""
+    x = (((x >> 16) ^ x) * HASH_MUL) & HASH_M31
+    x = (((x >> 16) ^ x) * HASH_MUL) & HASH_M31
+    return (x >> 16) ^ x
+
+
+@triton.jit
+def _keyed_chunk_kernel(logits_ptr, floor_ptr, greedy_ptr, seeds_ptr, positions_ptr, temperature_ptr,
+                        part_max_ptr, part_arg_ptr, T, V, C, KEY_BITS: tl.constexpr, CHUNK: tl.constexpr):
+    """Per (row, chunk): the maximum perturbed score and its first index. A sampled row's score
+    is logit / T + Gumbel noise hashed from (seed, position, token) where its key reaches the
+    filters' floor, -inf elsewhere (`keyed_scores`); a greedy row's is its logit."""
+    row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
+    b = row // T
+    offs = chunk * CHUNK + tl.arange(0, CHUNK)
+    raw = tl.load(logits_ptr + row * V + offs, mask=offs < V, other=-float("inf"))
+    x = raw.to(tl.float32)
+    if tl.load(greedy_ptr + b) == 0:
+        seed = tl.load(seeds_ptr + b)
+        position = tl.load(positions_ptr + row)
+        key = _mix(_mix((seed & HASH_M31) ^ _mix((seed >> 31) ^ HASH_SEED_SALT)) ^ (position & HASH_M31))
+        h = _mix(key ^ _mix(offs.to(tl.int64) ^ HASH_TOKEN_SALT))
+        u = ((h >> 7).to(tl.float32) + 0.5) * (1.0 / (1 << 24))
+        score = tl.math.div_rn(x, tl.load(temperature_ptr + b)) - tl.log(-tl.log(u))
+        x = tl.where((offs < V) & (_key(raw, KEY_BITS) >= tl.load(floor_ptr + row)), score, -float("inf"))
+    chunk_max, index = tl.max(x, axis=0, return_indices=True, return_indices_tie_break_left=True)
+    tl.store(part_max_ptr + row * C + chunk, chunk_max)
+    tl.store(part_arg_ptr + row * C + chunk, chunk * CHUNK + index)
+
+
+def tree_accept_keyed_triton(logits: Tensor, tokens: Tensor, next_token: Tensor, next_sibling: Tensor,
+                             predicts: Tensor, accept_index: Tensor, accept_num: Tensor, *, greedy_rows: Tensor,
+                             seeds: Tensor, positions: Tensor, temperature: Tensor, top_k: Tensor,
+                             top_p: Tensor) -> None:
+    """Triton version of tree_accept_keyed_reference; static shapes, no host synchronisation.
+
+    The filters' floors come from the coin walk's stats pass and radix searches (`_run_searches`:
+    the same kept sets as `process_probs_reference`); then one pass over the logits scores every
+    token with its noise (nothing materialised) and the greedy walk reads the chunks' maxima."""
+    bs, nodes, vocab = _check_keyed_args(logits, tokens, next_token, next_sibling, predicts, accept_index,
+                                         accept_num, greedy_rows, seeds, positions, temperature, top_k, top_p)
+    if bs == 0:
+        return
+    dev, rows = logits.device, bs * nodes
+    chunk = chunk_size(vocab)
+    num_chunks = triton.cdiv(vocab, chunk)
+    key_bits = KEY_BITS[logits.dtype]
+    block = min(chunk, HIST_BLOCK)
+    part_max = torch.empty((rows, num_chunks), dtype=torch.float32, device=dev)
+    part_aux = torch.empty((rows, num_chunks), dtype=torch.float32, device=dev)
+    search = _SearchBuffers(rows, num_chunks, chunk // block, key_bits, dev)
+    _chunk_stats_kernel[(rows, num_chunks)](
+        logits, temperature, top_k, top_p, part_max, part_aux, search.block_max, search.counts[0],
+        nodes, vocab, num_chunks,
+        GREEDY=False, FILTERS=True, KEY_BITS=key_bits, RADIX_BITS=RADIX_BITS, CHUNK=chunk, BLOCK=block)
+    floor = torch.zeros(rows, dtype=torch.int64, device=dev)
+    kept = torch.empty(rows, dtype=torch.float32, device=dev)
+    _run_searches(search, logits, temperature, top_k, top_p, part_max, part_aux, floor, kept, nodes, chunk, block)
+    score_max = torch.empty((rows, num_chunks), dtype=torch.float32, device=dev)
+    score_arg = torch.empty((rows, num_chunks), dtype=torch.int32, device=dev)
+    _keyed_chunk_kernel[(rows, num_chunks)](logits, floor, greedy_rows, seeds, positions, temperature, score_max,
+                                            score_arg, nodes, vocab, num_chunks, KEY_BITS=key_bits, CHUNK=chunk)
+    unused = part_max
+    _tree_walk_kernel[(bs,)](logits, tokens, next_token, next_sibling, predicts, accept_index, accept_num, accept_num,
+                             score_max, score_arg, unused, unused, unused, unused,
+                             nodes, vocab, num_chunks, GREEDY=True, FILTERS=False, KEY_BITS=key_bits,
+                             BLOCK_C=triton.next_power_of_2(num_chunks))
+
+
+def tree_accept_keyed(logits: Tensor, tokens: Tensor, next_token: Tensor, next_sibling: Tensor,
+                      predicts: Tensor, accept_index: Tensor, accept_num: Tensor, *, greedy_rows: Tensor,
+                      seeds: Tensor, positions: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor) -> None:
+    """The position-keyed accept stage: Triton on CUDA, the reference elsewhere.
+
+    logits [B, T, V] and the tree / output tensors as `tree_accept`'s; greedy_rows bool [B]
+    (those rows take the plain greedy walk), seeds int64 [B] (>= 0), positions int64 [B, T]
+    (each node's sampled token's position: the node's own + 1), temperature float32 [B] (> 0
+    on every row), top_k int64 [B], top_p float32 [B]."""
+    impl = tree_accept_keyed_triton if kernel_backend(logits.device) == "triton" else tree_accept_keyed_reference
+    impl(logits, tokens, next_token, next_sibling, predicts, accept_index, accept_num, greedy_rows=greedy_rows,
+         seeds=seeds, positions=positions, temperature=temperature, top_k=top_k, top_p=top_p)
 
 
 def tree_accept(logits: Tensor, tokens: Tensor, next_token: Tensor, next_sibling: Tensor,

@@ -575,19 +575,20 @@ def test_verifier_restart_mid_generation_recovers_the_same_output(qwen3_pair, sa
 
 def test_adaptive_budget_changes_no_output(qwen3_pair, client, verifier_stub):
     """A verifier that measures its verify costs, and a drafter whose planner cuts each step's
-    trees to one budget: every concurrent greedy request gets its tokens alone on the
-    fixed-budget drafter, and so do seeded ones, whose trees (coin walk) it leaves alone."""
+    trees to one budget: every concurrent request gets its tokens alone on the fixed-budget
+    drafter, greedy ones and seeded ones alike, whose trees it cuts too (the verifier's default
+    position-keyed sampling: a seeded output does not depend on its trees)."""
     reqs = [request(PROMPTS[i % 3] + [i], n=14 + i, budget=(4, 8, 16, 8)[i], temperature=(0.0, 0.0, 0.0, 0.9)[i],
                     top_k=20, seed=70 + i) for i in range(MAX_SESSIONS)]
     alone = [run(client, r)[0] for r in reqs]
     with ServerThread(lambda: serve_verifier(verifier_config(qwen3_pair, measure_costs="on"))) as measured:
         with grpc.insecure_channel(f"127.0.0.1:{measured.port}", options=CHANNEL_OPTIONS) as channel:
             info = pb_grpc.VerifierStub(channel).Info(pb.InfoRequest())
-        assert info.sampling == "coins" and len(info.verify_costs) >= 4
+        assert info.sampling == "keyed" and len(info.verify_costs) >= 4
         assert all(c.seconds > 0 for c in info.verify_costs)
         engine = drafter_engine(qwen3_pair, measured.port)
         planner = engine.scheduler.planner
-        assert planner is not None and not engine.scheduler.adapt_sampled
+        assert planner is not None and engine.scheduler.adapt_sampled
         planner.explore_every = 2  # the tiny random pair accepts little: make it try trees too
         chosen, choose = [], planner.choose
         planner.choose = lambda *args, **kw: chosen.append(choose(*args, **kw)) or chosen[-1]

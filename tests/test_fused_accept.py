@@ -208,6 +208,66 @@ def test_filters_skip_blocks_and_chunks(dtype, chunk):
 
 
 # ---------------------------------------------------------------------------------------
+# Position-keyed sampling.
+# ---------------------------------------------------------------------------------------
+
+KEYED_CASES = [
+    # (batch, nodes, V, dtype, chunk, radix bits, tree shape, quantisation levels)
+    (6, 4, 97, BF16, 32, 4, "random", 0),
+    (5, 5, 300, F32, 128, 8, "deep", 0),
+    (4, 6, 200, BF16, 64, 8, "chain", 3),  # ties, also at the filters' boundaries
+    (3, 4, 300, F16, 128, 4, "wide", 0),
+]
+
+
+@pytest.mark.parametrize("index, case", list(enumerate(KEYED_CASES)),
+                         ids=[f"B{c[0]}-T{c[1]}-V{c[2]}-{str(c[3])[6:]}" for c in KEYED_CASES])
+def test_keyed_accept_matches_reference(index, case, chunk):
+    """The fused keyed stage (filters' floors from the radix searches, the noise hashed in the
+    kernel, the walk over the chunks' maxima) equals keyed_scores + the greedy walk; greedy
+    rows are mixed in, and seeds and positions vary per row and node."""
+    bs, nodes, vocab, dtype, chunk_v, radix_bits, shape, levels = case
+    chunk(chunk_v, radix_bits)
+    stage = random_stage(300 + index, bs, nodes, vocab, dtype, shape=shape, levels=levels, oracle=0.0)
+    del stage["coins"], stage["final_coins"]
+    params = row_params(vocab, bs, index, filter_kinds(vocab))
+    rng = np.random.default_rng(index)
+    options = dict(greedy_rows=torch.tensor([b % 3 == 1 for b in range(bs)]),
+                   seeds=torch.tensor(rng.integers(0, 2**63 - 1, bs), dtype=torch.int64),
+                   positions=torch.tensor(rng.integers(1, 5000, (bs, 1)) + np.arange(nodes)[None], dtype=torch.int64),
+                   **params)
+    options["temperature"] = torch.where(options["greedy_rows"], 1.0, options["temperature"])
+    expected = run(fused_accept.tree_accept_keyed_reference, stage, **options)
+    actual = run(fused_accept.tree_accept_keyed_triton, stage, **options)
+    for name, a, e in zip(("predicts", "accept_index", "accept_num"), actual, expected):
+        assert torch.equal(a, e), f"{name} differs:\n{a}\n{e}"
+
+
+def test_keyed_accept_follows_the_noise_to_long_paths(chunk):
+    """Trees whose every child holds its node's keyed sample: the walk accepts whole paths."""
+    from kernels.keyed_sampling import keyed_sample_reference
+
+    chunk(32, 8)
+    bs, nodes, vocab = 3, 6, 70
+    stage = random_stage(21, bs, nodes, vocab, F32, shape="chain", oracle=0.0)
+    del stage["coins"], stage["final_coins"]
+    seeds, temperature = torch.tensor([3, 4, 5]), torch.tensor([0.7, 1.0, 1.4])
+    top_k, top_p = torch.tensor([0, 10, 0]), torch.tensor([1.0, 1.0, 0.9])
+    positions = torch.arange(nodes)[None].repeat(bs, 1) + 10
+    for b in range(bs):  # make each chain node's token the keyed sample after its parent
+        for i in range(1, nodes):
+            row = stage["logits"][b, i - 1][None]
+            stage["tokens"][b, i] = keyed_sample_reference(row, seeds[b:b + 1], positions[b, i - 1:i], temperature[b:b + 1],
+                                                           top_k[b:b + 1], top_p[b:b + 1])[0]
+    options = dict(greedy_rows=torch.zeros(bs, dtype=torch.bool), seeds=seeds, positions=positions,
+                   temperature=temperature, top_k=top_k, top_p=top_p)
+    expected = run(fused_accept.tree_accept_keyed_reference, stage, **options)
+    actual = run(fused_accept.tree_accept_keyed_triton, stage, **options)
+    assert all(torch.equal(a, e) for a, e in zip(actual, expected))
+    assert expected[2].tolist() == [nodes - 1] * bs
+
+
+# ---------------------------------------------------------------------------------------
 # Dispatch and argument checking.
 # ---------------------------------------------------------------------------------------
 

@@ -129,11 +129,11 @@ def test_seeded_speculative_sampling_equals_seeded_ar(engine):
 
 
 def test_both_sampling_modes_are_selectable(tiny_pair):
-    """The coin walk (the default) and keyed sampling: seeded outputs are reproducible, and differ."""
+    """Keyed sampling (the default) and the coin walk: seeded outputs are reproducible, and differ."""
     target, draft = tiny_pair
-    coins = LocalEngine.load(str(target), str(draft), limits=VerifierLimits(max_sessions=2, max_seq_len=128))
-    keyed = LocalEngine.load(str(target), str(draft), limits=VerifierLimits(max_sessions=2, max_seq_len=128),
-                             sampling="keyed")
+    coins = LocalEngine.load(str(target), str(draft), limits=VerifierLimits(max_sessions=2, max_seq_len=128),
+                             sampling="sample")
+    keyed = LocalEngine.load(str(target), str(draft), limits=VerifierLimits(max_sessions=2, max_seq_len=128))
     config = GenerationConfig(24, sampling=SAMPLINGS[0], mode=DraftMode("tree", 8))
     a, b = (coins.generate(PROMPTS[0], config).tokens for _ in range(2))
     assert a == b and a != keyed.generate(PROMPTS[0], config).tokens

@@ -77,10 +77,10 @@ def build_parser() -> argparse.ArgumentParser:
              help="print one line per trace span to stdout: name, ms, trace id prefix, key attributes (OTLP "
                   "export is set by OTEL_EXPORTER_OTLP_ENDPOINT)")
     p.flag("--sampling", env="VERIFIER_SAMPLING", default=_DEFAULTS["sampling"], choices=("keyed", "coins"),
-           help="how sampled requests sample: coins = the target-only coin walk with per-session coins (SGLang's "
-                "semantics; fused kernel); keyed = position-keyed (Gumbel noise keyed by seed, position and token: "
-                "a seeded output equals seeded plain decoding whatever the trees; computed in PyTorch, about 15x "
-                "slower than coins for now)")
+           help="how sampled requests sample: keyed = position-keyed (Gumbel noise keyed by seed, position and "
+                "token: a seeded output equals seeded plain decoding whatever the trees, budget or batch); coins = "
+                "the target-only coin walk with per-session coins (SGLang's semantics); both fused kernels "
+                f"(default {_DEFAULTS['sampling']})")
     p.flag("--measure-costs", env="VERIFIER_MEASURE_COSTS", default=_DEFAULTS["measure_costs"],
            choices=("auto", "on", "off"),
            help="time the verify step per (batch bucket, tree bucket) at start-up and send the table to drafters "

@@ -5,9 +5,9 @@ step (temperature, top-k, top-p) + target-only tree sampling with one coin per n
 final coin. Position-keyed sampling (selectable): the greedy walk over logits perturbed by
 Gumbel noise keyed by (seed, position, token) (`kernels.keyed_sampling`), so a seeded output
 does not depend on the trees. The walks run through
-`kernels.fused_accept.tree_accept`, batched over the sessions of a step, which on the GPU
-reads the logits in their own dtype and never materialises the probabilities (the keyed
-scores, for now, are materialised in PyTorch). The same
+`kernels.fused_accept.tree_accept` (`tree_accept_keyed` for keyed sampling), batched over
+the sessions of a step, which on the GPU read the logits in their own dtype and never
+materialise the probabilities or the perturbed scores. The same
 code runs eagerly (CPU, or GPU without graphs) and inside the verifier's CUDA graphs: static
 shapes, no host synchronisation until the caller copies the small result back.
 """
@@ -22,8 +22,7 @@ from torch import Tensor
 
 from common.protocol import SamplingParams, TokenLogprob
 from common.tree import DraftTree
-from kernels.fused_accept import tree_accept
-from kernels.keyed_sampling import keyed_scores
+from kernels.fused_accept import tree_accept, tree_accept_keyed
 from kernels.probs import process_probs_reference
 
 # Coins are kept inside (0, 1): a coin of exactly 0 would accept a zero-probability child
@@ -70,12 +69,16 @@ def accept_batch(mode: str, tokens: Tensor, next_token: Tensor, next_sibling: Te
     b, t = tokens.shape
     offsets = (torch.arange(b, device=logits.device) * t)[:, None]
 
-    def walk(is_greedy: bool, extra: dict) -> Tensor:
+    def walk(is_greedy: bool | None, extra: dict) -> Tensor:
+        """One accept kernel's walk: greedy, the coin walk, or (is_greedy None) position-keyed."""
         predicts = torch.full((b * t,), -1, dtype=torch.int32, device=logits.device)
         accept_index = torch.full((b, t), -1, dtype=torch.int32, device=logits.device)
         accept_num = torch.zeros(b, dtype=torch.int32, device=logits.device)
-        tree_accept(logits, tokens, next_token, next_sibling, predicts, accept_index, accept_num,
-                    greedy=is_greedy, **extra)
+        if is_greedy is None:
+            tree_accept_keyed(logits, tokens, next_token, next_sibling, predicts, accept_index, accept_num, **extra)
+        else:
+            tree_accept(logits, tokens, next_token, next_sibling, predicts, accept_index, accept_num,
+                        greedy=is_greedy, **extra)
         # accept_index holds flattened slots b * T + i (SGLang's layout): back to node indices.
         num = accept_num.long()[:, None]
         slots = accept_index.long()
@@ -84,12 +87,10 @@ def accept_batch(mode: str, tokens: Tensor, next_token: Tensor, next_sibling: Te
         return torch.cat([num, bonus, path], dim=1)
 
     if mode == "keyed":
-        v = logits.shape[-1]
-        per_node = lambda x: x[:, None].expand(b, t).contiguous().view(-1)  # noqa: E731
-        scores = keyed_scores(logits.reshape(b * t, v), per_node(seeds), (positions + 1).reshape(-1),
-                              per_node(temperature), per_node(top_k), per_node(top_p)).view(b, t, v)
-        logits = torch.where(greedy[:, None, None], logits.float(), scores)
-    result = walk(True, {})
+        result = walk(None, dict(greedy_rows=greedy, seeds=seeds, positions=(positions + 1).contiguous(),
+                                 temperature=temperature, top_k=top_k, top_p=top_p))
+    else:
+        result = walk(True, {})
     if mode == "sample":
         sampled = walk(False, dict(coins=coins, final_coins=final_coin, temperature=temperature, top_k=top_k,
                                    top_p=top_p))

@@ -67,7 +67,7 @@ class GraphConfig:
     tree_buckets: tuple[int, ...] = (8, 16, 32, 64, 128)  # drafted nodes N; a bucket forwards 1 + N tokens
     batch_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)  # sessions per step (capped by the KV slots)
     kv_buckets: tuple[int, ...] | None = None  # static KV lengths; None = auto_kv_buckets(cache length)
-    modes: tuple[str, ...] = ("greedy", "sample")  # a verifier's steps use greedy and its sampling mode
+    modes: tuple[str, ...] = ("greedy", "keyed")  # a verifier's steps use greedy and its sampling mode
     max_kv_buckets: int = 4  # for the automatic ladder
     max_tokens: int = 4096  # no graph for B * T above this (eager)
     warmup_iters: int = 2

@@ -42,8 +42,8 @@ class VerifiedBatch:
 class TargetRunner:
     def __init__(self, model: TargetModel, num_slots: int, max_seq_len: int, max_tree_nodes: int = 1025,
                  cuda_graphs: bool = True, graph_config: GraphConfig | None = None, sampling: str | None = None):
-        if sampling is None:  # the graph config's sampled mode, else the coin walk
-            sampling = next((m for m in (graph_config.modes if graph_config else ()) if m in SAMPLING), "sample")
+        if sampling is None:  # the graph config's sampled mode, else position-keyed sampling
+            sampling = next((m for m in (graph_config.modes if graph_config else ()) if m in SAMPLING), "keyed")
         if sampling not in SAMPLING:
             raise ValueError(f"sampling must be one of {', '.join(SAMPLING)}, got {sampling!r}")
         self.model = model

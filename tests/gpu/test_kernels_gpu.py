@@ -31,7 +31,8 @@ def test_kernels_are_cuda_graph_capturable():
     static = dict(greedy=torch.tensor([False], device="cuda"), coins=torch.rand(1, t, device="cuda"),
                   final_coin=torch.rand(1, device="cuda"), temperature=torch.tensor([0.8], device="cuda"),
                   top_k=torch.tensor([50], device="cuda"), top_p=torch.tensor([0.9], device="cuda"))
-    for mode in ("greedy", "sample"):
+    static.update(seeds=torch.tensor([12345], device="cuda"), positions=torch.arange(t, device="cuda")[None] + 100)
+    for mode in ("greedy", "sample", "keyed"):
         eager = accept_batch(mode, tokens, nt, ns, logits, features, **static)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
@@ -122,3 +123,23 @@ def test_fused_accept_cuda_graph_replay_equals_eager(stage):
         if stage != "greedy":
             options["coins"].copy_(torch.rand(options["coins"].shape, generator=gen, device="cuda"))
             options["final_coins"].copy_(torch.rand(options["final_coins"].shape, generator=gen, device="cuda"))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_keyed_accept_matches_reference_at_full_vocabulary(dtype):
+    """The fused keyed stage at V = 151,936: the reference's paths and bonus tokens, greedy rows
+    mixed in, filters on and off."""
+    from kernels.fused_accept import tree_accept_keyed_reference, tree_accept_keyed_triton
+
+    bs, nodes = 8, 17
+    stage = random_stage(5, bs, nodes, VOCAB, dtype, oracle=0.0)
+    del stage["coins"], stage["final_coins"]
+    params = row_params(VOCAB, bs, 2, filter_kinds(VOCAB))
+    options = dict(greedy_rows=torch.tensor([b % 4 == 3 for b in range(bs)]),
+                   seeds=torch.arange(bs, dtype=torch.int64) * 7919 + 11,
+                   positions=torch.arange(nodes)[None].repeat(bs, 1) + 300, **params)
+    options["temperature"] = torch.where(options["greedy_rows"], 1.0, options["temperature"])
+    expected = run_on("cuda", tree_accept_keyed_reference, stage, **options)
+    actual = run_on("cuda", tree_accept_keyed_triton, stage, **options)
+    for a, e in zip(actual, expected):
+        assert torch.equal(a, e)
