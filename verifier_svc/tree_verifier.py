@@ -252,20 +252,9 @@ class TreeVerifier:
                                                            [s.length for s in sessions])
                 with stage("sample"):
                     ending = [sessions[j] for j in last]
-                    roots = [DraftTree.root_only(group[j][3][-1]) for j in last]
-                    sampling = [s.sampling for s in ending]
-                    bonus = []
-                    if not last:
-                        pass
-                    elif self.runner.sampling == "keyed":  # the first token's position: the prompt length
-                        bonus = accept_roots(roots, logits[last], sampling, seeds=[s.seed for s in ending],
-                                             positions=[s.length + group[j][3].shape[0] - 1
-                                                        for s, j in zip(ending, last)])
-                    else:
-                        bonus = accept_roots(roots, logits[last], sampling, coins=[
-                            None if s.sampling.greedy else draw_coins(s.generator, 1) for s in ending])
-                    rows = [(f if s.features else f[:0]).cpu() for s, f in zip(sessions, features)]
+                    bonus = self._first_tokens(ending, logits[last], [group[j][3] for j in last]) if last else []
                     logprobs = self._first_logprobs(ending, logits[last], bonus) if last else []
+                    rows = [(f if s.features else f[:0]).cpu() for s, f in zip(sessions, features)]
         except Exception:
             for _, key, _, _ in group:
                 self.close(key)
@@ -279,6 +268,18 @@ class TreeVerifier:
             s.next_token, s.prefilling = first[j][0], False
             outcomes[i] = Prefilled(token=first[j][0], features=f, max_seq_len=self.limits.max_seq_len,
                                     logprobs=first[j][1])
+
+    def _first_tokens(self, sessions: Sequence[_Session], logits: torch.Tensor, chunks: Sequence[torch.Tensor]
+                      ) -> list[int]:
+        """The first generated token of each session whose prompt ends with `chunks` [i], from
+        its last logits [B, V], in one batched accept of root-only trees."""
+        roots = [DraftTree.root_only(c[-1]) for c in chunks]
+        sampling = [s.sampling for s in sessions]
+        if self.runner.sampling == "keyed":  # the first token's position: the prompt length
+            return accept_roots(roots, logits, sampling, seeds=[s.seed for s in sessions],
+                                positions=[s.length + c.shape[0] - 1 for s, c in zip(sessions, chunks)])
+        return accept_roots(roots, logits, sampling,
+                            coins=[None if s.sampling.greedy else draw_coins(s.generator, 1) for s in sessions])
 
     @staticmethod
     def _first_logprobs(sessions: Sequence[_Session], logits: torch.Tensor, tokens: list[int]) -> list:
