@@ -180,6 +180,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--request-timeout", type=float, default=600.0, help="deadline of one request in s (default 600)")
     p.add_argument("--log-dir", default=None,
                    help="keep the services' logs and the oracle files here (default: a temporary folder, removed)")
+    p.add_argument("--deterministic", action="store_true",
+                   help="the verifier with batch-invariant kernels (--deterministic), for its cost against the default")
     p.add_argument("--lockstep", action="store_true",
                    help="also run each controlled-acceptance setting with the drafter in lockstep (--pipelining off; "
                         "its rows are named SETTING-ls), to compare with the default pipelined rounds")
@@ -406,6 +408,7 @@ def common_verifier_flags(a: argparse.Namespace) -> list[str]:
              "--max-seq-len", str(a.max_seq_len), "--max-tree-nodes", str(a.tree_budget + 1),
              "--graph-batches", ",".join(map(str, a.graph_batches)), "--graph-trees", a.graph_trees]
     flags += ["--measure-costs", "on"] if "adaptive" in (a.budgets or ()) else []
+    flags += ["--deterministic"] if a.deterministic else []
     return flags + (["--no-cuda-graphs"] if a.no_cuda_graphs else [])
 
 

@@ -16,6 +16,16 @@ from torch import nn
 from common.config import RopeScaling
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x @ weight^T (a bias-free Linear): F.linear, or in the deterministic mode the
+    batch-invariant GEMM (`kernels.batch_invariant`), whose rows do not depend on each other."""
+    from kernels import batch_invariant  # here: the kernels package imports this module
+
+    if batch_invariant.enabled():
+        return batch_invariant.linear(x, weight)
+    return F.linear(x, weight)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -127,8 +137,9 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_weight is None:
-            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-        return self.down_proj(self.silu_mul(F.linear(x, self.gate_up_weight)))
+            gate, up = linear(x, self.gate_proj.weight), linear(x, self.up_proj.weight)
+            return linear(F.silu(gate) * up, self.down_proj.weight)
+        return linear(self.silu_mul(linear(x, self.gate_up_weight)), self.down_proj.weight)
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -173,18 +184,18 @@ class AttentionProjections(nn.Module):
     def qkv(self, x: torch.Tensor) -> torch.Tensor:
         """The raw q, k, v projections side by side: [B, T, (heads + 2 kv_heads) * D]."""
         if self.qkv_weight is None:
-            return torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
-        return F.linear(x, self.qkv_weight)
+            return torch.cat([linear(x, p.weight) for p in (self.q_proj, self.k_proj, self.v_proj)], dim=-1)
+        return linear(x, self.qkv_weight)
 
     def kv(self, x: torch.Tensor) -> torch.Tensor:
         """The raw k, v projections side by side: [B, T, 2 kv_heads * D]."""
         if self.qkv_weight is None:
-            return torch.cat([self.k_proj(x), self.v_proj(x)], dim=-1)
-        return F.linear(x, self.qkv_weight[self.num_heads * self.head_dim:])
+            return torch.cat([linear(x, self.k_proj.weight), linear(x, self.v_proj.weight)], dim=-1)
+        return linear(x, self.qkv_weight[self.num_heads * self.head_dim:])
 
     def query(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """[B, T, hidden] -> rotated queries [B, heads, T, D]."""
-        q = self.q_proj(x).view(*x.shape[:2], self.num_heads, self.head_dim)
+        q = linear(x, self.q_proj.weight).view(*x.shape[:2], self.num_heads, self.head_dim)
         if self.q_norm is not None:
             q = self.q_norm(q)
         return apply_rope(q.transpose(1, 2), cos, sin)
@@ -192,13 +203,13 @@ class AttentionProjections(nn.Module):
     def key_value(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """[B, T, hidden] -> rotated keys and values, each [B, kv_heads, T, D]."""
         shape = (*x.shape[:2], self.num_kv_heads, self.head_dim)
-        k = self.k_proj(x).view(shape)
+        k = linear(x, self.k_proj.weight).view(shape)
         if self.k_norm is not None:
             k = self.k_norm(k)
-        v = self.v_proj(x).view(shape)
+        v = linear(x, self.v_proj.weight).view(shape)
         return apply_rope(k.transpose(1, 2), cos, sin), v.transpose(1, 2)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         """SDPA with grouped KV heads; mask is bool [B, 1, Tq, Tk] (True = visible) or None."""
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.num_heads != self.num_kv_heads)
-        return self.o_proj(out.transpose(1, 2).reshape(q.shape[0], q.shape[2], -1))
+        return linear(out.transpose(1, 2).reshape(q.shape[0], q.shape[2], -1), self.o_proj.weight)

@@ -23,6 +23,7 @@ from common.protocol import SamplingParams, StatusError
 from drafter_svc.drafter import DFlashProposer, DraftMode
 from drafter_svc.link import LocalLink
 from drafter_svc.scheduler import DraftScheduler, GenerationConfig, GenerationResult
+from kernels import batch_invariant
 from verifier_svc.target_model import TargetModel
 from verifier_svc.target_runner import TargetRunner
 from verifier_svc.tree_verifier import TreeVerifier, VerifierLimits
@@ -128,6 +129,8 @@ def build_parser() -> FlagParser:
     p.add_argument("--max-seq-len", type=int, default=2048, help="KV capacity of the session in tokens")
     p.add_argument("--no-cuda-graphs", action="store_true",
                    help="run the draft step and the verify forward eagerly on CUDA (no captured CUDA graphs)")
+    p.add_argument("--deterministic", action="store_true",
+                   help="batch-invariant kernels: greedy tree decoding equals plain decoding bit for bit in bf16 too")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text + stats")
     return p
 
@@ -148,6 +151,7 @@ def main(argv: list[str] | None = None) -> None:
         fail(str(exc))
     if a.max_seq_len < 2:
         fail(f"--max-seq-len must be >= 2, got {a.max_seq_len}")
+    batch_invariant.set_enabled(a.deterministic)
     try:
         engine = LocalEngine.load(a.target, a.draft if mode.kind != "ar" else None, a.device,
                                   limits=VerifierLimits(max_sessions=1, max_seq_len=a.max_seq_len),

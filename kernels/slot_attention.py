@@ -33,6 +33,29 @@ def slot_attention_reference(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots:
 
 
 @triton.jit
+def online_softmax_tile(q, k, v, visible, sm_scale, m_i, l_i, acc, IEEE: tl.constexpr):
+    """One key tile of flash attention: q [M, D] against k, v [N, D] where `visible` ([M, N] or
+    broadcast to it); returns the updated row max m_i, row sum l_i and unnormalised output acc.
+    IEEE: float32 products (also the interpreter's only working path); else the inputs' own
+    tensor-core products with float32 accumulation."""
+    if IEEE:
+        scores = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+    else:
+        scores = tl.dot(q, tl.trans(k))
+    scores = tl.where(visible, scores * sm_scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(scores, 1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp(scores - m_use[:, None])
+    alpha = tl.exp(m_i - m_use)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if IEEE:
+        acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _slot_attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, m_ptr, l_ptr, mask_ptr, slots_ptr, sm_scale, T, L, GROUP,
                            SPLITS, split_len,
                            s_qb, s_qh, s_qt, s_cs, s_ch, s_cl, s_mb, s_mt, s_ob, s_os, s_ot, s_oh,
@@ -66,22 +89,8 @@ def _slot_attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, m_ptr, l_ptr, mask_ptr, s
         visible = tl.load(mask_rows[:, None] + cols[None, :], mask=valid[:, None] & inside[None, :], other=0) != 0
         if tl.max(visible.to(tl.int32)) > 0:
             k = tl.load(k_base + cols[:, None] * s_cl + d[None, :], mask=inside[:, None], other=0.0)
-            if IEEE:  # float32 products (also the interpreter's only working path)
-                scores = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
-            else:
-                scores = tl.dot(q, tl.trans(k))
-            scores = tl.where(visible, scores * sm_scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(scores, 1))
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.exp(scores - m_use[:, None])
-            alpha = tl.exp(m_i - m_use)
-            l_i = l_i * alpha + tl.sum(p, 1)
             v = tl.load(v_base + cols[:, None] * s_cl + d[None, :], mask=inside[:, None], other=0.0)
-            if IEEE:
-                acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
-            else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m_i = m_new
+            m_i, l_i, acc = online_softmax_tile(q, k, v, visible, sm_scale, m_i, l_i, acc, IEEE)
     out_rows = b * s_ob + split * s_os + t * s_ot + head * s_oh
     if PARTIAL:
         stat_rows = ((b * SPLITS + split) * T + t) * (GROUP * tl.num_programs(0)) + head

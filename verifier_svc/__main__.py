@@ -81,6 +81,10 @@ def build_parser() -> argparse.ArgumentParser:
                 "token: a seeded output equals seeded plain decoding whatever the trees, budget or batch); coins = "
                 "the target-only coin walk with per-session coins (SGLang's semantics); both fused kernels "
                 f"(default {_DEFAULTS['sampling']})")
+    p.switch("--deterministic", env="VERIFIER_DETERMINISTIC", default=_DEFAULTS["deterministic"],
+             help="batch-invariant kernels: a token's logits do not depend on the tree, the batch or its padding, "
+                  "so greedy tree decoding equals greedy plain decoding bit for bit in bf16 too (the default "
+                  "kernels promise that in float32; in bf16 a near-tie may flip); costs verify speed")
     p.flag("--measure-costs", env="VERIFIER_MEASURE_COSTS", default=_DEFAULTS["measure_costs"],
            choices=("auto", "on", "off"),
            help="time the verify step per (batch bucket, tree bucket) at start-up and send the table to drafters "
@@ -121,7 +125,8 @@ def parse_config(argv: list[str] | None = None) -> VerifierConfig:
         open_timeout_s=args.open_timeout,
         grace_s=args.grace, trace_console=args.trace_console, cuda_graphs=not args.no_cuda_graphs,
         max_inflight=args.max_inflight, graph_batches=tuple(args.graph_batches), graph_trees=tuple(args.graph_trees),
-        sampling=args.sampling, max_message_mb=args.max_message_mb, measure_costs=args.measure_costs,
+        sampling=args.sampling, deterministic=args.deterministic, max_message_mb=args.max_message_mb,
+        measure_costs=args.measure_costs,
         metrics_port=args.metrics_port, log_level=args.log_level, log_format=args.log_format,
         tls=ServerTls(cert=args.tls_cert or "", key=args.tls_key or "", client_ca=args.tls_client_ca or ""),
     )

@@ -32,8 +32,10 @@ Graphs are captured at start-up into one memory pool (largest first), after the 
 PyTorch needs on a side stream; capture runs dummy trees in the scratch slot, so sessions'
 K/V are never touched. Outputs of a replay live in static buffers, overwritten by the next
 replay of the same graph; the logits, which rows asking for logprobs read after the replay,
-go to one buffer all graphs share (overwritten by the next replay of any graph). The attention inside is `kernels.slot_attention` (see
-`TargetModel.attention`): it reads each row's cache slot in place, so slots are data.
+go to one buffer all graphs share (overwritten by the next replay of any graph). The
+attention inside is `kernels.slot_attention` (see `TargetModel.attention`; in the
+deterministic mode `kernels.batch_invariant.logical_attention`): it reads each row's cache
+slot in place, so slots are data.
 """
 from __future__ import annotations
 

@@ -33,6 +33,7 @@ from common.logs import memory_summary
 from common.rpc import VERIFIER_SERVICE, decode_message, pb, pb_grpc
 from common.tls import ServerTls
 from common.wire import LinkLimits, decode_link_request
+from kernels import batch_invariant
 from verifier_svc.cuda_graphs import GraphConfig
 from verifier_svc.scheduler import LinkStep, ModelWorker, SessionTimers
 from verifier_svc.target_model import TargetModel
@@ -81,6 +82,10 @@ class VerifierConfig:
     # the batch; fused: 2.1 ms vs the coin walk's 1.7 ms at 32 x 17 nodes, H200); "coins": the
     # target-only coin walk (SGLang's tree_speculative_sampling_target_only semantics, fused).
     sampling: str = "keyed"
+    # Batch-invariant kernels (`kernels.batch_invariant`): a token's logits do not depend on the
+    # tree bucket, the batch or its padding, so greedy tree decoding equals greedy plain decoding
+    # bit for bit in bf16 too (the default mode promises that in float32; bf16 near-ties may flip).
+    deterministic: bool = False
     # Time the verify step per (batch bucket, tree bucket) at start-up and send the table to
     # drafters (InfoResponse.verify_costs) for their adaptive tree budget: "on", "off", or
     # "auto" = on when CUDA graphs are captured (a few seconds; on a CPU it would take longer).
@@ -162,6 +167,7 @@ class VerifierConfig:
 def load_verifier(config: VerifierConfig) -> TreeVerifier:
     """Load the target checkpoint and allocate the KV cache (blocking; CheckpointError/ValueError)."""
     config.check()
+    batch_invariant.set_enabled(config.deterministic)  # before any forward or graph capture
     target = load_target_config(config.target_dir)
     bad = [i for i in config.feature_layer_ids if i >= target.num_layers]
     if bad:
@@ -194,8 +200,9 @@ def startup_summary(verifier: TreeVerifier) -> str:
                 if verifier.feature_layer_ids else "no features")
     return (f"device {runner.device}, dtype {str(runner.cache.k.dtype).removeprefix('torch.')}, "
             f"KV {runner.num_slots} sessions x {runner.max_seq_len} tokens, "
-            f"{graphs} verify CUDA graphs{'' if graphs else ' (eager)'}, {len(verifier.verify_costs)} verify costs "
-            f"measured, {features}, {memory_summary(runner.device)}")
+            f"{graphs} verify CUDA graphs{'' if graphs else ' (eager)'}, "
+            f"{'deterministic' if batch_invariant.enabled() else 'default'} kernels, "
+            f"{len(verifier.verify_costs)} verify costs measured, {features}, {memory_summary(runner.device)}")
 
 
 class _Link:

@@ -21,7 +21,8 @@ from torch import nn
 
 from common.checkpoint import load_tensors
 from common.config import TargetConfig, load_target_config
-from common.layers import MLP, AttentionProjections, RMSNorm, RotaryEmbedding
+from common.layers import MLP, AttentionProjections, RMSNorm, RotaryEmbedding, linear
+from kernels import batch_invariant
 from kernels.layer_ops import add_rms_norm, project_store, silu_mul
 from kernels.slot_attention import slot_attention, slot_attention_reference, slot_attention_triton
 
@@ -66,7 +67,8 @@ class TargetModel(nn.Module):
     # "auto": `kernels.slot_attention` (its Triton kernel on CUDA, which reads the cache slot in
     # place and splits the keys over the GPU; its SDPA reference elsewhere). "triton": the Triton
     # kernel anywhere (CPU through the interpreter). "sdpa": the reference anywhere (a gather of
-    # the slot + SDPA). Same result up to rounding.
+    # the slot + SDPA). Same result up to rounding. The deterministic mode (`kernels.batch_invariant`,
+    # process-wide) replaces it, and every GEMM, with batch-invariant kernels.
     attention = "auto"
 
     def __init__(self, cfg: TargetConfig, feature_layer_ids: tuple[int, ...] = ()):
@@ -128,6 +130,8 @@ class TargetModel(nn.Module):
         h = self.embed_tokens(input_ids)
         cos, sin = self.rotary(positions, h.dtype)
         attend = _ATTENTION[self.attention]
+        # The deterministic mode reads each row's keys in logical order (kernels/batch_invariant.py).
+        keys = batch_invariant.LogicalKeys.from_mask(mask, cache_pos) if batch_invariant.enabled() else None
         outputs = {}  # feature layer id l -> hidden_states[l + 1] (see the module docstring)
         pending = None  # the last MLP's output, added to h by the next fused add + norm
         for i, layer in enumerate(self.layers):
@@ -136,8 +140,11 @@ class TargetModel(nn.Module):
             if i - 1 in self.feature_layer_ids:
                 outputs[i - 1] = h
             q = project_store(attn, x, cos, sin, cache.k[i], cache.v[i], slots, cache_pos)
-            out = attend(q, cache.k[i], cache.v[i], slots, mask)
-            o = attn.o_proj(out.reshape(*out.shape[:2], -1))
+            if keys is None:
+                out = attend(q, cache.k[i], cache.v[i], slots, mask)
+            else:
+                out = batch_invariant.logical_attention(q, cache.k[i], cache.v[i], slots, keys)
+            o = linear(out.reshape(*out.shape[:2], -1), attn.o_proj.weight)
             h, x = add_rms_norm(h, o, layer.post_attention_layernorm.weight, cfg.rms_norm_eps)
             pending = layer.mlp(x)
         h, x = add_rms_norm(h, pending, self.norm.weight, cfg.rms_norm_eps)
@@ -149,7 +156,11 @@ class TargetModel(nn.Module):
         if logit_rows is not None:
             x = x[:, logit_rows]
         if logits_out is None:
-            return ForwardOutput(logits=self.lm_head(x), features=feats)
+            return ForwardOutput(logits=linear(x, self.lm_head.weight), features=feats)
         # The same GEMM as lm_head's, into a buffer that outlives a CUDA graph's private memory.
-        torch.mm(x.reshape(-1, x.shape[-1]), self.lm_head.weight.t(), out=logits_out.view(-1, logits_out.shape[-1]))
+        if batch_invariant.enabled():
+            batch_invariant.linear(x, self.lm_head.weight, out=logits_out)
+        else:
+            torch.mm(x.reshape(-1, x.shape[-1]), self.lm_head.weight.t(),
+                     out=logits_out.view(-1, logits_out.shape[-1]))
         return ForwardOutput(logits=logits_out, features=feats)

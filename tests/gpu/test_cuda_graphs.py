@@ -683,7 +683,7 @@ def test_graph_runner_matches_eager_runner(tiny_pair, dtype):
     if dtype == torch.bfloat16 and "llama" in str(tiny_pair[0]):
         pytest.skip("bf16 is covered on the qwen3 pair (keeps the GPU run short)")
     model = load_model(tiny_pair, "cuda", dtype)
-    eager = TargetRunner(model, 4, 256, 129, cuda_graphs=False)
+    eager = TargetRunner(model, 4, 256, 129, cuda_graphs=False, sampling="sample")  # GPU_CONFIG's sampled mode
     collect_garbage()
     graphed = TargetRunner(model, 4, 256, 129, graph_config=GPU_CONFIG)
     assert graphed.graphs is not None and eager.graphs is None
@@ -700,7 +700,7 @@ def test_measuring_verify_costs_covers_the_graphs_and_changes_no_step(qwen3_pair
     bucket, token bucket) of the graphs, and a runner that measured it still steps exactly
     as an eager one."""
     model = load_model(qwen3_pair, "cuda", torch.float32)
-    eager = TargetRunner(model, 4, 256, 129, cuda_graphs=False)
+    eager = TargetRunner(model, 4, 256, 129, cuda_graphs=False, sampling="sample")  # GPU_CONFIG's sampled mode
     collect_garbage()
     graphed = TargetRunner(model, 4, 256, 129, graph_config=GPU_CONFIG)
     costs = graphed.measure_verify_costs()
@@ -728,7 +728,7 @@ def test_eager_fallback_outside_the_buckets(qwen3_pair):
     assert g.select("greedy", 3, 1, 1) is None  # more rows than the largest batch bucket
     assert g.select("greedy", 1, 10, 10) is None  # more nodes than the largest tree bucket
     assert g.select("forward", 1, 5, 124 + 5) is None  # past the largest KV bucket
-    eager = TargetRunner(model, 3, 64, 9, cuda_graphs=False)
+    eager = TargetRunner(model, 3, 64, 9, cuda_graphs=False, sampling="sample")  # the config's sampled mode
     calls = _count_graph_runs(g)
     rounds = [([0, 1], [5, 5], ["oracle", "random"], [GREEDY, S1]),  # a graph
               ([0, 1], [6, 3], ["oracle", "random"], [GREEDY, S1]),  # max_tokens: eager
