@@ -26,19 +26,20 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 DTYPES = [torch.bfloat16, torch.float32]
 
 
+@pytest.mark.parametrize("n", [3072, 6144], ids=["narrow", "wide"])  # both tile shapes of `_tiles`
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_linear_triton_is_row_invariant_on_gpu(dtype):
+def test_linear_triton_is_row_invariant_on_gpu(dtype, n):
     gen = torch.Generator(device="cuda").manual_seed(1)
     x = torch.randn(700, 4096, device="cuda", generator=gen).to(dtype)
-    w = (torch.randn(3072, 4096, device="cuda", generator=gen) * 0.02).to(dtype)
+    w = (torch.randn(n, 4096, device="cuda", generator=gen) * 0.02).to(dtype)
     full = bi.linear_triton(x, w)
     tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(full.float(), F.linear(x.float(), w.float()), **tol)
     for start, stop in ((0, 1), (3, 4), (5, 22), (17, 82), (64, 129), (100, 644), (0, 700)):
         assert torch.equal(bi.linear_triton(x[start:stop], w), full[start:stop]), (start, stop)
-    out = torch.empty(2, 350, 3072, device="cuda", dtype=dtype)
+    out = torch.empty(2, 350, n, device="cuda", dtype=dtype)
     bi.linear_triton(x.view(2, 350, 4096), w, out=out)
-    assert torch.equal(out.view(700, 3072), full)
+    assert torch.equal(out.view(700, n), full)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
