@@ -236,6 +236,9 @@ def test_check_replica_names_what_differs():
         check_replica(first, pb.InfoResponse(max_seq_len=64, max_tree_nodes=65, sampling="coins"))
     assert err.value.status == "FAILED_PRECONDITION"
     assert "max_seq_len 64, the first has 128" in err.value.message and "sampling 'coins'" in err.value.message
+    with pytest.raises(StatusError) as err:
+        check_replica(first, pb.InfoResponse(max_seq_len=128, max_tree_nodes=65, sampling="keyed", deterministic=True))
+    assert "deterministic" in err.value.message
 
 
 # -- the scheduler over two in-process verifiers ----------------------------------------------------

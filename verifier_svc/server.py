@@ -292,7 +292,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             max_tree_nodes=config.max_tree_nodes,
             verify_costs=[pb.VerifyCost(batch=b, tokens=t, seconds=seconds)
                           for (b, t), seconds in sorted(worker.verifier.verify_costs.items())],
-            sampling=config.sampling,
+            sampling=config.sampling, deterministic=config.deterministic,
         )
         self._links = 0
 
