@@ -13,6 +13,7 @@ training) gets its features from `TargetModel.forward`.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -83,6 +84,10 @@ class TargetModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        # Tensor parallelism (`verifier_svc.tensor_parallel`): the sum over the ranks of a row-parallel
+        # projection's partial output (o_proj, down_proj), and the unsharded config; None / cfg alone.
+        self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
+        self.full_cfg = cfg
 
     @classmethod
     def from_pretrained(cls, folder: str | Path, feature_layer_ids=(), device="cpu", dtype=torch.float32):
@@ -145,8 +150,10 @@ class TargetModel(nn.Module):
             else:
                 out = batch_invariant.logical_attention(q, cache.k[i], cache.v[i], slots, keys)
             o = linear(out.reshape(*out.shape[:2], -1), attn.o_proj.weight)
+            if self.reduce is not None:
+                o = self.reduce(o)
             h, x = add_rms_norm(h, o, layer.post_attention_layernorm.weight, cfg.rms_norm_eps)
-            pending = layer.mlp(x)
+            pending = layer.mlp(x) if self.reduce is None else self.reduce(layer.mlp(x))
         h, x = add_rms_norm(h, pending, self.norm.weight, cfg.rms_norm_eps)
         outputs[len(self.layers) - 1] = x  # hidden_states[-1] is after the final norm
         feats = (torch.cat([outputs[i] for i in self.feature_layer_ids], dim=-1) if self.feature_layer_ids

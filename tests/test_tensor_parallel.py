@@ -1,0 +1,114 @@
+"""Tensor parallelism (`verifier_svc.tensor_parallel`) on the CPU: two gloo processes, each with
+its shard of the target, give the single-process model's logits (float32 rounding: the
+all-reduce sums the shards' partial GEMMs in another order), the same greedy tokens and the
+same accepted tree paths, and the two ranks agree bit for bit."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from common.protocol import SamplingParams
+from common.tree import DraftTree, ancestor_masks, walk_trees
+from tests.reference import distinct_sibling_tokens
+from verifier_svc.cuda_graphs import VerifyRow
+from verifier_svc.target_model import TargetModel
+from verifier_svc.target_runner import TargetRunner
+from verifier_svc.tensor_parallel import shard_config, shard_target
+
+WORLD = 2
+PROMPTS = [list(range(40, 77)), [5, 17, 42, 99, 3, 8]]
+STEPS = 12
+
+
+def _tree_rows(vocab: int, pasts: list[int], roots: list[int]) -> tuple[list[VerifyRow], torch.Tensor]:
+    gen = torch.Generator().manual_seed(3)
+    rng = np.random.default_rng(4)
+    trees = []
+    for root in roots:
+        parents = [-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, 12)]
+        tokens = distinct_sibling_tokens(rng, parents, vocab)
+        tokens[0] = root
+        trees.append(DraftTree.from_parents(tokens, parents))
+    layouts = walk_trees(trees, vocab_size=vocab, max_nodes=64, max_depth=64)
+    rows = [VerifyRow(slot, past, tree, lay.depths, SamplingParams())
+            for slot, (past, tree, lay) in enumerate(zip(pasts, trees, layouts))]
+    return rows, ancestor_masks(layouts, 12)
+
+
+def decode(runner: TargetRunner) -> dict:
+    """Prefill both prompts, a forward of one tree each, then greedy rounds (root-only trees)
+    and one tree round per session: what the comparison looks at."""
+    vocab = runner.model.cfg.vocab_size
+    logits, features = runner.prefill([0, 1], [torch.tensor(p) for p in PROMPTS])
+    tokens = [[int(x)] for x in logits.argmax(-1).tolist()]
+    pasts = [len(p) for p in PROMPTS]
+    rows, masks = _tree_rows(vocab, pasts, [t[-1] for t in tokens])
+    tree_logits = runner.forward_batch(rows, masks).logits.clone()
+    one = torch.ones(2, 1, 1, dtype=torch.bool)
+    for _ in range(STEPS):
+        rows1 = [VerifyRow(i, pasts[i], DraftTree.from_parents([tokens[i][-1]], [-1]), torch.zeros(1, dtype=torch.int64),
+                           SamplingParams()) for i in range(2)]
+        batch = runner.verify_batch(rows1, one)
+        for i in range(2):
+            tokens[i].append(batch.bonus[i])
+            pasts[i] += 1
+    rows, masks = _tree_rows(vocab, pasts, [t[-1] for t in tokens])
+    tree = runner.verify_batch(rows, masks)
+    return {"prefill_logits": logits.clone(), "features": torch.cat(features), "tree_logits": tree_logits,
+            "tokens": torch.tensor(tokens), "paths": [torch.tensor(p) for p in tree.paths],
+            "bonus": torch.tensor(tree.bonus)}
+
+
+def _worker(rank: int, world: int, init_file: str, target_dir: str, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        shard = shard_target(TargetModel.from_pretrained(target_dir, (0, 1)), rank, world)
+        torch.save(decode(TargetRunner(shard, 2, 128, 17)), f"{out_dir}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_ranks_equal_one_process_in_float32(tiny_pair, tmp_path):
+    target = str(tiny_pair[0])
+    want = decode(TargetRunner(TargetModel.from_pretrained(target, (0, 1)), 2, 128, 17))
+    mp.start_processes(_worker, args=(WORLD, str(tmp_path / "init"), target, str(tmp_path)), nprocs=WORLD,
+                       join=True, start_method="spawn")
+    got = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(WORLD)]
+    for key, value in got[0].items():  # the ranks agree bit for bit
+        other = got[1][key]
+        assert all(torch.equal(a, b) for a, b in zip(value, other)) if isinstance(value, list) else \
+            torch.equal(value, other), key
+    for key in ("prefill_logits", "features", "tree_logits"):
+        torch.testing.assert_close(got[0][key], want[key], rtol=1e-4, atol=1e-4)
+    assert torch.equal(got[0]["tokens"], want["tokens"])
+    assert [p.tolist() for p in got[0]["paths"]] == [p.tolist() for p in want["paths"]]
+    assert torch.equal(got[0]["bonus"], want["bonus"])
+
+
+def test_a_shard_holds_its_slices(tiny_pair):
+    model = TargetModel.from_pretrained(tiny_pair[0], (0, 1))
+    cfg = model.cfg
+    shard = shard_target(model, 1, WORLD, group=None)
+    assert shard.full_cfg == cfg and shard.cfg == shard_config(cfg, WORLD)
+    attn, full = shard.layers[0].self_attn, model.layers[0].self_attn
+    q_rows = cfg.num_heads // WORLD * cfg.head_dim
+    assert torch.equal(attn.q_proj.weight, full.q_proj.weight[q_rows:])
+    assert torch.equal(attn.o_proj.weight, full.o_proj.weight[:, q_rows:])
+    half = cfg.intermediate_size // WORLD
+    assert torch.equal(shard.layers[1].mlp.down_proj.weight, model.layers[1].mlp.down_proj.weight[:, half:])
+    assert torch.equal(shard.lm_head.weight, model.lm_head.weight)
+
+
+def test_uneven_shards_and_fused_weights_are_refused(tiny_pair):
+    model = TargetModel.from_pretrained(tiny_pair[0], (0, 1))
+    with pytest.raises(ValueError, match="num_heads"):
+        shard_config(model.cfg, 3)
+    with pytest.raises(ValueError, match="rank"):
+        shard_target(model, 2, WORLD)
+    model.fuse_weights()
+    with pytest.raises(ValueError, match="fuse_weights"):
+        shard_target(model, 0, WORLD)
