@@ -1,7 +1,8 @@
 """Tensor parallelism (`verifier_svc.tensor_parallel`) on the CPU: two gloo processes, each with
 its shard of the target, give the single-process model's logits (float32 rounding: the
 all-reduce sums the shards' partial GEMMs in another order), the same greedy tokens and the
-same accepted tree paths, and the two ranks agree bit for bit."""
+same accepted tree paths, and the two ranks agree bit for bit; rank 0 serving the engine
+with rank 1 following (`StepMirror`, `follow`) generates what one process does."""
 from __future__ import annotations
 
 import numpy as np
@@ -10,13 +11,19 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from common.checkpoint import load_tokenizer
+from common.config import load_draft_config
 from common.protocol import SamplingParams
 from common.tree import DraftTree, ancestor_masks, walk_trees
+from drafter_svc.drafter import DFlashProposer, DraftMode
+from drafter_svc.generate import LocalEngine
+from drafter_svc.scheduler import GenerationConfig
 from tests.reference import distinct_sibling_tokens
 from verifier_svc.cuda_graphs import VerifyRow
 from verifier_svc.target_model import TargetModel
 from verifier_svc.target_runner import TargetRunner
-from verifier_svc.tensor_parallel import shard_config, shard_target
+from verifier_svc.tensor_parallel import StepMirror, follow, shard_config, shard_target
+from verifier_svc.tree_verifier import TreeVerifier, VerifierLimits
 
 WORLD = 2
 PROMPTS = [list(range(40, 77)), [5, 17, 42, 99, 3, 8]]
@@ -112,3 +119,81 @@ def test_uneven_shards_and_fused_weights_are_refused(tiny_pair):
     model.fuse_weights()
     with pytest.raises(ValueError, match="fuse_weights"):
         shard_target(model, 0, WORLD)
+
+
+LIMITS = VerifierLimits(max_sessions=4, max_seq_len=256)
+REQUESTS = [(PROMPTS[0], GenerationConfig(24, mode=DraftMode("tree", 16))),
+            (PROMPTS[1], GenerationConfig(24, mode=DraftMode("ar", 0))),
+            (PROMPTS[0][:9], GenerationConfig(24, mode=DraftMode("chain", 0))),
+            (PROMPTS[1] + [7], GenerationConfig(24, sampling=SamplingParams(0.9, 30, 0.95, seed=5),
+                                                mode=DraftMode("tree", 8)))]
+
+
+def _engine_worker(rank: int, world: int, init_file: str, target_dir: str, draft_dir: str, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        layer_ids = load_draft_config(draft_dir).target_layer_ids
+        shard = shard_target(TargetModel.from_pretrained(target_dir, layer_ids), rank, world)
+        runner = TargetRunner(shard, LIMITS.max_sessions, LIMITS.max_seq_len, 65)
+        if rank:
+            torch.save(torch.tensor(follow(runner, dist.group.WORLD)), f"{out_dir}/followed.pt")
+            return
+        mirror = StepMirror(runner.device, dist.group.WORLD)
+        runner.set_mirror(mirror)
+        try:
+            costs = runner.measure_verify_costs(iters=1)  # dummy steps: every rank runs them too
+            proposer = DFlashProposer.from_pretrained(draft_dir, target_dir, "cpu", torch.float32, LIMITS.max_seq_len,
+                                                      LIMITS.max_sessions, False)
+            engine = LocalEngine(TreeVerifier(runner, LIMITS), proposer, load_tokenizer(target_dir),
+                                 shard.cfg.eos_token_ids)
+            outs = engine.generate_many(REQUESTS)
+            torch.save({"tokens": [torch.tensor(o.tokens) for o in outs], "costs": torch.tensor(len(costs))},
+                       f"{out_dir}/leader.pt")
+        finally:
+            mirror.stop()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_rank_zero_serves_and_rank_one_follows(tiny_pair, tmp_path):
+    target, draft = str(tiny_pair[0]), str(tiny_pair[1])
+    want = LocalEngine.load(target, draft, limits=LIMITS, cuda_graphs=False).generate_many(REQUESTS)
+    mp.start_processes(_engine_worker, args=(WORLD, str(tmp_path / "init"), target, draft, str(tmp_path)),
+                       nprocs=WORLD, join=True, start_method="spawn")
+    got = torch.load(tmp_path / "leader.pt", weights_only=True)
+    assert [t.tolist() for t in got["tokens"]] == [o.tokens for o in want]
+    assert int(got["costs"]) > 0 and int(torch.load(tmp_path / "followed.pt", weights_only=True)) > int(got["costs"])
+
+
+def test_the_verifier_service_with_two_ranks(qwen3_pair):
+    """`python -m verifier_svc --tensor-parallel 2` (gloo on the CPU) behind a drafter: the
+    tokens of a verifier in one process, greedy and seeded; SIGTERM stops both ranks."""
+    import grpc
+
+    from common.rpc import CHANNEL_OPTIONS, pb_grpc
+    from drafter_svc.server import serve as serve_drafter
+    from tests.servers import ServerThread
+    from tests.test_e2e import _verifier_process, drafter_engine, request, run, verifier_config
+
+    reqs = [request(PROMPTS[0], n=20, budget=8), request(PROMPTS[1], n=20, budget=0),
+            request(PROMPTS[1] + [3], n=20, budget=16, temperature=0.9, top_k=30, seed=11)]
+
+    def tokens(*extra: str) -> list[list[int]]:
+        proc, port = _verifier_process(verifier_config(qwen3_pair), 0, *extra)
+        try:
+            engine = drafter_engine(qwen3_pair, port)
+            with ServerThread(lambda: serve_drafter(engine, "127.0.0.1", 0)) as drafter, \
+                    grpc.insecure_channel(f"127.0.0.1:{drafter.port}", options=CHANNEL_OPTIONS) as channel:
+                client = pb_grpc.GenerationStub(channel)
+                out = [run(client, r)[0] for r in reqs]
+            engine.stop()
+            proc.terminate()
+            assert proc.wait(60) == 0
+            return out
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+    assert tokens("--tensor-parallel", "2") == tokens()

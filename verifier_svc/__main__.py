@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import signal
@@ -19,7 +20,8 @@ from common.config import CheckpointError, check_draft_fits_target, load_draft_c
 from common.logs import add_logging_flags, setup_logging
 from common.tls import ServerTls
 from common.tracing import exporting, setup_tracing, shutdown_tracing
-from verifier_svc.server import VerifierConfig, load_verifier, serve
+from verifier_svc.server import VerifierConfig, load_runner, load_verifier, serve
+from verifier_svc.tensor_parallel import leader
 from verifier_svc.tree_verifier import TreeVerifier
 
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(VerifierConfig)}
@@ -85,6 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
              help="batch-invariant kernels: a token's logits do not depend on the tree, the batch or its padding, "
                   "so greedy tree decoding equals greedy plain decoding bit for bit in bf16 too (the default "
                   "kernels promise that in float32; in bf16 a near-tie may flip); costs verify speed")
+    flag("--tensor-parallel", "tensor_parallel", "shard the target over this many processes, one GPU each (from "
+         "--device cuda:N on), Megatron-style with an all-reduce after o_proj and down_proj; rank 0 serves",
+         type=int)
     p.flag("--measure-costs", env="VERIFIER_MEASURE_COSTS", default=_DEFAULTS["measure_costs"],
            choices=("auto", "on", "off"),
            help="time the verify step per (batch bucket, tree bucket) at start-up and send the table to drafters "
@@ -125,7 +130,8 @@ def parse_config(argv: list[str] | None = None) -> VerifierConfig:
         open_timeout_s=args.open_timeout,
         grace_s=args.grace, trace_console=args.trace_console, cuda_graphs=not args.no_cuda_graphs,
         max_inflight=args.max_inflight, graph_batches=tuple(args.graph_batches), graph_trees=tuple(args.graph_trees),
-        sampling=args.sampling, deterministic=args.deterministic, max_message_mb=args.max_message_mb,
+        sampling=args.sampling, deterministic=args.deterministic, tensor_parallel=args.tensor_parallel,
+        max_message_mb=args.max_message_mb,
         measure_costs=args.measure_costs,
         metrics_port=args.metrics_port, log_level=args.log_level, log_format=args.log_format,
         tls=ServerTls(cert=args.tls_cert or "", key=args.tls_key or "", client_ca=args.tls_client_ca or ""),
@@ -158,16 +164,19 @@ async def run(config: VerifierConfig, verifier: TreeVerifier) -> str | None:
 def main(argv: list[str] | None = None) -> None:
     config = parse_config(argv)
     setup_logging(config.log_level, config.log_format)
-    try:
-        verifier = load_verifier(config)
-    except (CheckpointError, ValueError) as exc:
-        fail(str(exc))
-    if exporting(config.trace_console):
-        setup_tracing("verifier", console=config.trace_console)
-    try:
-        error = asyncio.run(run(config, verifier))
-    finally:
-        shutdown_tracing()
+    with contextlib.ExitStack() as ranks:
+        try:
+            # Tensor parallel: the other ranks run in processes of their own until this one stops them.
+            runner = ranks.enter_context(leader(config, load_runner)) if config.tensor_parallel > 1 else None
+            verifier = load_verifier(config, runner)
+        except (CheckpointError, ValueError) as exc:
+            fail(str(exc))
+        if exporting(config.trace_console):
+            setup_tracing("verifier", console=config.trace_console)
+        try:
+            error = asyncio.run(run(config, verifier))
+        finally:
+            shutdown_tracing()
     if error:
         fail(error)
 

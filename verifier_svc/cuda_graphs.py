@@ -142,6 +142,7 @@ class BatchInputs:
         float_buffer, host_floats = self._staging.buffer(_layout_size(floats), dtype=torch.float32)
         self.tree_mask, self._host_mask = self._staging.buffer(b, t, t, dtype=torch.bool)
         self.ints, self.floats = _Fields(int_buffer, ints), _Fields(float_buffer, floats)  # what the graphs read
+        self.buffers = (int_buffer, float_buffer, self.tree_mask)  # the whole step input (tensor parallel ranks copy it)
         self._host_ints, self._host_floats = _Fields(host_ints, ints), _Fields(host_floats, floats)
         self.arange = torch.arange(t, device=device)
         self._eye = torch.eye(t, dtype=torch.bool)
@@ -268,6 +269,8 @@ class VerifyGraphs:
         self._logits = torch.empty(most * model.cfg.vocab_size, device=self.device, dtype=model.lm_head.weight.dtype)
         self._graphs: dict[tuple[str, int, int, int], tuple[torch.cuda.CUDAGraph, object]] = {}
         self._pool = None
+        # Tensor parallelism: hands each step's inputs to the other ranks first (`StepMirror`); None alone.
+        self.mirror = None
         self.capture_s = 0.0
         if self.capture:
             self.capture_all()
@@ -338,9 +341,18 @@ class VerifyGraphs:
         length = next((k for k in self.kv_buckets if k >= t and ("greedy", b, t, k) in self._graphs), None)
         if length is None:
             return False
-        self.inputs(b, t).fill_dummy(self.scratch_slot)
-        self._graphs[("greedy", b, t, length)][0].replay()
+        inp = self.inputs(b, t)
+        inp.fill_dummy(self.scratch_slot)
+        if self.mirror is not None:
+            self.mirror.verify("greedy", inp, length, graphed=True)
+        self.replay("greedy", b, t, length)
         return True
+
+    def replay(self, mode: str, b: int, t: int, length: int):
+        """Replay the captured step (mode, B, T, L) on what its inputs hold; its outputs."""
+        graph, outputs = self._graphs[(mode, b, t, length)]
+        graph.replay()
+        return outputs
 
     # -- per step ----------------------------------------------------------------------------
 
@@ -353,9 +365,9 @@ class VerifyGraphs:
         b, t, length = shape
         inp = self.inputs(b, t)
         inp.fill(rows, masks, self.scratch_slot)
+        if self.mirror is not None:
+            self.mirror.verify(mode, inp, length, graphed=True)
         if not self.capture:
             with torch.inference_mode():
                 return verify_step(self.model, self.cache, inp, length, mode)
-        graph, outputs = self._graphs[(mode, b, t, length)]
-        graph.replay()
-        return outputs
+        return self.replay(mode, b, t, length)

@@ -38,6 +38,7 @@ from verifier_svc.cuda_graphs import GraphConfig
 from verifier_svc.scheduler import LinkStep, ModelWorker, SessionTimers
 from verifier_svc.target_model import TargetModel
 from verifier_svc.target_runner import TargetRunner
+from verifier_svc.tensor_parallel import rank_device, shard_config, shard_target
 from verifier_svc.tree_verifier import TreeVerifier, VerifierError, VerifierLimits
 
 log = logging.getLogger(__name__)
@@ -86,6 +87,9 @@ class VerifierConfig:
     # tree bucket, the batch or its padding, so greedy tree decoding equals greedy plain decoding
     # bit for bit in bf16 too (the default mode promises that in float32; bf16 near-ties may flip).
     deterministic: bool = False
+    # Ranks of a tensor parallel target (`verifier_svc.tensor_parallel`): one process and GPU each
+    # (cuda:N .. cuda:N + ranks - 1 from --device cuda:N), rank 0 serving; 1 = one process.
+    tensor_parallel: int = 1
     # Time the verify step per (batch bucket, tree bucket) at start-up and send the table to
     # drafters (InfoResponse.verify_costs) for their adaptive tree budget: "on", "off", or
     # "auto" = on when CUDA graphs are captured (a few seconds; on a CPU it would take longer).
@@ -120,6 +124,13 @@ class VerifierConfig:
             raise ValueError(f"measure_costs must be auto, on or off, got {self.measure_costs!r}")
         if self.sampling not in ("keyed", "coins"):
             raise ValueError(f"sampling must be keyed or coins, got {self.sampling!r}")
+        if self.tensor_parallel < 1:
+            raise ValueError(f"tensor_parallel must be >= 1, got {self.tensor_parallel}")
+        if self.tensor_parallel > 1 and self.torch_device().type == "cuda":
+            last = (self.torch_device().index or 0) + self.tensor_parallel - 1
+            if last >= torch.cuda.device_count():
+                raise ValueError(f"tensor_parallel {self.tensor_parallel} from {self.device} needs cuda:{last}, "
+                                 f"but {torch.cuda.device_count()} GPUs are visible")
         if any(i < 0 for i in self.feature_layer_ids):
             raise ValueError(f"feature layer ids must be >= 0, got {list(self.feature_layer_ids)}")
         if self.torch_device().type == "cuda" and not torch.cuda.is_available():
@@ -164,26 +175,37 @@ class VerifierConfig:
                            modes=("greedy", self.accept_mode()))
 
 
-def load_verifier(config: VerifierConfig) -> TreeVerifier:
-    """Load the target checkpoint and allocate the KV cache (blocking; CheckpointError/ValueError)."""
+def load_runner(config: VerifierConfig, rank: int = 0, world: int = 1) -> TargetRunner:
+    """Load the target (rank `rank`'s shard of it when `world` > 1, on its own GPU) and allocate
+    its KV cache and graphs (blocking; CheckpointError/ValueError)."""
     config.check()
     batch_invariant.set_enabled(config.deterministic)  # before any forward or graph capture
     target = load_target_config(config.target_dir)
     bad = [i for i in config.feature_layer_ids if i >= target.num_layers]
     if bad:
         raise CheckpointError(f"feature layer ids {bad} outside the target's {target.num_layers} layers")
-    model = TargetModel.from_pretrained(config.target_dir, config.feature_layer_ids,
-                                        device=config.torch_device(), dtype=config.torch_dtype())
+    device, dtype = rank_device(config.torch_device(), rank), config.torch_dtype()
+    if world > 1:
+        shard_config(target, world)  # ValueError before loading anything when the heads do not split
+        full = TargetModel.from_pretrained(config.target_dir, config.feature_layer_ids, device="cpu", dtype=dtype)
+        model = shard_target(full, rank, world).to(device)
+    else:
+        model = TargetModel.from_pretrained(config.target_dir, config.feature_layer_ids, device=device, dtype=dtype)
     if config.projection_dir and config.feature_layer_ids:
-        projection = FeatureProjection.from_draft(config.projection_dir, config.torch_device(), config.torch_dtype())
+        projection = FeatureProjection.from_draft(config.projection_dir, device, dtype)
         raw = len(config.feature_layer_ids) * target.hidden_size
         if projection.in_dim != raw:
             raise CheckpointError(f"{config.projection_dir}: fc takes {projection.in_dim} features, the target's "
                                   f"{len(config.feature_layer_ids)} feature layers give {raw}")
         model.feature_projection = projection
-    runner = TargetRunner(model, config.max_sessions, config.max_seq_len, config.max_tree_nodes,
-                          cuda_graphs=config.cuda_graphs, graph_config=config.graph_config(),
-                          sampling=config.accept_mode())
+    return TargetRunner(model, config.max_sessions, config.max_seq_len, config.max_tree_nodes,
+                        cuda_graphs=config.cuda_graphs, graph_config=config.graph_config(),
+                        sampling=config.accept_mode())
+
+
+def load_verifier(config: VerifierConfig, runner: TargetRunner | None = None) -> TreeVerifier:
+    """The verifier over `runner` (default: `load_runner(config)`), its step costs measured if asked."""
+    runner = runner or load_runner(config)
     verifier = TreeVerifier(runner, config.limits())
     if config.measure_costs == "on" or (config.measure_costs == "auto" and runner.graphs is not None):
         verifier.verify_costs = runner.measure_verify_costs()
@@ -281,7 +303,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
     def __init__(self, worker: ModelWorker, config: VerifierConfig):
         self.worker, self.config = worker, config
         model = worker.verifier.runner.model
-        cfg = model.cfg
+        cfg = model.full_cfg  # the whole target's, also under tensor parallelism
         self._info = pb.InfoResponse(
             architecture=cfg.architecture, vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
             num_layers=cfg.num_layers, dtype=str(model.embed_tokens.weight.dtype).removeprefix("torch."),

@@ -28,6 +28,13 @@ from verifier_svc.cuda_graphs import (SAMPLING, BatchInputs, GraphConfig, Verify
 from verifier_svc.target_model import ForwardOutput, KVCache, TargetModel
 
 
+def prefill_forward(model: TargetModel, cache: KVCache, tokens: Tensor, positions: Tensor, slots: Tensor,
+                    cache_pos: Tensor, mask: Tensor, logit_rows: Tensor) -> ForwardOutput:
+    """The prefill's forward (`TargetRunner.prefill` builds its inputs; every tensor parallel rank runs it)."""
+    with torch.inference_mode():
+        return model(tokens, positions, cache, slots, cache_pos, mask, logit_rows)
+
+
 @dataclass
 class VerifiedBatch:
     """The accepted paths of one verify step, row by row."""
@@ -60,6 +67,14 @@ class TargetRunner:
         self.graph_config = graph_config
         self.graphs = (VerifyGraphs(model, self.cache, max_seq_len, self.scratch_slot, graph_config)
                        if use_graphs else None)
+        self.mirror = None  # tensor parallelism: see `set_mirror`
+
+    def set_mirror(self, mirror) -> None:
+        """Tensor parallelism, rank 0: hand every forward's inputs to the other ranks before running
+        it (`verifier_svc.tensor_parallel.StepMirror`), so that each runs it on its shard."""
+        self.mirror = mirror
+        if self.graphs is not None:
+            self.graphs.mirror = mirror
 
     def measure_verify_costs(self, iters: int = 3) -> dict[tuple[int, int], float]:
         """Seconds of one greedy verify step per (batch bucket, tokens per row) of the graph
@@ -79,8 +94,7 @@ class TargetRunner:
             if self.graphs is None or not self.graphs.replay_dummy(b, t):
                 inp = BatchInputs(b, t, self.device, pinned=False)
                 inp.fill_dummy(self.scratch_slot)
-                with torch.inference_mode():
-                    verify_step(self.model, self.cache, inp, t, "greedy")
+                self._run_eager(inp, t, "greedy")
 
         sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda device: None)
         step()  # warm-up
@@ -119,9 +133,11 @@ class TargetRunner:
         keys = torch.arange(int((past + t).max()))[None, None]
         causal = cache_pos[:, :, None] >= keys  # the chunks before and this one's tokens up to itself
         mask = torch.where(in_prompt[:, :, None], causal, cache_pos[:, :, None] == keys)
-        with torch.inference_mode():
-            out = self.model(tokens.to(dev), positions.to(dev), self.cache, torch.tensor(list(slots), device=dev),
-                             cache_pos.to(dev), mask.to(dev), torch.tensor([t - 1], device=dev))
+        args = (tokens.to(dev), positions.to(dev), torch.tensor(list(slots), device=dev), cache_pos.to(dev), mask.to(dev),
+                torch.tensor([t - 1], device=dev))
+        if self.mirror is not None:
+            self.mirror.prefill(*args)
+        out = prefill_forward(self.model, self.cache, *args)
         return out.logits[:, 0], [out.features[i, t - n:] for i, n in enumerate(sizes.tolist())]
 
     def _eager_inputs(self, rows: Sequence[VerifyRow], masks: Tensor) -> tuple[BatchInputs, int]:
@@ -134,8 +150,14 @@ class TargetRunner:
         """Logits [B, T, V] and features [B, T, F] of the padded trees, eagerly (tests, benchmarks).
         The K/V of every node are written after each row's past; nothing is committed."""
         inp, length = self._eager_inputs(rows, masks)
+        return self._run_eager(inp, length, "forward")
+
+    def _run_eager(self, inp: BatchInputs, length: int, mode: str):
+        """`verify_step` at the batch's own shape (every rank's, under tensor parallelism)."""
+        if self.mirror is not None:
+            self.mirror.verify(mode, inp, length, graphed=False)
         with torch.inference_mode():
-            return verify_step(self.model, self.cache, inp, length, "forward")
+            return verify_step(self.model, self.cache, inp, length, mode)
 
     def verify_batch(self, rows: Sequence[VerifyRow], masks: Tensor,
                      with_features: Sequence[bool] | None = None) -> VerifiedBatch:
@@ -150,8 +172,7 @@ class TargetRunner:
         outputs = self.graphs.run(mode, rows, masks) if self.graphs is not None else None
         if outputs is None:
             inp, length = self._eager_inputs(rows, masks)
-            with torch.inference_mode():
-                outputs = verify_step(self.model, self.cache, inp, length, mode)
+            outputs = self._run_eager(inp, length, mode)
         result, features, logits = outputs
         values = result[: len(rows)].cpu().tolist()
         paths = [v[2: 3 + v[0]] for v in values]
