@@ -146,6 +146,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft", help=f"draft checkpoint of the default setup (default {DEFAULT_DRAFT})")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                    help="torch device of both services (default cuda if available, else cpu)")
+    p.add_argument("--drafter-device", default=None,
+                   help="the drafter's own device, e.g. cuda:1 beside a verifier on cuda:0 (default: --device)")
+    p.add_argument("--verifier-tp", type=int, default=1,
+                   help="the verifier's --tensor-parallel ranks, one GPU each from --device on (default 1)")
     p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
                    help="model dtype of both services; auto = bfloat16 on CUDA, float32 on CPU (default auto)")
     p.add_argument("--concurrency", type=int_list, default=None,
@@ -409,11 +413,12 @@ def common_verifier_flags(a: argparse.Namespace) -> list[str]:
              "--graph-batches", ",".join(map(str, a.graph_batches)), "--graph-trees", a.graph_trees]
     flags += ["--measure-costs", "on"] if "adaptive" in (a.budgets or ()) else []
     flags += ["--deterministic"] if a.deterministic else []
+    flags += ["--tensor-parallel", str(a.verifier_tp)] if a.verifier_tp > 1 else []
     return flags + (["--no-cuda-graphs"] if a.no_cuda_graphs else [])
 
 
 def common_drafter_flags(a: argparse.Namespace) -> list[str]:
-    flags = ["--host", "127.0.0.1", "--port", "0", "--device", a.device, "--dtype", a.dtype,
+    flags = ["--host", "127.0.0.1", "--port", "0", "--device", a.drafter_device or a.device, "--dtype", a.dtype,
              "--tree-budget", str(a.tree_budget),
              "--max-new-tokens", str(a.max_new_tokens), "--max-concurrent", str(a.max_sessions)]
     return flags + (["--no-cuda-graphs"] if a.no_cuda_graphs else [])

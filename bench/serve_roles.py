@@ -86,14 +86,21 @@ def planted_target(cfg: TargetConfig, layer_ids, device, dtype, seed: int):
     return model
 
 
-def run_verifier(small: bool, seed: int, argv: list[str]) -> None:
-    """`python -m verifier_svc --draft` over a random-weight target, applying the drafter role's
-    (default seed) random fc + hidden_norm to the features unless --raw-features is given."""
+def target_label(small: bool, seed: int) -> str:
+    """The --target the verifier role passes: it names the random target, so that tensor-parallel
+    ranks (processes of their own) build the same one."""
+    return f"{RANDOM_LABEL} {'small' if small else '8b'} seed {seed}"
+
+
+def _patch_verifier_loaders(label: str) -> None:
+    """Make the verifier's CLI and loaders read the configs and weights of the random target `label` names."""
     import verifier_svc.__main__ as cli
     import verifier_svc.server as server
 
+    words = label.split()
+    small, seed = words[-3] == "small", int(words[-1])
     cfg = qwen3_8b_config(small)
-    # The CLI and load_verifier read the configs, then the weights, through these names.
+    # The CLI and load_runner read the configs, then the weights, through these names.
     cli.load_target_config = server.load_target_config = lambda folder: cfg
     cli.load_draft_config = lambda folder: draft_config(small, cfg)
     server.TargetModel.from_pretrained = classmethod(
@@ -102,7 +109,24 @@ def run_verifier(small: bool, seed: int, argv: list[str]) -> None:
     server.FeatureProjection.from_draft = classmethod(
         lambda cls, folder, device="cpu", dtype=torch.float32: random_projection(small, torch.device(device), dtype,
                                                                              DRAFT_SEED))
-    cli.main(["--target", RANDOM_LABEL, "--draft", RANDOM_LABEL, *argv])
+
+
+def random_runner(config, rank: int = 0, world: int = 1):
+    """`verifier_svc.server.load_runner` over the random target (what every tensor-parallel rank calls)."""
+    import verifier_svc.server as server
+
+    _patch_verifier_loaders(config.target_dir)
+    return server.load_runner(config, rank, world)
+
+
+def run_verifier(small: bool, seed: int, argv: list[str]) -> None:
+    """`python -m verifier_svc --draft` over a random-weight target, applying the drafter role's
+    (default seed) random fc + hidden_norm to the features unless --raw-features is given."""
+    import verifier_svc.__main__ as cli
+
+    label = target_label(small, seed)
+    _patch_verifier_loaders(label)
+    cli.main(["--target", label, "--draft", RANDOM_LABEL, *argv], load=random_runner)
 
 
 def run_drafter(small: bool, seed: int, argv: list[str]) -> None:

@@ -161,13 +161,15 @@ async def run(config: VerifierConfig, verifier: TreeVerifier) -> str | None:
     return None
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None, load=load_runner) -> None:
+    """`load(config, rank, world)` builds each rank's TargetRunner (benchmarks pass their own, a
+    module-level function, since tensor-parallel ranks are processes of their own)."""
     config = parse_config(argv)
     setup_logging(config.log_level, config.log_format)
     with contextlib.ExitStack() as ranks:
         try:
             # Tensor parallel: the other ranks run in processes of their own until this one stops them.
-            runner = ranks.enter_context(leader(config, load_runner)) if config.tensor_parallel > 1 else None
+            runner = ranks.enter_context(leader(config, load)) if config.tensor_parallel > 1 else load(config, 0, 1)
             verifier = load_verifier(config, runner)
         except (CheckpointError, ValueError) as exc:
             fail(str(exc))
