@@ -76,17 +76,6 @@ def log(message: str) -> None:
 # ---------------------------------------------------------------------------------------
 
 
-def chunk_list(text: str) -> list[int]:
-    """Comma-separated chunk sizes >= 0."""
-    try:
-        values = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not values or min(values) < 0:
-        raise argparse.ArgumentTypeError(f"expected integers >= 0, got {text!r}")
-    return values
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python bench/prefill_stall.py", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -94,14 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--models", default="qwen3-8b", choices=("qwen3-8b", "default"),
                    help="model setup: qwen3-8b (random weights at Qwen3-8B dimensions, bench/serve_roles.py) or "
                         "default (the shipped trained pair) (default qwen3-8b)")
-    p.add_argument("--small", action="store_true", help="qwen3-8b setup at toy dimensions (runs on CPU)")
-    p.add_argument("--target", help=f"target checkpoint of the default setup (default {serve.DEFAULT_TARGET})")
-    p.add_argument("--draft", help=f"draft checkpoint of the default setup (default {serve.DEFAULT_DRAFT})")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
-                   help="torch device of both services (default cuda if available, else cpu)")
-    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
-                   help="model dtype of both services; auto = bfloat16 on CUDA, float32 on CPU (default auto)")
-    p.add_argument("--chunks", type=chunk_list, default=[0, 512],
+    serve.add_setup_flags(p)
+    p.add_argument("--chunks", type=serve.count_list, default=[0, 512],
                    help="the drafter's --prefill-chunk values to compare, comma-separated; 0 = the whole prompt "
                         "in one piece (default 0,512)")
     p.add_argument("--decoders", type=int, default=16, help="decoding clients streaming at once (default 16)")

@@ -106,14 +106,35 @@ def log(message: str) -> None:
 # ---------------------------------------------------------------------------------------
 
 
-def int_list(text: str) -> list[int]:
+def _ints(text: str, minimum: int) -> list[int]:
     try:
         values = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    if not values or min(values) < minimum:
+        raise argparse.ArgumentTypeError(f"expected integers >= {minimum}, got {text!r}")
     return values
+
+
+def int_list(text: str) -> list[int]:
+    """Comma-separated integers >= 1."""
+    return _ints(text, 1)
+
+
+def count_list(text: str) -> list[int]:
+    """Comma-separated integers >= 0."""
+    return _ints(text, 0)
+
+
+def add_setup_flags(p: argparse.ArgumentParser) -> None:
+    """The model setup's flags, shared with bench/prefill_stall.py: --small, --target, --draft, --device, --dtype."""
+    p.add_argument("--small", action="store_true", help="qwen3-8b setup at toy dimensions (runs on CPU)")
+    p.add_argument("--target", help=f"target checkpoint of the default setup (default {DEFAULT_TARGET})")
+    p.add_argument("--draft", help=f"draft checkpoint of the default setup (default {DEFAULT_DRAFT})")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="torch device of both services (default cuda if available, else cpu)")
+    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
+                   help="model dtype of both services; auto = bfloat16 on CUDA, float32 on CPU (default auto)")
 
 
 def budget_list(text: str) -> list[int | str]:
@@ -141,17 +162,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--models", default="qwen3-8b",
                    help="model setups, comma-separated: default (the shipped trained pair) and/or qwen3-8b "
                         "(random weights at Qwen3-8B dimensions) (default qwen3-8b)")
-    p.add_argument("--small", action="store_true", help="qwen3-8b setup at toy dimensions (runs on CPU)")
-    p.add_argument("--target", help=f"target checkpoint of the default setup (default {DEFAULT_TARGET})")
-    p.add_argument("--draft", help=f"draft checkpoint of the default setup (default {DEFAULT_DRAFT})")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
-                   help="torch device of both services (default cuda if available, else cpu)")
+    add_setup_flags(p)
     p.add_argument("--drafter-device", default=None,
                    help="the drafter's own device, e.g. cuda:1 beside a verifier on cuda:0 (default: --device)")
     p.add_argument("--verifier-tp", type=int, default=1,
                    help="the verifier's --tensor-parallel ranks, one GPU each from --device on (default 1)")
-    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
-                   help="model dtype of both services; auto = bfloat16 on CUDA, float32 on CPU (default auto)")
     p.add_argument("--concurrency", type=int_list, default=None,
                    help="concurrent clients N, comma-separated (default 1,4,8,16,32,64; 1,4 with --quick)")
     p.add_argument("--requests-per-client", type=int, default=None,
