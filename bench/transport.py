@@ -8,8 +8,8 @@ The verifier runs in a child process: the real servicer, link handler, model wor
 masks, commit bookkeeping, reply encode) over the bundled default target, whose batched
 verify (`TargetRunner.verify_batch`) is replaced by a canned result that accepts
 `--feature-rows` - 1 tokens per session and so returns that many rows of Qwen3-8B-sized
-features each (5 x 4096 bf16 = 40 KB per row); its prefill runs for real but returns
-features of that width. This process drives a `GrpcLink` exactly as the drafter's
+features each (context rows, as a projecting verifier sends them: 4096 bf16 = 8 KB per
+row); its prefill runs for real but returns features of that width. This process drives a `GrpcLink` exactly as the drafter's
 scheduler does: it opens B sessions in one message, then sends `--rounds` link messages,
 each carrying one `--nodes`-node tree for each of the B sessions, and times each
 `GrpcLink.step` call (tracing off unless --trace; with it, spans as the scheduler makes
@@ -93,8 +93,8 @@ def _verifier_process(port_out, rows: int, trace: bool, sessions: int, seq_len: 
     path = list(range(rows))  # root + rows - 1 "accepted" nodes: rows feature rows per session
     real_prefill = runner.prefill
 
-    def prefill(slots, prompts):
-        logits, _ = real_prefill(slots, prompts)
+    def prefill(slots, prompts, pasts=None):
+        logits, _ = real_prefill(slots, prompts, pasts)
         return logits, [torch.zeros(p.shape[0], FEATURE_DIM, dtype=torch.bfloat16) for p in prompts]
 
     def verify_batch(batch_rows, masks, with_features=None):

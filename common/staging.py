@@ -41,3 +41,38 @@ class StagedInputs:
             if not any(device_buffer is s for s in skip):
                 device_buffer.copy_(host, non_blocking=True)
         self._copied.record()
+
+
+def to_device(data, device: torch.device | str, dtype: torch.dtype | None = None) -> Tensor:
+    """`data` (a host tensor, or what `torch.tensor` takes) on `device`, without waiting for it.
+
+    A copy from pageable host memory waits for everything queued on the device before it, so
+    each such small copy stalls the host for the step's kernels (and, on a GPU another process
+    shares, for that process's time slice). Staged through pinned memory, the copy is queued
+    like a kernel and the host goes on; PyTorch keeps the pinned block until the copy is done.
+    """
+    host = data if isinstance(data, Tensor) else torch.tensor(data, dtype=dtype)
+    if dtype is not None and host.dtype != dtype:
+        host = host.to(dtype)
+    device = torch.device(device)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
+def to_host(*tensors: Tensor) -> list[Tensor]:
+    """Device tensors on the host, after a single wait: each is copied into pinned memory
+    asynchronously, then the stream is synchronized once (rather than once per `.cpu()`).
+    Host tensors are returned as they are."""
+    if not tensors or all(t.device.type != "cuda" for t in tensors):
+        return list(tensors)
+    out = []
+    for t in tensors:
+        if t.device.type != "cuda":
+            out.append(t)
+            continue
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        host.copy_(t, non_blocking=True)
+        out.append(host)
+    torch.cuda.current_stream(tensors[0].device).synchronize()
+    return out

@@ -19,6 +19,7 @@ from common.checkpoint import load_tensors
 from common.config import check_draft_fits_target, load_target_config
 from common.feature_projection import projection_fingerprint
 from common.protocol import StatusError
+from common.staging import to_device
 from common.tree import DraftTree
 from drafter_svc.budget import BudgetChoice, BudgetPlanner
 from drafter_svc.ddtree import build_chains, select_ddtrees
@@ -64,6 +65,13 @@ class BlockProposer(Protocol):
     def finish(self, state: object) -> None: ...
 
 
+def _rows(block_logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """The block logits of these sessions (all of them: the tensor itself), the index copied without a wait."""
+    if rows == list(range(block_logits.shape[0])):
+        return block_logits
+    return block_logits.index_select(0, to_device(rows, block_logits.device, torch.int64))
+
+
 def build_trees(modes: Sequence[DraftMode], block_logits: torch.Tensor, roots: Sequence[int],
                 rooms: Sequence[int], planner: BudgetPlanner | None = None, batch: int = 0,
                 adaptive: Sequence[bool] | None = None) -> tuple[list[DraftTree], BudgetChoice | None]:
@@ -82,20 +90,18 @@ def build_trees(modes: Sequence[DraftMode], block_logits: torch.Tensor, roots: S
         else:
             (chain_rows if mode.kind == "chain" else tree_rows).append(i)
     if chain_rows:
-        index = torch.tensor(chain_rows, device=block_logits.device)
-        built = build_chains(block_logits.index_select(0, index), [roots[i] for i in chain_rows],
+        built = build_chains(_rows(block_logits, chain_rows), [roots[i] for i in chain_rows],
                              [rooms[i] for i in chain_rows])
         for i, tree in zip(chain_rows, built):
             trees[i] = tree
     choice = None
     if tree_rows:
-        index = torch.tensor(tree_rows, device=block_logits.device)
         caps = [min(modes[i].budget, rooms[i]) for i in tree_rows]
         adapting = [planner is not None and (adaptive is None or adaptive[i]) for i in tree_rows]
         if any(adapting):  # select no wider than the planner may choose this step
             width = planner.build_width(max(c for c, a in zip(caps, adapting) if a))
             caps = [min(c, width) if a else c for c, a in zip(caps, adapting)]
-        selection = select_ddtrees(block_logits.index_select(0, index), [roots[i] for i in tree_rows], caps)
+        selection = select_ddtrees(_rows(block_logits, tree_rows), [roots[i] for i in tree_rows], caps)
         budgets = caps
         if any(adapting):
             gains = selection.expected_gains()
@@ -181,8 +187,8 @@ class DFlashProposer:
         if state.length + k > self.max_seq_len:
             raise ValueError(f"{state.length + k} prompt rows exceed max_seq_len {self.max_seq_len}")
         dev = self.device
-        self.draft.extend(self.pool.kv, torch.tensor([state.slot], device=dev),
-                          torch.tensor([state.length], dtype=torch.long, device=dev), features[None].to(dev),
+        self.draft.extend(self.pool.kv, to_device([state.slot], dev, torch.int64),
+                          to_device([state.length], dev, torch.int64), to_device(features[None], dev),
                           self.projected)
         state.length += k
 

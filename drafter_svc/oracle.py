@@ -21,6 +21,8 @@ from pathlib import Path
 
 import torch
 
+from common.staging import to_device
+
 
 class ControlledAcceptance:
     def __init__(self, accept_prob: float, continuations: dict[tuple[int, ...], list[int]], seed: int = 0):
@@ -56,9 +58,10 @@ class ControlledAcceptance:
                 else:
                     misses.append((i, d, truth[n + d]))
                     break
-        if hits:
-            i, d, t = torch.tensor(hits, device=logits.device).T
-            logits[i, d, t] = logits[i, d].amax(-1) + 10.0
-        if misses:
-            i, d, t = torch.tensor(misses, device=logits.device).T
-            logits[i, d, t] = float("-inf")
+        if not hits and not misses:
+            return
+        # One asynchronous copy of every edit (no wait for the draft forward); a (session, depth)
+        # is edited at most once, so one scatter applies them all.
+        i, d, t, hit = to_device([h + (True,) for h in hits] + [m + (False,) for m in misses], logits.device,
+                                 torch.int64).T
+        logits[i, d, t] = torch.where(hit.bool(), logits[i, d].amax(-1) + 10.0, float("-inf")).to(logits.dtype)

@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from common.protocol import SamplingParams, TokenLogprob
+from common.staging import to_device
 from common.tree import DraftTree
 from kernels.fused_accept import tree_accept, tree_accept_keyed
 from kernels.probs import process_probs_reference
@@ -107,22 +108,20 @@ def accept_roots(roots: list[DraftTree], logits: Tensor, sampling: list[Sampling
     rows a sample of their filtered distribution: position-keyed with `seeds` and the roots'
     `positions` (prompt length - 1), or with coins from `draw_coins(g, 1)`."""
     b, dev = len(roots), logits.device
-    tokens = torch.stack([r.tokens for r in roots]).to(dev)
+    tokens = to_device(torch.stack([r.tokens for r in roots]), dev)
     links = torch.full((b, 1), -1, dtype=torch.int64, device=dev)
     greedy = [s.greedy for s in sampling]
     extra = {}
     mode = "greedy" if all(greedy) else "keyed" if seeds is not None else "sample"
     if mode != "greedy":
-        extra = dict(greedy=torch.tensor(greedy, device=dev),
-                     temperature=torch.tensor([1.0 if s.greedy else s.temperature for s in sampling],
-                                              dtype=torch.float32, device=dev),
-                     top_k=torch.tensor([s.top_k for s in sampling], dtype=torch.int64, device=dev),
-                     top_p=torch.tensor([s.top_p for s in sampling], dtype=torch.float32, device=dev))
+        extra = dict(greedy=to_device(greedy, dev, torch.bool),
+                     temperature=to_device([1.0 if s.greedy else s.temperature for s in sampling], dev, torch.float32),
+                     top_k=to_device([s.top_k for s in sampling], dev, torch.int64),
+                     top_p=to_device([s.top_p for s in sampling], dev, torch.float32))
     if mode == "keyed":
-        extra.update(seeds=torch.tensor(seeds, dtype=torch.int64, device=dev),
-                     positions=torch.tensor(positions, dtype=torch.int64, device=dev)[:, None])
+        extra.update(seeds=to_device(seeds, dev, torch.int64), positions=to_device(positions, dev, torch.int64)[:, None])
     elif mode == "sample":
-        c = torch.stack([x if x is not None else torch.full((2,), 0.5) for x in coins]).to(dev)
+        c = to_device(torch.stack([x if x is not None else torch.full((2,), 0.5) for x in coins]), dev)
         extra.update(coins=c[:, :1].contiguous(), final_coin=c[:, 1].contiguous())
     with torch.inference_mode():
         result, _ = accept_batch(mode, tokens, links, links, logits[:, None], logits.new_zeros(b, 1, 0), **extra)

@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from common.protocol import TokenLogprob
+from common.staging import to_device, to_host
 from verifier_svc.accept import emitted_logprobs
 from verifier_svc.cuda_graphs import (SAMPLING, BatchInputs, GraphConfig, VerifyGraphs, VerifyRow, cache_length,
                                       verify_step)
@@ -133,8 +134,8 @@ class TargetRunner:
         keys = torch.arange(int((past + t).max()))[None, None]
         causal = cache_pos[:, :, None] >= keys  # the chunks before and this one's tokens up to itself
         mask = torch.where(in_prompt[:, :, None], causal, cache_pos[:, :, None] == keys)
-        args = (tokens.to(dev), positions.to(dev), torch.tensor(list(slots), device=dev), cache_pos.to(dev), mask.to(dev),
-                torch.tensor([t - 1], device=dev))
+        args = (to_device(tokens, dev), to_device(positions, dev), to_device(list(slots), dev, torch.int64),
+                to_device(cache_pos, dev), to_device(mask, dev), to_device([t - 1], dev, torch.int64))
         if self.mirror is not None:
             self.mirror.prefill(*args)
         out = prefill_forward(self.model, self.cache, *args)
@@ -164,9 +165,9 @@ class TargetRunner:
         """Verify every row's tree (masks: bool [B, >= n, >= n], see `common.tree.ancestor_masks`),
         accept, and compact each row's accepted K/V to [past, past + len(path)).
 
-        Two device-to-host copies: the per-row results, then the features of the accepted rows
-        of the rows `with_features` marks (default: all); a third, only when a row asks for
-        logprobs (`VerifyRow.logprobs`), for theirs.
+        One wait for the device: the per-row results and the path rows' features come back
+        together (the features kept are those of the rows `with_features` marks, default all);
+        a second, only when a row asks for logprobs (`VerifyRow.logprobs`), for theirs.
         """
         mode = "greedy" if all(r.sampling.greedy for r in rows) else self.sampling
         outputs = self.graphs.run(mode, rows, masks) if self.graphs is not None else None
@@ -174,7 +175,10 @@ class TargetRunner:
             inp, length = self._eager_inputs(rows, masks)
             outputs = self._run_eager(inp, length, mode)
         result, features, logits = outputs
-        values = result[: len(rows)].cpu().tolist()
+        # The results and the path rows' features (no path is longer than the deepest tree) in one wait.
+        width = min(features.shape[1], 1 + max(int(r.depths.max()) for r in rows))
+        result, features = to_host(result[: len(rows)], features[: len(rows), :width])
+        values = result.tolist()
         paths = [v[2: 3 + v[0]] for v in values]
         bonus = [v[1] for v in values]
         accepted = []
@@ -184,8 +188,8 @@ class TargetRunner:
         wanted = with_features if with_features is not None else [True] * len(rows)
         b, t, f = features.shape
         index = torch.tensor([i * t + j for i, path in enumerate(paths) if wanted[i] for j in range(len(path))],
-                             dtype=torch.int64, device=features.device)
-        picked = features.reshape(b * t, f).index_select(0, index).cpu()
+                             dtype=torch.int64)
+        picked = features.reshape(b * t, f).index_select(0, index)
         return VerifiedBatch(paths=paths, bonus=bonus, accepted=accepted, features=picked,
                              logprobs=self._path_logprobs(rows, accepted, bonus, logits, paths))
 

@@ -29,6 +29,7 @@ import torch
 
 from common.protocol import (MAX_LOGPROBS, CloseEntry, Entry, Extended, ExtendEntry, OpenEntry, Prefilled,
                              SamplingParams, StatusError, StepResult, TreeEntry, Verified)
+from common.staging import to_device
 from common.tree import DraftTree, TreeError, TreeLayout, ancestor_masks, walk_trees
 from verifier_svc.accept import Stage, accept_roots, draw_coins, emitted_logprobs, no_stage
 from verifier_svc.cuda_graphs import VerifyRow
@@ -252,9 +253,13 @@ class TreeVerifier:
                                                            [s.length for s in sessions])
                 with stage("sample"):
                     ending = [sessions[j] for j in last]
-                    bonus = self._first_tokens(ending, logits[last], [group[j][3] for j in last]) if last else []
-                    logprobs = self._first_logprobs(ending, logits[last], bonus) if last else []
-                    rows = [(f if s.features else f[:0]).cpu() for s, f in zip(sessions, features)]
+                    if len(last) < len(group):
+                        logits = logits.index_select(0, to_device(last, logits.device, torch.int64))
+                    bonus = self._first_tokens(ending, logits, [group[j][3] for j in last]) if last else []
+                    logprobs = self._first_logprobs(ending, logits, bonus) if last else []
+                    wanted = [f if s.features else f[:0] for s, f in zip(sessions, features)]
+                    # One device->host copy for the group, not one per session.
+                    rows = torch.cat(wanted).cpu().split([f.shape[0] for f in wanted])
         except Exception:
             for _, key, _, _ in group:
                 self.close(key)

@@ -1,0 +1,24 @@
+"""Host <-> device copies that do not wait (common/staging.py), on the CPU: values, dtypes, views."""
+from __future__ import annotations
+
+import torch
+
+from common.staging import to_device, to_host
+
+
+def test_to_device_takes_lists_and_tensors_with_their_dtype():
+    out = to_device([3, 1, 2], "cpu", torch.int64)
+    assert out.dtype == torch.int64 and out.tolist() == [3, 1, 2]
+    flags = to_device([True, False], torch.device("cpu"), torch.bool)
+    assert flags.dtype == torch.bool and flags.tolist() == [True, False]
+    x = torch.arange(6, dtype=torch.int32).view(2, 3)
+    y = to_device(x, "cpu", torch.float32)
+    assert y.dtype == torch.float32 and torch.equal(y, x.float())
+    assert torch.equal(to_device(x, "cpu"), x)
+
+
+def test_to_host_returns_host_tensors_unchanged():
+    a, b = torch.randn(4, 5), torch.arange(7)
+    out = to_host(a[:, 1:3], b)
+    assert torch.equal(out[0], a[:, 1:3]) and torch.equal(out[1], b)
+    assert to_host() == []
