@@ -85,8 +85,13 @@ def parse_args(argv=None) -> DrafterConfig:
     p.flag("--pipelining", env="DRAFTER_PIPELINING", default=d.pipelining, choices=("auto", "on", "off"),
            help="on: with two or more sessions, keep two link messages in flight, each with half of them, so "
                 "drafting one half overlaps verifying the other and the round trip; off: lockstep rounds, each "
-                "reply awaited before drafting again; auto: on when --device is a GPU other than the verifier's "
-                "(default auto)")
+                "reply awaited before drafting again; auto: on when --device is a GPU, and on the verifier's own "
+                "GPU only from --shared-gpu-pipeline-sessions sessions; off on a CPU (default auto)")
+    p.flag("--shared-gpu-pipeline-sessions", env="DRAFTER_SHARED_GPU_PIPELINE_SESSIONS",
+           default=d.shared_gpu_pipeline_sessions, type=int,
+           help="with --pipelining auto and the drafter on the verifier's own GPU: pipeline rounds only while at "
+                "least this many sessions run or wait (fewer: two half-size verify passes on one device cost more "
+                f"than the host work they hide) (default {d.shared_gpu_pipeline_sessions})")
     p.flag("--adaptive-budget", env="DRAFTER_ADAPTIVE_BUDGET", default=d.adaptive_budget,
            choices=("auto", "on", "off"),
            help="on: each step cuts every DDTree to the one budget that the verifier's measured step times and "
@@ -113,6 +118,8 @@ def parse_args(argv=None) -> DrafterConfig:
         fail(f"--max-queue must be >= 0, got {a.max_queue}")
     if a.prefill_chunk < 0:
         fail(f"--prefill-chunk must be >= 0 (0 = no limit), got {a.prefill_chunk}")
+    if a.shared_gpu_pipeline_sessions < 2:
+        fail(f"--shared-gpu-pipeline-sessions must be >= 2, got {a.shared_gpu_pipeline_sessions}")
     if a.tree_budget < 0 or a.max_new_tokens < 1 or a.max_concurrent < 1:
         fail("--tree-budget must be >= 0, --max-new-tokens and --max-concurrent >= 1")
     if a.max_message_mb < 1 or a.max_prompt_bytes < 1:
@@ -127,7 +134,8 @@ def parse_args(argv=None) -> DrafterConfig:
                          recovery_timeout_s=a.recovery_timeout, grace_s=a.grace,
                          trace_console=a.trace_console, cuda_graphs=not a.no_cuda_graphs,
                          max_message_mb=a.max_message_mb, max_prompt_bytes=a.max_prompt_bytes,
-                         pipelining=a.pipelining, adaptive_budget=a.adaptive_budget, bench_oracle=a.bench_oracle,
+                         pipelining=a.pipelining, shared_gpu_pipeline_sessions=a.shared_gpu_pipeline_sessions,
+                         adaptive_budget=a.adaptive_budget, bench_oracle=a.bench_oracle,
                          tls=tls, verifier_tls=verifier_tls, api_key=api_key, http_port=a.http_port,
                          served_model_name=a.served_model_name, log_level=a.log_level, log_format=a.log_format)
 

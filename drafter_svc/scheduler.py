@@ -236,7 +236,7 @@ class DraftScheduler:
     def __init__(self, link: VerifierLink, proposer: BlockProposer | None, *, max_sessions: int,
                  feature_layer_ids: tuple[int, ...] = (), eos_token_ids: tuple[int, ...] = (),
                  queue_timeout_s: float = 30.0, logits_hook: LogitsHook | None = None, pipelined: bool = True,
-                 recovery_timeout_s: float = 0.0, planner: BudgetPlanner | None = None,
+                 pipeline_min_sessions: int = 2, recovery_timeout_s: float = 0.0, planner: BudgetPlanner | None = None,
                  adapt_sampled: bool = False, max_queue: int = 256, prefill_chunk: int = 0):
         self.link, self.proposer = link, proposer
         # The adaptive tree budget (None: each request's budget as given). It adapts greedy
@@ -244,7 +244,8 @@ class DraftScheduler:
         # position): under the coin walk a seeded output depends on its trees, and a budget
         # that follows the batch would make it depend on the other sessions.
         self.planner, self.adapt_sampled = planner, adapt_sampled
-        self.pipelined = pipelined
+        # Pipelined rounds split the sessions into two messages in flight once this many run or wait.
+        self.pipelined, self.pipeline_min_sessions = pipelined, max(2, pipeline_min_sessions)
         # Prompt tokens one step may prefill, over every session (0: no limit): a longer prompt is
         # sent in chunks over several steps, so that no round waits more than one chunk for it.
         self.prefill_chunk = prefill_chunk
@@ -397,20 +398,23 @@ class DraftScheduler:
         """Send one link message, or read the reply of the oldest one in flight, or both;
         returns False when there was nothing to do.
 
-        Lockstep (pipelining off, or fewer than two sessions): each message's reply is read
-        before the next is sent. Pipelined: up to two messages are in flight, each carrying
-        about half of the running sessions, so the draft of one half overlaps the other's
-        verification, its round trip included.
+        Lockstep (pipelining off, or fewer than `pipeline_min_sessions` sessions): each
+        message's reply is read before the next is sent. Pipelined: up to two messages are in
+        flight, each carrying about half of the running sessions, so the draft of one half
+        overlaps the other's verification, its round trip included.
         """
         self._take_commands()
         for s in [s for s in self._running.values() if s.result.finish_reason and not s.in_flight]:
             self._finish(s)  # cancelled meanwhile
-        depth = 2 if self.pipelined and len(self._running) + len(self._waiting) >= 2 else 1
+        depth = 2 if self._pipelining() else 1
         sent = len(self._inflight) < depth and self._send()
         if self._inflight and (len(self._inflight) >= depth or not sent):
             self._receive()
             return True
         return sent
+
+    def _pipelining(self) -> bool:
+        return self.pipelined and len(self._running) + len(self._waiting) >= self.pipeline_min_sessions
 
     def _send(self) -> bool:
         """Build and send one message: closes, opens, and trees for the ready sessions (all of
@@ -421,7 +425,7 @@ class DraftScheduler:
         chunking, chunks = self._prompt_chunks()
         entries += chunks
         ready = [s for s in self._running.values() if s.open_on_verifier and s.prompt_done and not s.in_flight]
-        if self.pipelined and ready:
+        if self._pipelining() and ready:
             in_flight = sum(1 for s in self._running.values() if s.in_flight and s.open_on_verifier)
             total = len(ready) + in_flight
             ready = ready[: (total + 1) // 2] if total >= 2 else ready

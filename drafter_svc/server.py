@@ -79,9 +79,11 @@ class DrafterConfig:
     trace_console: bool = False
     cuda_graphs: bool = True         # on CUDA, replay captured graphs for the draft step (False = eager)
     # "on": two link messages in flight, each with half the sessions; "off": lockstep rounds;
-    # "auto": on when the draft runs on a GPU other than the verifier's (on a CPU, or on the
-    # verifier's own GPU, the two halves would only compete for the same device).
+    # "auto": on when the draft runs on a GPU; on the verifier's own GPU only from
+    # `shared_gpu_pipeline_sessions` running sessions (below that, two half-size verify passes
+    # on one device cost more than the host work they hide); off on a CPU.
     pipelining: str = "auto"
+    shared_gpu_pipeline_sessions: int = 16
     # "auto"/"on": each step's DDTrees are cut to the budget that the verifier's cost table and
     # the observed acceptance promise the most tokens per second for (`drafter_svc.budget`;
     # a request's tree_budget is then a cap); "auto" falls back to the fixed budget when the
@@ -119,12 +121,20 @@ class DrafterConfig:
         return self.served_model_name or Path(self.target_dir).resolve().name or "target"
 
     def pipelined(self, verifier_device_id: str) -> bool:
-        """Whether to pipeline rounds, given the verifier's InfoResponse.device_id."""
+        """Whether to pipeline rounds (from `pipeline_min_sessions` sessions on), given the
+        verifier's InfoResponse.device_id."""
         if self.pipelining not in ("auto", "on", "off"):
             raise ValueError(f"pipelining must be auto, on or off, got {self.pipelining!r}")
         if self.pipelining != "auto":
             return self.pipelining == "on"
-        return self.device.startswith("cuda") and device_id(self.device) != verifier_device_id
+        return self.device.startswith("cuda")
+
+    def pipeline_min_sessions(self, verifier_device_id: str) -> int:
+        """The running sessions from which pipelined rounds split into two halves."""
+        if self.shared_gpu_pipeline_sessions < 2:
+            raise ValueError(f"shared_gpu_pipeline_sessions must be >= 2, got {self.shared_gpu_pipeline_sessions}")
+        shared = self.device.startswith("cuda") and device_id(self.device) == verifier_device_id
+        return self.shared_gpu_pipeline_sessions if self.pipelining == "auto" and shared else 2
 
 
 @dataclass
@@ -192,10 +202,12 @@ class DrafterEngine:
                                    feature_layer_ids=draft_cfg.target_layer_ids,
                                    eos_token_ids=target_cfg.eos_token_ids, queue_timeout_s=cfg.queue_timeout_s,
                                    logits_hook=hook, pipelined=cfg.pipelined(info.device_id),
+                                   pipeline_min_sessions=cfg.pipeline_min_sessions(info.device_id),
                                    recovery_timeout_s=cfg.recovery_timeout_s, planner=cfg.budget_planner(info),
                                    adapt_sampled=info.sampling == "keyed", max_queue=cfg.max_queue,
                                    prefill_chunk=cfg.prefill_chunk)
-        log.info("rounds %s (--pipelining %s; verifier on %s); tree budget %s", "pipelined" if scheduler.pipelined
+        log.info("rounds %s (--pipelining %s; verifier on %s); tree budget %s",
+                 f"pipelined from {scheduler.pipeline_min_sessions} sessions" if scheduler.pipelined
                  else "in lockstep", cfg.pipelining, info.device_id or "?",
                  "adaptive (requests' budgets are caps)" if scheduler.planner else "as each request sets it")
         scheduler.start()

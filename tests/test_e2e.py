@@ -391,10 +391,15 @@ def test_pipelining_setting(setting, device, verifier_device, expected, monkeypa
     monkeypatch.setattr(server, "device_id", lambda d: "cuda:GPU-b" if str(d).startswith("cuda") else "cpu")
     cfg = DrafterConfig(draft_dir="d", target_dir="t", device=device, pipelining=setting)
     assert cfg.pipelined(verifier_device) is expected
-    # auto on the verifier's own GPU: lockstep
-    assert DrafterConfig(draft_dir="d", target_dir="t", device=device).pipelined("cuda:GPU-b") is False
+    assert cfg.pipeline_min_sessions(verifier_device) == 2
+    # auto on the verifier's own GPU: pipelined only from --shared-gpu-pipeline-sessions sessions
+    shared = DrafterConfig(draft_dir="d", target_dir="t", device=device, shared_gpu_pipeline_sessions=12)
+    assert shared.pipelined("cuda:GPU-b") is device.startswith("cuda")
+    assert shared.pipeline_min_sessions("cuda:GPU-b") == (12 if device.startswith("cuda") else 2)
     with pytest.raises(ValueError, match="pipelining"):
         DrafterConfig(draft_dir="d", target_dir="t", pipelining="sometimes").pipelined("cpu")
+    with pytest.raises(ValueError, match="shared_gpu_pipeline_sessions"):
+        DrafterConfig(draft_dir="d", target_dir="t", shared_gpu_pipeline_sessions=1).pipeline_min_sessions("cpu")
 
 
 def test_sampling_through_the_services_is_lossless(client, local, verifier_stub):

@@ -150,6 +150,31 @@ def test_pipelined_rounds_change_no_output(engine):
     assert engine.proposer.free_slots == engine.verifier.limits.max_sessions
 
 
+@pytest.mark.parametrize("min_sessions, most", [(4, 2), (5, 1)])
+def test_pipelining_starts_from_its_session_count(engine, min_sessions, most):
+    """`pipeline_min_sessions` (the drafter on the verifier's own GPU): with 4 sessions, rounds
+    are pipelined from 4 (two messages in flight) and stay in lockstep from 5 (one), with the
+    same tokens either way."""
+    from drafter_svc.link import LocalLink
+
+    class CountingLink(LocalLink):
+        most = 0
+
+        def send(self, entries):
+            super().send(entries)
+            self.most = max(self.most, len(self._results))
+
+    requests = [(PROMPTS[i % len(PROMPTS)] + [i], GenerationConfig(N, mode=DraftMode("tree", 8))) for i in range(4)]
+    lockstep = engine.generate_many(requests)
+    link = CountingLink(engine.verifier)
+    scheduler = _scheduler(engine, engine.proposer, pipelined=True, pipeline_min_sessions=min_sessions)
+    scheduler.link = link
+    ends = _ends(scheduler, requests)
+    scheduler.run_until_idle()
+    assert [end["items"][-1].tokens for end in ends] == [alone.tokens for alone in lockstep]
+    assert link.most == most
+
+
 def test_sessions_recover_from_a_lost_verifier_link(engine):
     """The link fails twice mid-generation (UNAVAILABLE; the verifier drops the link's sessions):
     every session re-opens with its prompt plus the tokens so far and ends with exactly its
