@@ -61,7 +61,12 @@ def test_linear_triton_is_row_invariant_float32():
     w = torch.randn(72, 80, generator=gen)
     full = bi.linear_triton(x, w)
     torch.testing.assert_close(full, F.linear(x, w), rtol=1e-5, atol=1e-4)
-    for start, stop in ((0, 1), (7, 8), (2, 35), (33, 41)):
+    # Slices that start on a row tile: the interpreter's tl.dot is numpy's matmul, and numpy's
+    # BLAS (OpenBLAS 0.3.31) may round a row differently at another position inside the tile,
+    # which the GPU's MMA does not (tests/gpu/test_batch_invariant_gpu.py slices anywhere).
+    # What is checked here: a row's result does not depend on M, the tile count or the masking.
+    tile = bi._tiles(torch.float32, 72)["BLOCK_M"]
+    for start, stop in ((0, 1), (0, 7), (tile, tile + 1), (0, tile + 3), (tile, 41)):
         assert torch.equal(bi.linear_triton(x[start:stop], w), full[start:stop])
     assert torch.equal(bi.linear_triton(x.view(1, 41, 80), w).view(41, 72), full)
 
