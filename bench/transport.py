@@ -4,14 +4,14 @@
         [--rounds 300] [--gaps-ms 0,3] [--trace] [--out-json FILE]
 
 The verifier runs in a child process: the real servicer, link handler, model worker and
-`TreeVerifier` (link-message decode, tree walk and validation of every tree, ancestor
-masks, commit bookkeeping, reply encode) over the bundled default target, whose batched
-verify (`TargetRunner.verify_batch`) is replaced by a canned result that accepts
-`--feature-rows` - 1 tokens per session and so returns that many rows of Qwen3-8B-sized
-features each (context rows, as a projecting verifier sends them: 4096 bf16 = 8 KB per
-row); its prefill runs for real but returns features of that width. This process drives a `GrpcLink` exactly as the drafter's
-scheduler does: it opens B sessions in one message, then sends `--rounds` link messages,
-each carrying one `--nodes`-node tree for each of the B sessions, and times each
+`TreeVerifier` (link-message decode, tree walk and validation of every tree, ancestor masks,
+commit bookkeeping, reply encode) over the bundled default target, whose batched verify
+(`TargetRunner.verify_batch`) is replaced by a canned result that accepts `--feature-rows` -
+1 tokens per session and so returns that many rows of Qwen3-8B-sized features each (context
+rows, as a projecting verifier sends them: 4096 bf16 = 8 KB per row); its prefill runs for
+real but returns features of that width. This process drives a `GrpcLink` exactly as the
+drafter's scheduler does: it opens B sessions in one message, then sends `--rounds` link
+messages, each carrying one `--nodes`-node tree for each of the B sessions, and times each
 `GrpcLink.step` call (tracing off unless --trace; with it, spans as the scheduler makes
 them: `draft_step` with `verify_rpc`, a `round` per session whose traceparent rides on its
 tree).

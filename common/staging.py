@@ -60,19 +60,22 @@ def to_device(data, device: torch.device | str, dtype: torch.dtype | None = None
     return host.pin_memory().to(device, non_blocking=True)
 
 
+def rows_of(tensor: Tensor, rows: list[int]) -> Tensor:
+    """tensor[rows] along dim 0 (all of them, in order: the tensor itself), the index copied
+    to the device without a wait."""
+    if rows == list(range(tensor.shape[0])):
+        return tensor
+    return tensor.index_select(0, to_device(rows, tensor.device, torch.int64))
+
+
 def to_host(*tensors: Tensor) -> list[Tensor]:
     """Device tensors on the host, after a single wait: each is copied into pinned memory
     asynchronously, then the stream is synchronized once (rather than once per `.cpu()`).
     Host tensors are returned as they are."""
-    if not tensors or all(t.device.type != "cuda" for t in tensors):
+    cuda = [t for t in tensors if t.is_cuda]
+    if not cuda:
         return list(tensors)
-    out = []
-    for t in tensors:
-        if t.device.type != "cuda":
-            out.append(t)
-            continue
-        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-        host.copy_(t, non_blocking=True)
-        out.append(host)
-    torch.cuda.current_stream(tensors[0].device).synchronize()
+    out = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True) if t.is_cuda else t
+           for t in tensors]
+    torch.cuda.current_stream(cuda[0].device).synchronize()
     return out

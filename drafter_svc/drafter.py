@@ -19,7 +19,7 @@ from common.checkpoint import load_tensors
 from common.config import check_draft_fits_target, load_target_config
 from common.feature_projection import projection_fingerprint
 from common.protocol import StatusError
-from common.staging import to_device
+from common.staging import rows_of, to_device
 from common.tree import DraftTree
 from drafter_svc.budget import BudgetChoice, BudgetPlanner
 from drafter_svc.ddtree import build_chains, select_ddtrees
@@ -65,13 +65,6 @@ class BlockProposer(Protocol):
     def finish(self, state: object) -> None: ...
 
 
-def _rows(block_logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
-    """The block logits of these sessions (all of them: the tensor itself), the index copied without a wait."""
-    if rows == list(range(block_logits.shape[0])):
-        return block_logits
-    return block_logits.index_select(0, to_device(rows, block_logits.device, torch.int64))
-
-
 def build_trees(modes: Sequence[DraftMode], block_logits: torch.Tensor, roots: Sequence[int],
                 rooms: Sequence[int], planner: BudgetPlanner | None = None, batch: int = 0,
                 adaptive: Sequence[bool] | None = None) -> tuple[list[DraftTree], BudgetChoice | None]:
@@ -90,7 +83,7 @@ def build_trees(modes: Sequence[DraftMode], block_logits: torch.Tensor, roots: S
         else:
             (chain_rows if mode.kind == "chain" else tree_rows).append(i)
     if chain_rows:
-        built = build_chains(_rows(block_logits, chain_rows), [roots[i] for i in chain_rows],
+        built = build_chains(rows_of(block_logits, chain_rows), [roots[i] for i in chain_rows],
                              [rooms[i] for i in chain_rows])
         for i, tree in zip(chain_rows, built):
             trees[i] = tree
@@ -101,7 +94,7 @@ def build_trees(modes: Sequence[DraftMode], block_logits: torch.Tensor, roots: S
         if any(adapting):  # select no wider than the planner may choose this step
             width = planner.build_width(max(c for c, a in zip(caps, adapting) if a))
             caps = [min(c, width) if a else c for c, a in zip(caps, adapting)]
-        selection = select_ddtrees(_rows(block_logits, tree_rows), [roots[i] for i in tree_rows], caps)
+        selection = select_ddtrees(rows_of(block_logits, tree_rows), [roots[i] for i in tree_rows], caps)
         budgets = caps
         if any(adapting):
             gains = selection.expected_gains()

@@ -22,3 +22,12 @@ def test_to_host_returns_host_tensors_unchanged():
     out = to_host(a[:, 1:3], b)
     assert torch.equal(out[0], a[:, 1:3]) and torch.equal(out[1], b)
     assert to_host() == []
+
+
+def test_rows_of_selects_rows_and_keeps_the_tensor_when_all_are_asked():
+    from common.staging import rows_of
+
+    x = torch.arange(12).view(4, 3)
+    assert rows_of(x, [0, 1, 2, 3]) is x
+    assert torch.equal(rows_of(x, [2, 0]), x[[2, 0]])
+    assert rows_of(x, []).shape == (0, 3)

@@ -176,7 +176,7 @@ class TargetRunner:
             outputs = self._run_eager(inp, length, mode)
         result, features, logits = outputs
         # The results and the path rows' features (no path is longer than the deepest tree) in one wait.
-        width = min(features.shape[1], 1 + max(int(r.depths.max()) for r in rows))
+        width = min(features.shape[1], 1 + int(torch.cat([r.depths for r in rows]).max()))
         result, features = to_host(result[: len(rows)], features[: len(rows), :width])
         values = result.tolist()
         paths = [v[2: 3 + v[0]] for v in values]

@@ -29,7 +29,7 @@ import torch
 
 from common.protocol import (MAX_LOGPROBS, CloseEntry, Entry, Extended, ExtendEntry, OpenEntry, Prefilled,
                              SamplingParams, StatusError, StepResult, TreeEntry, Verified)
-from common.staging import to_device
+from common.staging import rows_of
 from common.tree import DraftTree, TreeError, TreeLayout, ancestor_masks, walk_trees
 from verifier_svc.accept import Stage, accept_roots, draw_coins, emitted_logprobs, no_stage
 from verifier_svc.cuda_graphs import VerifyRow
@@ -253,8 +253,7 @@ class TreeVerifier:
                                                            [s.length for s in sessions])
                 with stage("sample"):
                     ending = [sessions[j] for j in last]
-                    if len(last) < len(group):
-                        logits = logits.index_select(0, to_device(last, logits.device, torch.int64))
+                    logits = rows_of(logits, last)
                     bonus = self._first_tokens(ending, logits, [group[j][3] for j in last]) if last else []
                     logprobs = self._first_logprobs(ending, logits, bonus) if last else []
                     wanted = [f if s.features else f[:0] for s, f in zip(sessions, features)]

@@ -32,6 +32,6 @@ def test_to_device_does_not_wait_for_queued_work_and_lands_in_order():
 def test_to_host_brings_several_tensors_and_views_back_after_one_wait():
     a = torch.randn(6, 17, 8, device="cuda", dtype=torch.bfloat16)
     b = torch.randint(0, 100, (6, 19), device="cuda")
-    host_a, host_b, host_c = to_host(a[:4, :5], b[:4], torch.arange(3))
+    host_c, host_a, host_b = to_host(torch.arange(3), a[:4, :5], b[:4])  # a host tensor first, too
     assert host_a.device.type == "cpu" and torch.equal(host_a, a[:4, :5].cpu())
     assert torch.equal(host_b, b[:4].cpu()) and host_c.tolist() == [0, 1, 2]
