@@ -7,6 +7,8 @@ For each batch B and tree of T = 1 + N nodes over a vocabulary of 151,936, on ra
 target logits [B, T, V] and random trees:
 
 * sample:      temperature 0.8, top-k 50, top-p 0.9, then target-only tree sampling
+* sample-p:    the same with top-p 0.9 alone (on these logits its head is longer than the
+               candidates the stage keeps per chunk, so every row takes the radix search)
 * sample-temp: the same with temperature only (no top-k / top-p filter)
 * greedy:      argmax, then greedy tree verification
 
@@ -38,7 +40,7 @@ from kernels.fused_accept import tree_accept_reference, tree_accept_triton
 from tests.reference import distinct_sibling_tokens
 
 VOCAB = 151_936
-STAGES = ("sample", "sample-temp", "greedy")
+STAGES = ("sample", "sample-p", "sample-temp", "greedy")
 
 
 def random_trees(rng: np.random.Generator, batch: int, nodes: int, vocab: int, depth: int = 15):
@@ -80,7 +82,8 @@ class Stage:
         self.filters = {stage: (torch.full((batch,), t, device=device),
                                 torch.full((batch,), k, dtype=torch.int64, device=device),
                                 torch.full((batch,), p, device=device))
-                        for stage, (t, k, p) in (("sample", (0.8, 50, 0.9)), ("sample-temp", (0.8, 0, 1.0)))}
+                        for stage, (t, k, p) in (("sample", (0.8, 50, 0.9)), ("sample-p", (0.8, 0, 0.9)),
+                                                 ("sample-temp", (0.8, 0, 1.0)))}
 
     def run(self, stage: str, impl):
         b, t = self.batch, self.nodes
@@ -91,7 +94,7 @@ class Stage:
         temperature, top_k, top_p = self.filters.get(stage, (None, None, None))
         impl(self.logits, self.candidates, self.next_token, self.next_sibling, predicts, accept_index, accept_num,
              greedy=stage == "greedy", coins=self.coins, final_coins=self.final, temperature=temperature,
-             top_k=top_k, top_p=top_p, filters=stage == "sample")
+             top_k=top_k, top_p=top_p, filters=stage in ("sample", "sample-p"))
         return predicts, accept_index, accept_num
 
 

@@ -5,9 +5,9 @@
 Times `verifier_svc.accept.accept_batch` on random bf16 logits [B, T, V] and random trees of
 T nodes, every row sampled (temperature 0.8, top-k 50, top-p 0.9) except in "greedy":
 "greedy" (argmax + walk, fused), "sample" (the target-only coin walk, fused: never
-materialises probabilities), "keyed" (position-keyed, fused: the filters' floors by the coin
-walk's radix searches, then one pass scoring every token with its hashed Gumbel noise, then
-the greedy walk over the chunks' maxima; the scores are never materialised). Each case is captured in a CUDA graph
+materialises probabilities), "keyed" (position-keyed, fused: the filters' floors as the coin
+walk finds them, then one pass scoring every token with its hashed Gumbel noise, then the
+greedy walk over the chunks' maxima; the scores are never materialised). Each case is captured in a CUDA graph
 on CUDA (as the verifier runs it) and timed over `--reps` replays; on the CPU it runs eagerly
 (a smoke test, not a measurement). Prints a table, writes JSON with --out-json.
 """

@@ -18,17 +18,23 @@ vocabulary chunk) programs, and only evaluates p where the walk or the bonus nee
 
 where M is the row's maximum logit, floor the smallest kept logit and Z the mass of the
 kept logits (the whole row without filters). p is non-decreasing in x for T > 0, so the
-top-k and top-p sets are thresholds on the logit itself: floor is found by a radix search
-over a monotone integer key of the logit (16 bits for bf16/fp16, 32 for fp32; -0.0 and
-+0.0 share a key), RADIX_BITS = 4 bits per level. Each level is one (row, chunk) pass that
-first picks the previous level's digit (every program reduces that level's per-chunk counts
-of its row, which is cheap) and then counts the chunk's keys per digit (tl.histogram), with
-their mass in the top-p search; the first level's counts come with the stats pass, a last
-per-row launch picks the last digit. A pass reads only the blocks of logits whose maximum
-key (noted by the stats pass) reaches its level's range, so after the first levels it reads
-little. The top-k search keeps the k-th largest logit and its ties; the top-p search then
-runs over the kept logits with the goal top_p * (their mass) and keeps the smallest head
-that reaches it, ties included, as process_probs does.
+top-k and top-p sets are thresholds on the logit itself, compared as a monotone integer key
+(16 bits for bf16/fp16, 32 for fp32; -0.0 and +0.0 share a key). Most rows get them from a
+candidate set: the stats pass also keeps each chunk's CANDIDATES largest keys and the largest
+key it left out, and one program per row sorts its chunks' candidates and finds the top-k key
+(the k-th) and the top-p key (the first whose running mass reaches top_p * the mass top-k
+keeps) among them, ties included. That is exact whenever the threshold found is above every
+key left out, since the candidates then hold every key at or above it. The other rows (top-k
+beyond the candidates, or a top-p head longer than them, as on a flat distribution) take a
+radix search over the whole row, RADIX_BITS = 4 bits per level: each level is one (row, chunk)
+pass that first picks the previous level's digit (every program reduces that level's
+per-chunk counts of its row, which is cheap) and then counts the chunk's keys per digit
+(tl.histogram), with their mass in the top-p search; the first level's counts come with the
+stats pass, a last per-row launch picks the last digit. A pass reads only the blocks of
+logits whose maximum key (noted by the stats pass) reaches its level's range, and the rows
+the candidates decided skip it at once. The top-k search keeps the k-th largest logit and its
+ties; the top-p search then runs over the kept logits with the goal top_p * (their mass) and
+keeps the smallest head that reaches it, ties included, as process_probs does.
 
 Differences to the references are float rounding only: Z and the masses are float32 sums
 in another order, and exp2 replaces torch's exp, so a sampled outcome can only differ where
@@ -40,6 +46,8 @@ sampled because its probability is 0). The temperature must be positive, the log
 finite (-inf allowed).
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -62,6 +70,8 @@ CHUNK_V = 4096
 # RADIX] tiles of its masses); tests lower it to have several per chunk.
 HIST_BLOCK = 256
 RADIX_BITS = 4
+# Largest keys each chunk keeps as top-k / top-p candidates (a power of two); tests change it.
+CANDIDATES = 8
 KEY_BITS = {torch.bfloat16: 16, torch.float16: 16, torch.float32: 32}
 LOG2E = tl.constexpr(1.4426950408889634)
 # kernels.keyed_sampling's hash constants, as the kernels see them.
@@ -167,6 +177,16 @@ def _key(raw, KEY_BITS: tl.constexpr):
 
 
 @triton.jit
+def _key_zero(KEY_BITS: tl.constexpr):
+    """0 in `_key`'s dtype."""
+    if KEY_BITS == 16:
+        zero = tl.full([], 0, tl.int32)
+    else:
+        zero = tl.full([], 0, tl.int64)
+    return zero
+
+
+@triton.jit
 def _filters_on(top_k_ptr, top_p_ptr, b, V):
     """(top-k on, top-p on) for batch row b."""
     k = tl.load(top_k_ptr + b)
@@ -175,13 +195,16 @@ def _filters_on(top_k_ptr, top_p_ptr, b, V):
 
 @triton.jit
 def _chunk_stats_kernel(logits_ptr, temperature_ptr, top_k_ptr, top_p_ptr, part_max_ptr, part_aux_ptr,
-                        block_max_ptr, count_ptr, T, V, C, GREEDY: tl.constexpr, FILTERS: tl.constexpr,
-                        KEY_BITS: tl.constexpr, RADIX_BITS: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+                        block_max_ptr, count_ptr, cand_ptr, left_out_ptr, T, V, C, GREEDY: tl.constexpr,
+                        FILTERS: tl.constexpr, KEY_BITS: tl.constexpr, RADIX_BITS: tl.constexpr, CAND: tl.constexpr,
+                        CHUNK: tl.constexpr, BLOCK: tl.constexpr):
     """Per (row, chunk): the maximum logit, and its first index (GREEDY) or sum exp2((x - max) * scale).
 
     FILTERS, where a filter is on, also writes the maximum key of each BLOCK of the chunk (the
     searches skip the blocks below their range) and, where top-k is on, the counts of the first
-    top-k level: per digit key >> (KEY_BITS - RADIX_BITS) (see `_search_level_kernel`)."""
+    top-k level: per digit key >> (KEY_BITS - RADIX_BITS) (see `_search_level_kernel`); and the
+    candidates: the chunk's CAND largest keys, descending (-1 past its last key), and the largest
+    key it leaves out (-1 if none), by CAND passes of a max (cheaper here than a bitonic top-k)."""
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     offs = chunk * CHUNK + tl.arange(0, CHUNK)
@@ -206,6 +229,15 @@ def _chunk_stats_kernel(logits_ptr, temperature_ptr, top_k_ptr, top_p_ptr, part_
                 RADIX: tl.constexpr = 1 << RADIX_BITS
                 counts = tl.histogram((key >> (KEY_BITS - RADIX_BITS)).to(tl.int32), RADIX, mask=offs < V)
                 tl.store(count_ptr + (row * C + chunk) * RADIX + tl.arange(0, RADIX), counts)
+            key = tl.where(offs < V, key, -1)
+            slots = tl.arange(0, CAND)
+            cand = tl.full([CAND], -1, key.dtype)
+            for i in tl.static_range(CAND):  # the largest key left, CAND times: ties count once each
+                best, at = tl.max(key, axis=0, return_indices=True, return_indices_tie_break_left=True)
+                cand = tl.where(slots == i, best, cand)
+                key = tl.where(tl.arange(0, CHUNK) == at, -2, key)
+            tl.store(cand_ptr + (row * C + chunk) * CAND + slots, tl.maximum(cand, -1))
+            tl.store(left_out_ptr + row * C + chunk, tl.maximum(tl.max(key, axis=0), -1))
 
 
 @triton.jit
@@ -246,6 +278,67 @@ def _row_softmax(part_max_ptr, part_sum_ptr, row, C, scale, BLOCK_C: tl.constexp
     sums = tl.load(part_sum_ptr + row * C + chunks, mask=chunks < C, other=0.0)
     row_max = tl.max(maxima, axis=0)
     return row_max, tl.sum(_exp_from(maxima, row_max, scale) * sums, axis=0)
+
+
+@triton.jit
+def _key_value(key, KEY_BITS: tl.constexpr, DTYPE: tl.constexpr):
+    """The float32 logit of a key (`_key`'s inverse; DTYPE: the logits' storage dtype)."""
+    if KEY_BITS == 16:
+        ordered = key - (1 << 15)
+        bits = tl.where(ordered < 0, ordered ^ 0x7FFF, ordered)
+        value = bits.to(tl.int16).to(DTYPE, bitcast=True).to(tl.float32)
+    else:
+        ordered = (key - (1 << 31)).to(tl.int32)
+        bits = tl.where(ordered < 0, ordered ^ 0x7FFFFFFF, ordered)
+        value = bits.to(tl.float32, bitcast=True)
+    return value
+
+
+@triton.jit
+def _filter_floor_kernel(logits_ptr, temperature_ptr, top_k_ptr, top_p_ptr, part_max_ptr, part_sum_ptr,
+                         cand_ptr, left_out_ptr, floor_ptr, kept_ptr, exact_ptr, T, V, C,
+                         KEY_BITS: tl.constexpr, CAND: tl.constexpr, SORTED: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Per row: the key floor and kept mass of its filters: top-p's where it is on (its
+    threshold, the mass at and above it), else top-k's (its threshold, the mass it keeps),
+    else 0 and the row's whole mass, where the sorted candidates decide them (exact_ptr 1);
+    elsewhere (0) the radix search writes them after."""
+    row = tl.program_id(0).to(tl.int64)
+    b = row // T
+    scale = _log2_scale(temperature_ptr, b)
+    k = tl.load(top_k_ptr + b)
+    top_k_on = (k > 0) & (k < V)  # as _filters_on, inline: the interpreter's calls are slow
+    top_p = tl.load(top_p_ptr + b)
+    top_p_on = top_p < 1.0
+    row_max, kept = _row_softmax(part_max_ptr, part_sum_ptr, row, C, scale, BLOCK_C)
+    floor = _key_zero(KEY_BITS)
+    exact = tl.full([], 1, tl.int32)
+    if top_k_on | top_p_on:
+        index = tl.arange(0, SORTED)
+        keys = tl.load(cand_ptr + row * C * CAND + index, mask=index < C * CAND, other=-1)
+        keys = tl.sort(keys, descending=True)
+        chunks = tl.arange(0, BLOCK_C)
+        left_out = tl.max(tl.load(left_out_ptr + row * C + chunks, mask=chunks < C, other=-1), axis=0)
+        e = _exp_from(_key_value(keys, KEY_BITS, logits_ptr.dtype.element_ty), row_max, scale)
+        e = tl.where(keys >= 0, e, 0.0)
+        total = kept
+        if top_k_on:
+            floor = tl.max(tl.where(index == k - 1, keys, -1), axis=0)  # -1 past the candidates
+            exact = (floor > left_out).to(tl.int32)
+            total = tl.sum(tl.where(keys >= floor, e, 0.0), axis=0)
+        if top_p_on:
+            through = tl.cumsum(tl.where(keys >= floor, e, 0.0), axis=0)
+            first = tl.sum((through < top_p * total).to(tl.int32), axis=0)
+            at_first = tl.max(tl.where(index == first, keys, -1), axis=0)
+            # A head that never reaches the goal keeps every key top-k keeps (rounding; all of
+            # them where top-k is off): exact if nothing past the candidates could belong to it.
+            reached = first < SORTED
+            exact = tl.where(reached, exact & (at_first > left_out).to(tl.int32),
+                             tl.where(top_k_on, exact, (left_out < 0).to(tl.int32)))
+            floor = tl.where(reached, at_first, tl.where(top_k_on, floor, 0))
+        kept = tl.sum(tl.where(keys >= floor, e, 0.0), axis=0)
+    tl.store(floor_ptr + row, floor.to(tl.int64))
+    tl.store(kept_ptr + row, kept)
+    tl.store(exact_ptr + row, exact.to(tl.int32))
 
 
 # The searches' levels are numbered 0 .. 2 * LEVELS - 1: top-k's, then top-p's, LEVELS =
@@ -354,8 +447,8 @@ def _chunk_histogram(logits_ptr, block_max_ptr, row, chunk, V, C, prefix, floor,
 @triton.jit(do_not_specialize=["level"])
 def _search_level_kernel(logits_ptr, temperature_ptr, top_k_ptr, top_p_ptr, part_max_ptr, block_max_ptr,
                          count_in_ptr, mass_in_ptr, count_out_ptr, mass_out_ptr,
-                         prefix_ptr, above_count_ptr, above_mass_ptr, total_ptr, T, V, C, R, level, shift,
-                         TOP_P: tl.constexpr, KEY_BITS: tl.constexpr, RADIX_BITS: tl.constexpr,
+                         prefix_ptr, above_count_ptr, above_mass_ptr, total_ptr, exact_ptr, T, V, C, R, level,
+                         shift, TOP_P: tl.constexpr, KEY_BITS: tl.constexpr, RADIX_BITS: tl.constexpr,
                          CHUNK: tl.constexpr, BLOCK: tl.constexpr, BLOCK_C: tl.constexpr):
     """Per (row, chunk), for a level >= 1 (its shift; TOP_P: a top-p level): pick the previous
     level's digit (every program of the row does, from that level's partials; chunk 0 stores
@@ -364,7 +457,7 @@ def _search_level_kernel(logits_ptr, temperature_ptr, top_k_ptr, top_p_ptr, part
 
     The previous level's keys are at or above a bound (the prefix before it, and top-k's floor
     in the top-p search): a chunk whose maximum key is below it skips the pick (except chunk 0)
-    and the histogram."""
+    and the histogram. Rows the candidates decided (exact_ptr 1) take no part."""
     LEVELS: tl.constexpr = KEY_BITS // RADIX_BITS
     RADIX: tl.constexpr = 1 << RADIX_BITS
     NB: tl.constexpr = CHUNK // BLOCK
@@ -372,6 +465,9 @@ def _search_level_kernel(logits_ptr, temperature_ptr, top_k_ptr, top_p_ptr, part
     chunk = tl.program_id(1)
     b = row // T
     pick_on, count_on = _takes_part(top_k_ptr, top_p_ptr, b, V, level, LEVELS)
+    undecided = tl.load(exact_ptr + row) == 0
+    pick_on = pick_on & undecided
+    count_on = count_on & undecided
     counts = tl.full([RADIX], 0, tl.int32)
     masses = tl.full([RADIX], 0.0, tl.float32)
     if pick_on | count_on:
@@ -416,27 +512,25 @@ def _search_level_kernel(logits_ptr, temperature_ptr, top_k_ptr, top_p_ptr, part
 
 @triton.jit
 def _search_result_kernel(count_ptr, mass_ptr, temperature_ptr, top_k_ptr, top_p_ptr, part_max_ptr, part_sum_ptr,
-                          prefix_ptr, above_count_ptr, above_mass_ptr, total_ptr, floor_ptr, kept_ptr, T, V, C, R,
-                          KEY_BITS: tl.constexpr, RADIX_BITS: tl.constexpr, BLOCK_C: tl.constexpr):
-    """Per row: pick the last level's digit; write the key floor and the kept mass: top-p's where
-    it is on (its threshold, the mass at and above it), else top-k's (its threshold, the first
-    top-p level's total), else 0 and the row's whole mass."""
+                          prefix_ptr, above_count_ptr, above_mass_ptr, total_ptr, exact_ptr, floor_ptr, kept_ptr,
+                          T, V, C, R, KEY_BITS: tl.constexpr, RADIX_BITS: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Per row the candidates did not decide (exact_ptr 0): pick the last level's digit; write
+    the key floor and the kept mass: top-p's where it is on (its threshold, the mass at and
+    above it), else top-k's (its threshold, the first top-p level's total)."""
     LEVELS: tl.constexpr = KEY_BITS // RADIX_BITS
     row = tl.program_id(0).to(tl.int64)
     b = row // T
-    top_k_on, top_p_on = _filters_on(top_k_ptr, top_p_ptr, b, V)
-    if top_p_on:
-        floor, above_count, above_mass, total, kept = _pick_digit(
-            count_ptr, mass_ptr, prefix_ptr, above_count_ptr, above_mass_ptr, total_ptr, top_k_ptr, top_p_ptr,
-            row, b, R, C, 2 * LEVELS - 1, 0, KEY_BITS, RADIX_BITS, BLOCK_C)
-    elif top_k_on:
-        floor = tl.load(prefix_ptr + (LEVELS - 1) * R + row)
-        kept = tl.load(total_ptr + row)
-    else:
-        floor = tl.full([], 0, tl.int64)
-        row_max, kept = _row_softmax(part_max_ptr, part_sum_ptr, row, C, _log2_scale(temperature_ptr, b), BLOCK_C)
-    tl.store(floor_ptr + row, floor)
-    tl.store(kept_ptr + row, kept)
+    if tl.load(exact_ptr + row) == 0:
+        top_k_on, top_p_on = _filters_on(top_k_ptr, top_p_ptr, b, V)
+        if top_p_on:
+            floor, above_count, above_mass, total, kept = _pick_digit(
+                count_ptr, mass_ptr, prefix_ptr, above_count_ptr, above_mass_ptr, total_ptr, top_k_ptr, top_p_ptr,
+                row, b, R, C, 2 * LEVELS - 1, 0, KEY_BITS, RADIX_BITS, BLOCK_C)
+        else:
+            floor = tl.load(prefix_ptr + (LEVELS - 1) * R + row)
+            kept = tl.load(total_ptr + row)
+        tl.store(floor_ptr + row, floor)
+        tl.store(kept_ptr + row, kept)
 
 
 # T is never specialised: with T == 1 the walk loop folds away and Triton 3.6 fails to
@@ -569,44 +663,34 @@ def tree_accept_triton(logits: Tensor, tokens: Tensor, next_token: Tensor, next_
 
     Launches: greedy 2 (chunk maxima, walk; the logits are read once); temperature only 4
     (chunk softmax partials, walk, residual chunk sums, bonus: the logits once, plus the
-    last accepted row of each tree twice). Filters add 2 * KEY_BITS / RADIX_BITS - 1 launches
-    (see `_run_searches`): 7 for bf16/fp16 logits, 15 for float32; each reads only the blocks of
-    the logits that hold a key in its level's range, at most the logits once.
+    last accepted row of each tree twice). Filters add one per-row launch over the candidates
+    (`_filter_floor_kernel`), then 2 * KEY_BITS / RADIX_BITS launches of the radix search (see
+    `_run_searches`): 8 for bf16/fp16 logits, 16 for float32, where the rows the candidates
+    decided do nothing; each reads only the blocks of the other rows' logits that hold a key in
+    its level's range, at most those logits once.
     """
     bs, nodes, vocab = _check_accept_args(logits, tokens, next_token, next_sibling, predicts, accept_index,
                                           accept_num, greedy, coins, final_coins, temperature, top_k, top_p,
                                           filters)
     if bs == 0:
         return
-    dev, rows = logits.device, bs * nodes
     chunk = chunk_size(vocab)
     num_chunks = triton.cdiv(vocab, chunk)
     block_c = triton.next_power_of_2(num_chunks)
     key_bits = KEY_BITS[logits.dtype]
-    block = min(chunk, HIST_BLOCK)
-    part_max = torch.empty((rows, num_chunks), dtype=torch.float32, device=dev)
-    part_aux = torch.empty((rows, num_chunks), dtype=torch.int32 if greedy else torch.float32, device=dev)
-    search = _SearchBuffers(rows, num_chunks, chunk // block, key_bits, dev) if filters and not greedy else None
-    unused = part_max  # stands in for the pointers a variant does not read
-    _chunk_stats_kernel[(rows, num_chunks)](
-        logits, unused if greedy else temperature, top_k if search else unused, top_p if search else unused,
-        part_max, part_aux, search.block_max if search else unused, search.counts[0] if search else unused,
-        nodes, vocab, num_chunks,
-        GREEDY=greedy, FILTERS=search is not None, KEY_BITS=key_bits, RADIX_BITS=RADIX_BITS, CHUNK=chunk,
-        BLOCK=block)
+    stats = _row_stats(logits, nodes, greedy=greedy, temperature=temperature, top_k=top_k, top_p=top_p,
+                       filters=filters and not greedy)
+    part_max, part_aux = stats.part_max, stats.part_aux
     tree = (tokens, next_token, next_sibling)
     if greedy:
         _tree_walk_kernel[(bs,)](logits, *tree, predicts, accept_index, accept_num, accept_num,
-                                 part_max, part_aux, unused, unused, unused, unused,
+                                 part_max, part_aux, part_max, part_max, part_max, part_max,
                                  nodes, vocab, num_chunks, GREEDY=True, FILTERS=False, KEY_BITS=key_bits,
                                  BLOCK_C=block_c)
         return
 
-    floor = torch.zeros(rows, dtype=torch.int64, device=dev)
-    kept = torch.empty(rows, dtype=torch.float32, device=dev)
-    if search:
-        _run_searches(search, logits, temperature, top_k, top_p, part_max, part_aux, floor, kept, nodes, chunk,
-                      block)
+    floor, kept = (stats.floor, stats.kept) if filters else (part_max, part_max)  # (not read without filters)
+    dev = logits.device
     last = torch.empty(bs, dtype=torch.int64, device=dev)
     _tree_walk_kernel[(bs,)](logits, *tree, predicts, accept_index, accept_num, last,
                              part_max, part_aux, floor, kept, coins, temperature,
@@ -624,6 +708,12 @@ class _SearchBuffers:
 
     def __init__(self, rows: int, num_chunks: int, blocks_per_chunk: int, key_bits: int, dev: torch.device):
         self.levels = 2 * (key_bits // RADIX_BITS)
+        # Per (row, chunk): its CANDIDATES largest keys, descending (-1 past its last), and the
+        # largest key it leaves out (-1 where none).
+        key_dtype = torch.int32 if key_bits == 16 else torch.int64
+        self.candidates = torch.empty((rows, num_chunks, CANDIDATES), dtype=key_dtype, device=dev)
+        self.left_out = torch.empty((rows, num_chunks), dtype=key_dtype, device=dev)
+        self.exact = torch.empty(rows, dtype=torch.int32, device=dev)
         self.key_bits = key_bits
         self.block_max = torch.empty((rows, num_chunks, blocks_per_chunk), dtype=torch.int64, device=dev)
         # Per-chunk counts / masses per digit; level j writes [j % 2] while j + 1 reads them.
@@ -641,7 +731,8 @@ class _SearchBuffers:
 
 def _run_searches(search: _SearchBuffers, logits, temperature, top_k, top_p, part_max, part_sum, floor, kept,
                   nodes, chunk, block) -> None:
-    """Top-k, then top-p, radix searches: write each row's key floor and kept mass.
+    """Each row's key floor and kept mass: from its candidates where they decide them, else by
+    the top-k, then top-p, radix searches.
 
     A search finds its threshold key RADIX_BITS at a time, most significant first: each level
     counts the keys with the digits found so far per value of the next digit, and picks the
@@ -655,17 +746,61 @@ def _run_searches(search: _SearchBuffers, logits, temperature, top_k, top_p, par
     rows, num_chunks = part_max.shape
     meta = dict(KEY_BITS=search.key_bits, RADIX_BITS=RADIX_BITS, BLOCK_C=triton.next_power_of_2(num_chunks))
     filters = (temperature, top_k, top_p)
+    _filter_floor_kernel[(rows,)](logits, *filters, part_max, part_sum, search.candidates, search.left_out, floor,
+                                  kept, search.exact, nodes, logits.shape[2], num_chunks, KEY_BITS=search.key_bits,
+                                  CAND=CANDIDATES, SORTED=triton.next_power_of_2(num_chunks * CANDIDATES),
+                                  BLOCK_C=meta["BLOCK_C"])
     levels = search.levels // 2  # per search
     for level in range(1, search.levels):
         _search_level_kernel[(rows, num_chunks)](
             logits, *filters, part_max, search.block_max, search.counts[(level - 1) % 2],
             search.masses[(level - 1) % 2], search.counts[level % 2], search.masses[level % 2], *search.state(),
-            nodes, logits.shape[2], num_chunks, rows, level, search.key_bits - RADIX_BITS * (level % levels + 1),
-            TOP_P=level >= levels, CHUNK=chunk,
-            BLOCK=block, **meta)
+            search.exact, nodes, logits.shape[2], num_chunks, rows, level,
+            search.key_bits - RADIX_BITS * (level % levels + 1), TOP_P=level >= levels, CHUNK=chunk, BLOCK=block,
+            **meta)
     last = (search.levels - 1) % 2
     _search_result_kernel[(rows,)](search.counts[last], search.masses[last], *filters, part_max, part_sum,
-                                   *search.state(), floor, kept, nodes, logits.shape[2], num_chunks, rows, **meta)
+                                   *search.state(), search.exact, floor, kept, nodes, logits.shape[2], num_chunks,
+                                   rows, **meta)
+
+
+@dataclass
+class _RowStats:
+    """Per row (b * T + i) and chunk: the maximum logit and its first index (greedy) or the sum
+    of exp2((x - max) * scale); with filters, per row: the key floor (int64), the mass it keeps
+    and whether the candidates decided them (int32 1) or the radix search did (0)."""
+    part_max: Tensor
+    part_aux: Tensor
+    floor: Tensor | None = None
+    kept: Tensor | None = None
+    exact: Tensor | None = None
+
+
+def _row_stats(logits: Tensor, nodes: int, *, greedy: bool, temperature: Tensor | None, top_k: Tensor | None,
+               top_p: Tensor | None, filters: bool) -> _RowStats:
+    """The stats pass over logits [B, T, V], and with filters the floors found from it."""
+    dev, (bs, _, vocab) = logits.device, logits.shape
+    rows, chunk = bs * nodes, chunk_size(vocab)
+    num_chunks = triton.cdiv(vocab, chunk)
+    key_bits = KEY_BITS[logits.dtype]
+    block = min(chunk, HIST_BLOCK)
+    stats = _RowStats(torch.empty((rows, num_chunks), dtype=torch.float32, device=dev),
+                      torch.empty((rows, num_chunks), dtype=torch.int32 if greedy else torch.float32, device=dev))
+    search = _SearchBuffers(rows, num_chunks, chunk // block, key_bits, dev) if filters else None
+    unused = stats.part_max  # stands in for the pointers a variant does not read
+    _chunk_stats_kernel[(rows, num_chunks)](
+        logits, unused if greedy else temperature, top_k if search else unused, top_p if search else unused,
+        stats.part_max, stats.part_aux, *((search.block_max, search.counts[0], search.candidates, search.left_out)
+                                          if search else (unused,) * 4),
+        nodes, vocab, num_chunks, GREEDY=greedy, FILTERS=filters, KEY_BITS=key_bits, RADIX_BITS=RADIX_BITS,
+        CAND=CANDIDATES, CHUNK=chunk, BLOCK=block)
+    if search:
+        stats.floor = torch.zeros(rows, dtype=torch.int64, device=dev)
+        stats.kept = torch.empty(rows, dtype=torch.float32, device=dev)
+        _run_searches(search, logits, temperature, top_k, top_p, stats.part_max, stats.part_aux, stats.floor,
+                      stats.kept, nodes, chunk, block)
+        stats.exact = search.exact
+    return stats
 
 
 # ---------------------------------------------------------------------------------------
@@ -742,9 +877,9 @@ def tree_accept_keyed_triton(logits: Tensor, tokens: Tensor, next_token: Tensor,
                              top_p: Tensor) -> None:
     """Triton version of tree_accept_keyed_reference; static shapes, no host synchronisation.
 
-    The filters' floors come from the coin walk's stats pass and radix searches (`_run_searches`:
-    the same kept sets as `process_probs_reference`); then one pass over the logits scores every
-    token with its noise (nothing materialised) and the greedy walk reads the chunks' maxima."""
+    The filters' floors come from the coin walk's stats pass (`_row_stats`: the same kept sets as
+    `process_probs_reference`); then one pass over the logits scores every token with its noise
+    (nothing materialised) and the greedy walk reads the chunks' maxima."""
     bs, nodes, vocab = _check_keyed_args(logits, tokens, next_token, next_sibling, predicts, accept_index,
                                          accept_num, greedy_rows, seeds, positions, temperature, top_k, top_p)
     if bs == 0:
@@ -754,21 +889,13 @@ def tree_accept_keyed_triton(logits: Tensor, tokens: Tensor, next_token: Tensor,
     num_chunks = triton.cdiv(vocab, chunk)
     key_bits = KEY_BITS[logits.dtype]
     block = min(chunk, HIST_BLOCK)
-    part_max = torch.empty((rows, num_chunks), dtype=torch.float32, device=dev)
-    part_aux = torch.empty((rows, num_chunks), dtype=torch.float32, device=dev)
-    search = _SearchBuffers(rows, num_chunks, chunk // block, key_bits, dev)
-    _chunk_stats_kernel[(rows, num_chunks)](
-        logits, temperature, top_k, top_p, part_max, part_aux, search.block_max, search.counts[0],
-        nodes, vocab, num_chunks,
-        GREEDY=False, FILTERS=True, KEY_BITS=key_bits, RADIX_BITS=RADIX_BITS, CHUNK=chunk, BLOCK=block)
-    floor = torch.zeros(rows, dtype=torch.int64, device=dev)
-    kept = torch.empty(rows, dtype=torch.float32, device=dev)
-    _run_searches(search, logits, temperature, top_k, top_p, part_max, part_aux, floor, kept, nodes, chunk, block)
+    floor = _row_stats(logits, nodes, greedy=False, temperature=temperature, top_k=top_k, top_p=top_p,
+                       filters=True).floor
     score_max = torch.empty((rows, num_chunks), dtype=torch.float32, device=dev)
     score_arg = torch.empty((rows, num_chunks), dtype=torch.int32, device=dev)
     _keyed_chunk_kernel[(rows, num_chunks)](logits, floor, greedy_rows, seeds, positions, temperature, score_max,
                                             score_arg, nodes, vocab, num_chunks, KEY_BITS=key_bits, CHUNK=chunk)
-    unused = part_max
+    unused = score_max
     _tree_walk_kernel[(bs,)](logits, tokens, next_token, next_sibling, predicts, accept_index, accept_num, accept_num,
                              score_max, score_arg, unused, unused, unused, unused,
                              nodes, vocab, num_chunks, GREEDY=True, FILTERS=False, KEY_BITS=key_bits,

@@ -2,8 +2,10 @@
 
 Without CUDA the Triton kernels run in the interpreter (tests/conftest.py), which is slow: the
 vocabularies are small, and the vocabulary chunk is lowered so that every row spans several
-chunks with a ragged last one. Some cases also raise the radix to 8 bits (half the levels of
-the top-k / top-p searches) to keep the run short; the code is the same for any radix.
+chunks with a ragged last one. Most filter cases keep few candidates per chunk, so that rows
+whose thresholds the candidates cannot decide take the radix search over their whole row;
+some raise its radix to 8 bits (half the levels) to keep the run short; the code is the same
+for any radix.
 Outputs must be equal: the fused stage sums in another order than torch, which can only
 matter when a coin falls within rounding of a boundary (not on these seeds).
 """
@@ -100,12 +102,14 @@ def assert_same(stage: dict[str, Tensor], **options) -> list[Tensor]:
 
 @pytest.fixture
 def chunk(monkeypatch):
-    """Set the vocabulary chunk (and optionally the radix bits and the searches' block) of the fused kernels."""
+    """Set the vocabulary chunk (and optionally the radix bits, the radix searches' block and the
+    candidates per chunk) of the fused kernels."""
     def set_sizes(chunk_v: int, radix_bits: int = fused_accept.RADIX_BITS,
-                  hist_block: int = fused_accept.HIST_BLOCK) -> None:
+                  hist_block: int = fused_accept.HIST_BLOCK, candidates: int = fused_accept.CANDIDATES) -> None:
         monkeypatch.setattr(fused_accept, "CHUNK_V", chunk_v)
         monkeypatch.setattr(fused_accept, "RADIX_BITS", radix_bits)
         monkeypatch.setattr(fused_accept, "HIST_BLOCK", hist_block)
+        monkeypatch.setattr(fused_accept, "CANDIDATES", candidates)
     return set_sizes
 
 
@@ -164,22 +168,22 @@ def filter_kinds(vocab: int) -> list[tuple[int, float]]:
 
 
 FILTER_CASES = [
-    # (batch, nodes, V, dtype, chunk, radix bits, tree shape, quantisation levels)
-    (6, 3, 97, BF16, 32, 4, "random", 0),
-    (5, 4, 300, F32, 128, 8, "deep", 0),
-    (5, 4, 1000, BF16, 256, 8, "random", 5),
-    (4, 3, 300, F16, 128, 4, "wide", 0),
-    (3, 4, 97, F32, 64, 4, "chain", 3),
-    (6, 3, 97, BF16, 64, 8, "chain", 0),
+    # (batch, nodes, V, dtype, chunk, radix bits, tree shape, quantisation levels, candidates per chunk)
+    (6, 3, 97, BF16, 32, 4, "random", 0, 4),
+    (5, 4, 300, F32, 128, 8, "deep", 0, 2),
+    (5, 4, 1000, BF16, 256, 8, "random", 5, 8),
+    (4, 3, 300, F16, 128, 4, "wide", 0, 32),
+    (3, 4, 97, F32, 64, 4, "chain", 3, 4),
+    (6, 3, 97, BF16, 64, 8, "chain", 0, 64),
 ]
 
 
 @pytest.mark.parametrize("repeat", [0, 1])
 @pytest.mark.parametrize("index, case", list(enumerate(FILTER_CASES)),
-                         ids=[f"B{c[0]}-T{c[1]}-V{c[2]}-{str(c[3])[6:]}-r{c[5]}" for c in FILTER_CASES])
+                         ids=[f"B{c[0]}-T{c[1]}-V{c[2]}-{str(c[3])[6:]}-r{c[5]}-c{c[8]}" for c in FILTER_CASES])
 def test_top_k_top_p_match_reference(repeat, index, case, chunk):
-    bs, nodes, vocab, dtype, chunk_v, radix_bits, shape, levels = case
-    chunk(chunk_v, radix_bits)
+    bs, nodes, vocab, dtype, chunk_v, radix_bits, shape, levels, candidates = case
+    chunk(chunk_v, radix_bits, candidates=candidates)
     seed = index + len(FILTER_CASES) * repeat
     stage = random_stage(100 + seed, bs, nodes, vocab, dtype, shape=shape, levels=levels)
     assert_same(stage, greedy=False, **row_params(vocab, bs, seed, filter_kinds(vocab)))
@@ -187,7 +191,7 @@ def test_top_k_top_p_match_reference(repeat, index, case, chunk):
 
 def test_filters_keep_ties_and_long_paths(chunk):
     """Quantised logits tie at the top-k / top-p boundaries; favoured children give long paths."""
-    chunk(32, 8)
+    chunk(32, 8, candidates=4)
     vocab, bs, nodes = 70, 4, 6
     stage = random_stage(7, bs, nodes, vocab, BF16, shape="chain", levels=3, oracle=1.0, boost=12.0)
     params = row_params(vocab, bs, 1, [(2, 1.0), (3, 0.7), (0, 0.5), (vocab - 2, 0.999)])
@@ -196,15 +200,32 @@ def test_filters_keep_ties_and_long_paths(chunk):
 
 
 @pytest.mark.parametrize("dtype", [BF16, F32])
-def test_filters_skip_blocks_and_chunks(dtype, chunk):
-    """Several blocks per chunk: the searches skip the blocks and chunks whose maximum key is
-    below their range (a few peaked rows make most of them skippable after the first level)."""
-    chunk(64, 4, hist_block=16)
+def test_candidates_and_radix_search_find_the_same_floors(dtype, chunk):
+    """The two ways to a row's floor agree: candidates that hold whole chunks decide every row,
+    two per chunk send the flat rows (top-p needs many keys) and big top-k to the radix search,
+    which skips the chunks whose largest key is below its range (row 0's far tail) and reads
+    several blocks per chunk."""
     vocab, bs, nodes = 200, 4, 3
     stage = random_stage(11, bs, nodes, vocab, dtype, shape="chain", oracle=1.0, boost=8.0)
-    stage["logits"][0, :, 100:] -= 20.0  # row 0: every key past the first chunks is far below the head
-    params = row_params(vocab, bs, 3, [(3, 1.0), (0, 0.8), (20, 0.95), (2, 0.99)])
-    assert_same(stage, greedy=False, **params)
+    logits = stage["logits"]
+    logits[0, :, 100:] -= 20.0  # row 0: every key past the first chunks is far below the head
+    logits[1] = (logits[1] * 0.05).to(dtype)  # flat: top-p 0.8 keeps most of the row
+    params = {"temperature": torch.tensor([1.0, 1.0, 0.7, 1.3]), "top_k": torch.tensor([3, 0, 20, 2]),
+              "top_p": torch.tensor([1.0, 0.8, 0.95, 0.99])}
+
+    def stats(candidates: int):
+        chunk(64, 4, hist_block=16, candidates=candidates)
+        out = fused_accept._row_stats(logits.to(DEVICE), nodes, greedy=False, filters=True,
+                                      **{k: v.to(DEVICE) for k, v in params.items()})
+        return out.floor.cpu(), out.kept.cpu(), out.exact.cpu()
+
+    whole_floor, whole_kept, whole_exact = stats(64)
+    assert whole_exact.all()  # nothing left out of the candidates
+    floor, kept, exact = stats(2)
+    assert 0 < exact.sum() < exact.numel()  # both ways taken
+    assert torch.equal(floor, whole_floor)
+    torch.testing.assert_close(kept, whole_kept, rtol=1e-5, atol=0)
+    assert_same(stage, greedy=False, **params)  # and both equal the reference
 
 
 # ---------------------------------------------------------------------------------------
@@ -212,22 +233,22 @@ def test_filters_skip_blocks_and_chunks(dtype, chunk):
 # ---------------------------------------------------------------------------------------
 
 KEYED_CASES = [
-    # (batch, nodes, V, dtype, chunk, radix bits, tree shape, quantisation levels)
-    (6, 4, 97, BF16, 32, 4, "random", 0),
-    (5, 5, 300, F32, 128, 8, "deep", 0),
-    (4, 6, 200, BF16, 64, 8, "chain", 3),  # ties, also at the filters' boundaries
-    (3, 4, 300, F16, 128, 4, "wide", 0),
+    # (batch, nodes, V, dtype, chunk, radix bits, tree shape, quantisation levels, candidates per chunk)
+    (6, 4, 97, BF16, 32, 4, "random", 0, 4),
+    (5, 5, 300, F32, 128, 8, "deep", 0, 32),
+    (4, 6, 200, BF16, 64, 8, "chain", 3, 2),  # ties, also at the filters' boundaries
+    (3, 4, 300, F16, 128, 4, "wide", 0, 8),
 ]
 
 
 @pytest.mark.parametrize("index, case", list(enumerate(KEYED_CASES)),
                          ids=[f"B{c[0]}-T{c[1]}-V{c[2]}-{str(c[3])[6:]}" for c in KEYED_CASES])
 def test_keyed_accept_matches_reference(index, case, chunk):
-    """The fused keyed stage (filters' floors from the radix searches, the noise hashed in the
-    kernel, the walk over the chunks' maxima) equals keyed_scores + the greedy walk; greedy
-    rows are mixed in, and seeds and positions vary per row and node."""
-    bs, nodes, vocab, dtype, chunk_v, radix_bits, shape, levels = case
-    chunk(chunk_v, radix_bits)
+    """The fused keyed stage (filters' floors from the candidates or the radix search, the noise
+    hashed in the kernel, the walk over the chunks' maxima) equals keyed_scores + the greedy
+    walk; greedy rows are mixed in, and seeds and positions vary per row and node."""
+    bs, nodes, vocab, dtype, chunk_v, radix_bits, shape, levels, candidates = case
+    chunk(chunk_v, radix_bits, candidates=candidates)
     stage = random_stage(300 + index, bs, nodes, vocab, dtype, shape=shape, levels=levels, oracle=0.0)
     del stage["coins"], stage["final_coins"]
     params = row_params(vocab, bs, index, filter_kinds(vocab))

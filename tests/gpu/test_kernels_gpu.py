@@ -143,3 +143,26 @@ def test_keyed_accept_matches_reference_at_full_vocabulary(dtype):
     actual = run_on("cuda", tree_accept_keyed_triton, stage, **options)
     for a, e in zip(actual, expected):
         assert torch.equal(a, e)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_candidates_and_radix_search_agree_at_full_vocabulary(dtype, monkeypatch):
+    """The filters' floors from the candidates equal the radix search's: at 2 candidates per
+    chunk most rows take the search, at the default most are decided by the candidates, and
+    the rows both decide give the same floor and mass."""
+    from kernels import fused_accept
+
+    bs, nodes = 4, 65
+    logits = random_stage(9, bs, nodes, VOCAB, dtype)["logits"].cuda()
+    params = {k: v.cuda() for k, v in row_params(VOCAB, bs, 4, [(50, 0.9), (50, 1.0), (0, 0.9), (20, 0.5)]).items()}
+
+    def stats(candidates: int):
+        monkeypatch.setattr(fused_accept, "CANDIDATES", candidates)
+        out = fused_accept._row_stats(logits, nodes, greedy=False, filters=True, **params)
+        return out.floor.cpu(), out.kept.cpu(), out.exact.cpu()
+
+    floor, kept, exact = stats(fused_accept.CANDIDATES)
+    few_floor, few_kept, few_exact = stats(2)
+    assert exact.float().mean() > 0.5 and few_exact.float().mean() < exact.float().mean()
+    assert torch.equal(floor, few_floor)
+    torch.testing.assert_close(kept, few_kept, rtol=1e-4, atol=0)
