@@ -5,7 +5,6 @@ and interceptors (e.g. `common.auth.ApiKeyInterceptor`)."""
 from __future__ import annotations
 
 import grpc
-from google.protobuf import message_factory
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection, reflection_pb2
@@ -38,6 +37,11 @@ def server_options(max_receive_bytes: int) -> list[tuple[str, int]]:
             ("grpc.so_reuseport", 0), *KEEPALIVE_OPTIONS]
 
 
+def _serialize(reply) -> bytes:
+    """A reply message, or one the servicer serialised itself (the verifier's link replies)."""
+    return reply if isinstance(reply, bytes) else reply.SerializeToString()
+
+
 def add_raw_servicer(server: grpc.aio.Server, service_name: str, servicer) -> None:
     """Register `servicer`'s methods for the ddtree service `service_name`, its requests
     handed over as bytes: the servicer parses them (`common.rpc.decode_message`), so that a
@@ -46,9 +50,8 @@ def add_raw_servicer(server: grpc.aio.Server, service_name: str, servicer) -> No
     service = pb.DESCRIPTOR.services_by_name[service_name.rsplit(".", 1)[-1]]
     handlers = {}
     for method in service.methods:
-        reply = message_factory.GetMessageClass(method.output_type)
         make = _HANDLERS[method.client_streaming, method.server_streaming]
-        handlers[method.name] = make(getattr(servicer, method.name), response_serializer=reply.SerializeToString)
+        handlers[method.name] = make(getattr(servicer, method.name), response_serializer=_serialize)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
     server.add_registered_method_handlers(service.full_name, handlers)
 

@@ -31,24 +31,6 @@ _DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
 _INT_DTYPES = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-def write_tensor(field: pb.Tensor, t: torch.Tensor) -> None:
-    """Fill a message's Tensor field in place (assigning the fields directly: building a
-    pb.Tensor and copying it in costs a copy of megabytes more)."""
-    if t.dtype not in _DTYPE_NAMES:
-        raise WireError(f"dtype {t.dtype} cannot be sent")
-    t = t.detach().contiguous().cpu()
-    raw = t.view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
-    field.data = raw.numpy().tobytes()
-    field.dtype = _DTYPE_NAMES[t.dtype]
-    field.shape[:] = list(t.shape)
-
-
-def encode_tensor(t: torch.Tensor) -> pb.Tensor:
-    msg = pb.Tensor()
-    write_tensor(msg, t)
-    return msg
-
-
 def decode_tensor(msg: pb.Tensor, *, max_elements: int) -> torch.Tensor:
     dtype = _DTYPES.get(msg.dtype)
     if dtype is None:
@@ -201,10 +183,23 @@ def _invalid(session_id: int, message: str) -> StepResult:
     return StepResult(session_id, StatusError("INVALID_ARGUMENT", message))
 
 
+@dataclass(frozen=True)
+class EncodedReply:
+    """A serialised LinkResponse, and each of its results' (session id, kind): what the link's
+    session timers read, without parsing the message again."""
+    data: bytes
+    results: tuple[tuple[int, str], ...]
+
+
 def encode_link_response(step: int, results: Sequence[StepResult], feature_dim: int,
-                         dtype: torch.dtype, step_seconds: float = 0.0) -> pb.LinkResponse:
+                         dtype: torch.dtype, step_seconds: float = 0.0) -> EncodedReply:
     """Results in order, with the features of all of them in one tensor (rows in result order),
-    and the time of the verifier step that made them."""
+    and the time of the verifier step that made them; serialised.
+
+    The features (megabytes per step) are copied once, into the serialised reply: the message
+    is serialised without them and their field appended after it (protobuf's wire format allows
+    a message's fields in any order), instead of copying them into the message and then into its
+    serialisation."""
     msg = pb.LinkResponse(step=step, step_seconds=step_seconds)
     rows = []
     for r in results:
@@ -225,8 +220,33 @@ def encode_link_response(step: int, results: Sequence[StepResult], feature_dim: 
             rows.append(o.features)
         else:
             msg.results.add(session_id=r.session_id, error=pb.Error(code=status_code(o.status), message=o.message))
-    write_tensor(msg.features, _stack_rows(rows, feature_dim, dtype))
-    return msg
+    data = b"".join([msg.SerializeToString(), *_tensor_field(_FEATURES_FIELD, _stack_rows(rows, feature_dim, dtype))])
+    return EncodedReply(data, tuple((r.session_id, r.WhichOneof("kind")) for r in msg.results))
+
+
+_FEATURES_FIELD = pb.LinkResponse.DESCRIPTOR.fields_by_name["features"].number
+_DATA_FIELD = pb.Tensor.DESCRIPTOR.fields_by_name["data"].number
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n > 0x7F:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def _tensor_field(number: int, t: torch.Tensor) -> list:
+    """Field `number` holding t as a pb.Tensor, in protobuf's wire format: [its header, a view
+    of t's bytes] (joined by the caller, the one copy of the data)."""
+    if t.dtype not in _DTYPE_NAMES:
+        raise WireError(f"dtype {t.dtype} cannot be sent")
+    t = t.detach().contiguous().cpu()
+    raw = memoryview(t.view(torch.uint8).numpy().reshape(-1)) if t.numel() else b""
+    head = pb.Tensor(dtype=_DTYPE_NAMES[t.dtype], shape=list(t.shape)).SerializeToString()
+    data_key = _varint(_DATA_FIELD << 3 | 2) + _varint(len(raw))
+    return [_varint(number << 3 | 2), _varint(len(head) + len(data_key) + len(raw)), head, data_key, raw]
 
 
 def _write_logprobs(result, logprobs: list[TokenLogprob] | None) -> None:

@@ -7,6 +7,7 @@ import torch
 
 from common.protocol import (CloseEntry, Extended, ExtendEntry, OpenEntry, Prefilled, SamplingParams, StatusError,
                              StepResult, TokenLogprob, TreeEntry, Verified)
+from common.rpc import pb
 from common.tree import DraftTree
 from common.wire import (LinkLimits, WireError, decode_link_request, decode_link_response, encode_link_request,
                          encode_link_response)
@@ -42,14 +43,33 @@ def test_response_round_trip_keeps_each_sessions_rows():
     results = [StepResult(1, Verified([4, 5], 6, rows[:3], 2)), StepResult(2, StatusError("NOT_FOUND", "gone")),
                StepResult(3, Prefilled(8, rows[3:7], 64)), StepResult(4, Verified([], 9, rows[:0], 1)),
                StepResult(5, Extended(rows[2:6]))]
-    got = decode_link_response(encode_link_response(5, results, WIDTH, torch.float32), vocab_size=VOCAB,
-                               feature_dim=WIDTH, max_feature_rows=100)
+    got = decode_link_response(_response(results, step=5), vocab_size=VOCAB, feature_dim=WIDTH, max_feature_rows=100)
     assert [r.session_id for r in got] == [1, 2, 3, 4, 5]
     assert isinstance(got[4].outcome, Extended) and torch.equal(got[4].outcome.features, rows[2:6])
     assert got[0].outcome.accepted_tokens == [4, 5] and torch.equal(got[0].outcome.features, rows[:3])
     assert (got[1].outcome.status, got[1].outcome.message) == ("NOT_FOUND", "gone")
     assert got[2].outcome.token == 8 and torch.equal(got[2].outcome.features, rows[3:7])
     assert got[3].outcome.features.shape == (0, WIDTH)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_an_encoded_reply_is_the_message_with_its_features_appended(dtype):
+    """The serialised reply (features appended by hand) parses as protobuf's own message would,
+    and lists each result's session and kind for the link's timers."""
+    rows = features(5, 0).to(dtype)
+    results = [StepResult(1, Verified([4, 5], 6, rows[:3], 2)), StepResult(2, StatusError("NOT_FOUND", "gone")),
+               StepResult(3, Prefilled(8, rows[3:5], 64)), StepResult(4, Extended(rows[:0]))]
+    reply = encode_link_response(3, results, WIDTH, dtype, step_seconds=0.25)
+    msg = pb.LinkResponse.FromString(reply.data)
+    want = pb.LinkResponse.FromString(reply.data)
+    want.ClearField("features")
+    want.features.dtype, want.features.data = str(dtype).removeprefix("torch."), rows.view(torch.uint8).numpy().tobytes()
+    want.features.shape[:] = [5, WIDTH]
+    assert msg == want and msg.SerializeToString(deterministic=True) == want.SerializeToString(deterministic=True)
+    assert (msg.step, msg.step_seconds, len(msg.results)) == (3, 0.25, 4)
+    assert reply.results == ((1, "verified"), (2, "error"), (3, "prefilled"), (4, "extended"))
+    empty = pb.LinkResponse.FromString(encode_link_response(4, results[1:2], WIDTH, dtype).data)
+    assert list(empty.features.shape) == [0, WIDTH] and empty.features.data == b""
 
 
 def lp(token: int, value: float = -0.5, top=((1, -0.25), (2, -0.5))) -> TokenLogprob:
@@ -88,8 +108,9 @@ def test_top_counts_must_match_the_ids():
         decode_link_response(reply, vocab_size=VOCAB, feature_dim=WIDTH, max_feature_rows=100)
 
 
-def _response(results, width=WIDTH):
-    return encode_link_response(1, results, width, torch.float32)
+def _response(results, width=WIDTH, step=1) -> pb.LinkResponse:
+    """The reply the verifier would send, parsed as the drafter parses it."""
+    return pb.LinkResponse.FromString(encode_link_response(step, results, width, torch.float32).data)
 
 
 @pytest.mark.parametrize("results, needle", [
@@ -148,7 +169,7 @@ class _CannedStub:
     """A `verifier_stub` whose raw Link stream answers each message with the next canned reply."""
 
     def __init__(self, replies):
-        self.replies = [r.SerializeToString() for r in replies]
+        self.replies = [r.data for r in replies]
 
     def Link(self, requests):
         return iter(self.replies)

@@ -4,9 +4,9 @@ gRPC handlers run on the asyncio event loop and never wait on the model. A link 
 turns each decoded LinkRequest into a `LinkStep` (its entries, plus results already known
 from decoding), puts it on the worker's queue and awaits an asyncio future. The worker
 takes *every* pending LinkStep, from every link, and runs them as one verifier step: all
-their trees go through one batched forward (`TreeVerifier.step`). It then builds each
-link's LinkResponse off the event loop (the feature encoding copies bytes) and resolves the
-futures through `loop.call_soon_threadsafe`. A step takes one message per link (a link's
+their trees go through one batched forward (`TreeVerifier.step`). It then serialises each
+link's LinkResponse off the event loop (`EncodedReply`: the features copied once, into the
+reply) and resolves the futures through `loop.call_soon_threadsafe`. A step takes one message per link (a link's
 later ones wait for the next step, first in line), so a link with a backlog delays no other.
 
 `SessionTimers` (used by each link, on the event loop) closes, through the worker, the sessions
@@ -37,7 +37,7 @@ from opentelemetry import trace
 from common import metrics
 from common.protocol import CloseEntry, Entry, ExtendEntry, OpenEntry, StatusError, StepResult, TreeEntry, Verified
 from common.tracing import context_from_traceparent, tracer
-from common.wire import encode_link_response
+from common.wire import EncodedReply, encode_link_response
 from verifier_svc.tree_verifier import TreeVerifier, VerifierError
 
 log = logging.getLogger(__name__)
@@ -102,10 +102,9 @@ class SessionTimers:
             out.append(item)
         return out
 
-    def answered(self, reply, now: float) -> None:
-        """Note a reply written to the drafter (a pb.LinkResponse): start the timers of its sessions."""
-        for r in reply.results:
-            kind, sid = r.WhichOneof("kind"), r.session_id
+    def answered(self, reply: EncodedReply, now: float) -> None:
+        """Note a reply written to the drafter: start the timers of its sessions."""
+        for sid, kind in reply.results:
             if kind == "error":
                 self.sessions.discard(sid)
                 self._deadlines.pop(sid, None)

@@ -286,7 +286,7 @@ class _Link:
         while (future := await pending.get()) is not None:
             reply = await future
             self.timers.answered(reply, time.monotonic())  # before the write: the next message may come at once
-            await self.context.write(reply)
+            await self.context.write(reply.data)
             self.messages += 1
 
     def _close_expired(self) -> None:
