@@ -888,7 +888,6 @@ def tree_accept_keyed_triton(logits: Tensor, tokens: Tensor, next_token: Tensor,
     chunk = chunk_size(vocab)
     num_chunks = triton.cdiv(vocab, chunk)
     key_bits = KEY_BITS[logits.dtype]
-    block = min(chunk, HIST_BLOCK)
     floor = _row_stats(logits, nodes, greedy=False, temperature=temperature, top_k=top_k, top_p=top_p,
                        filters=True).floor
     score_max = torch.empty((rows, num_chunks), dtype=torch.float32, device=dev)
