@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -18,7 +18,7 @@ import torch
 
 from common.protocol import (MAX_LOGPROBS, CloseEntry, Entry, Extended, ExtendEntry, OpenEntry, Prefilled,
                              SamplingParams, StatusError, StepResult, TokenLogprob, TreeEntry, Verified)
-from common.rpc import pb
+from common.rpc import decode_message, pb
 from common.tree import DraftTree
 
 
@@ -31,7 +31,9 @@ _DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
 _INT_DTYPES = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-def decode_tensor(msg: pb.Tensor, *, max_elements: int) -> torch.Tensor:
+def decode_tensor(msg: pb.Tensor, *, max_elements: int, data: bytes | memoryview | None = None) -> torch.Tensor:
+    """The tensor a message holds, a view of its data; `data` stands in for msg.data when given
+    (`parse_link_response`'s view of the features)."""
     dtype = _DTYPES.get(msg.dtype)
     if dtype is None:
         raise WireError(f"unknown tensor dtype {msg.dtype!r}; expected one of {sorted(_DTYPES)}")
@@ -44,7 +46,8 @@ def decode_tensor(msg: pb.Tensor, *, max_elements: int) -> torch.Tensor:
     if count > max_elements:
         raise WireError(f"tensor of {count} elements exceeds the limit of {max_elements}")
     itemsize = torch.empty(0, dtype=dtype).element_size()
-    data = msg.data  # each read of a bytes field makes a new bytes object: read it once
+    if data is None:
+        data = msg.data  # each read of a bytes field makes a new bytes object: read it once
     if len(data) != count * itemsize:
         raise WireError(f"tensor data is {len(data)} bytes, shape {shape} of {msg.dtype} needs {count * itemsize}")
     if count == 0:
@@ -299,14 +302,15 @@ def _stack_rows(rows: list[torch.Tensor], width: int, dtype: torch.dtype) -> tor
     return torch.cat(rows)
 
 
-def decode_link_response(msg: pb.LinkResponse, *, vocab_size: int, feature_dim: int,
-                         max_feature_rows: int) -> list[StepResult]:
-    """The results of a LinkResponse, each with its rows of the features (views).
+def decode_link_response(msg: pb.LinkResponse, *, vocab_size: int, feature_dim: int, max_feature_rows: int,
+                         feature_data: memoryview | None = None) -> list[StepResult]:
+    """The results of a LinkResponse, each with its rows of the features (views; of
+    `feature_data` where given, `parse_link_response`'s view of them).
 
     Raises WireError when the message is inconsistent: token ids outside the vocabulary,
     feature rows that do not add up, or a feature width other than `feature_dim`.
     """
-    features = decode_tensor(msg.features, max_elements=max_feature_rows * max(1, feature_dim))
+    features = decode_tensor(msg.features, max_elements=max_feature_rows * max(1, feature_dim), data=feature_data)
     if features.dim() != 2 or features.shape[1] != feature_dim:
         raise WireError(f"features of shape {list(features.shape)}, expected [rows, {feature_dim}]")
     out: list[StepResult] = []
@@ -347,6 +351,83 @@ def decode_link_response(msg: pb.LinkResponse, *, vocab_size: int, feature_dim: 
     if row != features.shape[0]:
         raise WireError(f"{features.shape[0]} feature rows sent, the results use {row}")
     return out
+
+
+# Replies from this size on have their features parsed as a view (`parse_link_response`).
+VIEW_MIN_BYTES = 1 << 16
+
+
+def parse_link_response(data: bytes) -> tuple[pb.LinkResponse, memoryview | None]:
+    """Parse a serialised LinkResponse without copying its features' data (megabytes per step):
+    returns the message without that data and a view of it in `data`. A reply laid out
+    otherwise than one `features` field holding one `data` field (protobuf would merge several)
+    is parsed whole instead, its features' data left in the message (None), and so is a small
+    reply (its copies cost less than finding the field). Raises ValueError as
+    `common.rpc.decode_message` does."""
+    span = _features_data_span(data) if len(data) >= VIEW_MIN_BYTES else None
+    if span is None:
+        return decode_message(pb.LinkResponse, data), None
+    field_start, sub_start, field_end, data_start, data_end, data_key = span
+    rest = data[sub_start:data_key] + data[data_end:field_end]  # the Tensor without its data
+    stripped = b"".join([data[:field_start], _varint(_FEATURES_FIELD << 3 | 2), _varint(len(rest)), rest,
+                         data[field_end:]])
+    return decode_message(pb.LinkResponse, stripped), memoryview(data)[data_start:data_end]
+
+
+class _Layout(Exception):
+    """Wire data `_features_data_span` does not take (malformed, or laid out unusually)."""
+
+
+def _read_varint(data: bytes, pos: int, end: int) -> tuple[int, int]:
+    value = shift = 0
+    while pos < end and shift < 64:
+        byte = data[pos]
+        pos += 1
+        value |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return value, pos
+        shift += 7
+    raise _Layout
+
+
+def _field_spans(data: bytes, start: int, end: int) -> Iterator[tuple[int, int, int, int, int]]:
+    """(field number, wire type, key start, value start, value end) of each field in data[start:end]."""
+    pos = start
+    while pos < end:
+        key, value_start = _read_varint(data, pos, end)
+        number, wire_type = key >> 3, key & 7
+        if wire_type == 0:
+            _, value_end = _read_varint(data, value_start, end)
+        elif wire_type == 1:
+            value_end = value_start + 8
+        elif wire_type == 5:
+            value_end = value_start + 4
+        elif wire_type == 2:
+            length, value_start = _read_varint(data, value_start, end)
+            value_end = value_start + length
+        else:
+            raise _Layout
+        if number == 0 or value_end > end:
+            raise _Layout
+        yield number, wire_type, pos, value_start, value_end
+        pos = value_end
+
+
+def _features_data_span(data: bytes) -> tuple[int, int, int, int, int, int] | None:
+    """Where a reply's one `features` field and its one `data` field lie: (field key start,
+    field value start, field end, data value start, data value end, data key start), or None."""
+    try:
+        features = [f for f in _field_spans(data, 0, len(data)) if f[0] == _FEATURES_FIELD]
+        if len(features) != 1 or features[0][1] != 2:
+            return None
+        _, _, field_start, sub_start, field_end = features[0]
+        fields = [f for f in _field_spans(data, sub_start, field_end) if f[0] == _DATA_FIELD]
+        if len(fields) != 1 or fields[0][1] != 2:
+            return None
+        _, _, data_key, data_start, data_end = fields[0]
+    except _Layout:
+        return None
+    return field_start, sub_start, field_end, data_start, data_end, data_key
 
 
 def status_code(name: str) -> int:

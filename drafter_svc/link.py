@@ -25,10 +25,10 @@ import grpc
 from common.config import DraftConfig, TargetConfig
 from common.protocol import (CloseEntry, Entry, Extended, ExtendEntry, OpenEntry, Prefilled, StatusError, StepResult,
                              TreeEntry, Verified)
-from common.rpc import CHANNEL_OPTIONS, decode_message, pb, pb_grpc
+from common.rpc import CHANNEL_OPTIONS, pb, pb_grpc
 from common.tls import ChannelTls
 from common.tls import open_channel as open_tls_channel
-from common.wire import WireError, decode_link_response, encode_link_request
+from common.wire import WireError, decode_link_response, encode_link_request, parse_link_response
 
 _END = object()
 # A verifier that comes back is dialled again within a second (gRPC's own backoff grows to 2 minutes).
@@ -173,11 +173,12 @@ class GrpcLink(_Lockstep):
                 raise StatusError("UNAVAILABLE", "verifier closed the link") from None
         self.bytes_received += len(data)
         try:
-            reply = decode_message(pb.LinkResponse, data)  # ValueError (a WireError's base) when corrupt
+            reply, feature_data = parse_link_response(data)  # ValueError (a WireError's base) when corrupt
             if reply.step != step:
                 raise WireError(f"reply to step {reply.step}, expected {step}")
             results = decode_link_response(reply, vocab_size=self.vocab_size, feature_dim=self.feature_dim,
-                                           max_feature_rows=(len(entries) + 1) * self.max_seq_len)
+                                           max_feature_rows=(len(entries) + 1) * self.max_seq_len,
+                                           feature_data=feature_data)
             check_results(entries, results)
         except (ValueError, StatusError) as exc:
             self.close()

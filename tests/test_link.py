@@ -2,15 +2,19 @@
 the link codec's round trip: nothing from the wire reaches the draft model unchecked."""
 from __future__ import annotations
 
+import collections
+
+import numpy as np
 import pytest
 import torch
 
 from common.protocol import (CloseEntry, Extended, ExtendEntry, OpenEntry, Prefilled, SamplingParams, StatusError,
                              StepResult, TokenLogprob, TreeEntry, Verified)
-from common.rpc import pb
+from common.rpc import decode_message, pb
+from common import wire
 from common.tree import DraftTree
 from common.wire import (LinkLimits, WireError, decode_link_request, decode_link_response, encode_link_request,
-                         encode_link_response)
+                         encode_link_response, parse_link_response)
 from drafter_svc.link import check_results
 
 VOCAB, WIDTH = 50, 6
@@ -70,6 +74,91 @@ def test_an_encoded_reply_is_the_message_with_its_features_appended(dtype):
     assert reply.results == ((1, "verified"), (2, "error"), (3, "prefilled"), (4, "extended"))
     empty = pb.LinkResponse.FromString(encode_link_response(4, results[1:2], WIDTH, dtype).data)
     assert list(empty.features.shape) == [0, WIDTH] and empty.features.data == b""
+
+
+def _parsed_whole(data: bytes):
+    """(message, features' data) as protobuf parses `data`, or the ValueError it raises."""
+    try:
+        msg = decode_message(pb.LinkResponse, data)
+    except ValueError as exc:
+        return exc
+    return msg, msg.features.data
+
+
+def _parsed_by_view(data: bytes):
+    """The same from parse_link_response: its message with the data put back from the view."""
+    try:
+        msg, view = parse_link_response(data)
+    except ValueError as exc:
+        return exc
+    if view is not None:
+        assert msg.features.data == b""
+        msg.features.data = bytes(view)
+    return msg, msg.features.data
+
+
+def _replies() -> list[bytes]:
+    rows = features(6, 3)
+    results = [StepResult(1, Verified([4, 5], 6, rows[:3], 2, [lp(4), lp(5), lp(6)])),
+               StepResult(2, StatusError("NOT_FOUND", "gone")), StepResult(3, Prefilled(8, rows[3:6], 64))]
+    ours = encode_link_response(7, results, WIDTH, torch.float32, step_seconds=0.5).data
+    protobufs = pb.LinkResponse.FromString(ours).SerializeToString()  # the features in field order, mid-message
+    return [ours, protobufs]
+
+
+@pytest.fixture
+def views_of_any_size(monkeypatch):
+    monkeypatch.setattr(wire, "VIEW_MIN_BYTES", 0)
+
+
+def test_replies_parse_with_their_features_as_a_view(views_of_any_size):
+    """Our replies and protobuf's own serialisation: the features' data is a view into the
+    received bytes (no copy), and everything else is what protobuf parses."""
+    for data in _replies():
+        msg, view = parse_link_response(data)
+        assert view is not None and view.obj is data
+        whole = decode_message(pb.LinkResponse, data)
+        assert bytes(view) == whole.features.data and len(view) == 6 * WIDTH * 4
+        msg.features.data = bytes(view)
+        assert msg == whole
+
+
+def test_small_replies_are_parsed_whole():
+    data = _replies()[0]
+    assert len(data) < wire.VIEW_MIN_BYTES and parse_link_response(data)[1] is None
+    assert _parsed_by_view(data) == _parsed_whole(data)
+
+
+def test_unusual_and_corrupt_replies_parse_as_protobuf_parses_them(views_of_any_size):
+    """Two features fields (protobuf merges them), and thousands of random corruptions of valid
+    replies: parse_link_response gives exactly protobuf's message, or refuses what protobuf
+    refuses. (Not always with the same words: where a corruption runs past its field, what the
+    parser reads next differs once the features' data is cut out.)"""
+    ours, protobufs = _replies()
+    twice = ours + ours
+    assert parse_link_response(twice)[1] is None  # not one features field: parsed whole
+    assert _parsed_by_view(twice) == _parsed_whole(twice)
+    rng = np.random.default_rng(0)
+    outcomes = collections.Counter()
+    for _ in range(3000):
+        data = bytearray(ours if rng.random() < 0.5 else protobufs)
+        for _ in range(int(rng.integers(1, 4))):
+            if len(data) < 2:
+                break
+            at = int(rng.integers(1, len(data)))
+            if rng.random() < 0.15:
+                del data[at:]  # truncated
+            else:
+                data[at] = int(rng.integers(256))
+        data = bytes(data)
+        whole, by_view = _parsed_whole(data), _parsed_by_view(data)
+        if isinstance(whole, ValueError):
+            assert isinstance(by_view, ValueError), by_view
+            outcomes["refused"] += 1
+        else:
+            assert by_view == whole
+            outcomes["parsed"] += 1
+    assert outcomes["refused"] > 100 and outcomes["parsed"] > 100, outcomes
 
 
 def lp(token: int, value: float = -0.5, top=((1, -0.25), (2, -0.5))) -> TokenLogprob:
