@@ -230,12 +230,12 @@ def _chunk_stats_kernel(logits_ptr, temperature_ptr, top_k_ptr, top_p_ptr, part_
                 counts = tl.histogram((key >> (KEY_BITS - RADIX_BITS)).to(tl.int32), RADIX, mask=offs < V)
                 tl.store(count_ptr + (row * C + chunk) * RADIX + tl.arange(0, RADIX), counts)
             key = tl.where(offs < V, key, -1)
-            slots = tl.arange(0, CAND)
+            slots, lanes = tl.arange(0, CAND), tl.arange(0, CHUNK)
             cand = tl.full([CAND], -1, key.dtype)
             for i in tl.static_range(CAND):  # the largest key left, CAND times: ties count once each
                 best, at = tl.max(key, axis=0, return_indices=True, return_indices_tie_break_left=True)
                 cand = tl.where(slots == i, best, cand)
-                key = tl.where(tl.arange(0, CHUNK) == at, -2, key)
+                key = tl.where(lanes == at, -2, key)
             tl.store(cand_ptr + (row * C + chunk) * CAND + slots, tl.maximum(cand, -1))
             tl.store(left_out_ptr + row * C + chunk, tl.maximum(tl.max(key, axis=0), -1))
 
@@ -795,7 +795,7 @@ def _row_stats(logits: Tensor, nodes: int, *, greedy: bool, temperature: Tensor 
         nodes, vocab, num_chunks, GREEDY=greedy, FILTERS=filters, KEY_BITS=key_bits, RADIX_BITS=RADIX_BITS,
         CAND=CANDIDATES, CHUNK=chunk, BLOCK=block)
     if search:
-        stats.floor = torch.zeros(rows, dtype=torch.int64, device=dev)
+        stats.floor = torch.empty(rows, dtype=torch.int64, device=dev)  # every row written by `_run_searches`
         stats.kept = torch.empty(rows, dtype=torch.float32, device=dev)
         _run_searches(search, logits, temperature, top_k, top_p, stats.part_max, stats.part_aux, stats.floor,
                       stats.kept, nodes, chunk, block)

@@ -6,8 +6,9 @@ from decoding), puts it on the worker's queue and awaits an asyncio future. The 
 takes *every* pending LinkStep, from every link, and runs them as one verifier step: all
 their trees go through one batched forward (`TreeVerifier.step`). It then serialises each
 link's LinkResponse off the event loop (`EncodedReply`: the features copied once, into the
-reply) and resolves the futures through `loop.call_soon_threadsafe`. A step takes one message per link (a link's
-later ones wait for the next step, first in line), so a link with a backlog delays no other.
+reply) and resolves the futures through `loop.call_soon_threadsafe`. A step takes one message
+per link (a link's later ones wait for the next step, first in line), so a link with a backlog
+delays no other.
 
 `SessionTimers` (used by each link, on the event loop) closes, through the worker, the sessions
 a drafter opened and never sent a tree for (the open timeout) or stopped sending for (the idle
