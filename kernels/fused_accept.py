@@ -21,20 +21,22 @@ kept logits (the whole row without filters). p is non-decreasing in x for T > 0,
 top-k and top-p sets are thresholds on the logit itself, compared as a monotone integer key
 (16 bits for bf16/fp16, 32 for fp32; -0.0 and +0.0 share a key). Most rows get them from a
 candidate set: the stats pass also keeps each chunk's CANDIDATES largest keys and the largest
-key it left out, and one program per row sorts its chunks' candidates and finds the top-k key
+key it left out (taken from the CANDIDATES + 1 sub-chunks of SUB_CHUNK keys with the largest
+maxima), and one program per row sorts its chunks' candidates and finds the top-k key
 (the k-th) and the top-p key (the first whose running mass reaches top_p * the mass top-k
 keeps) among them, ties included. That is exact whenever the threshold found is above every
 key left out, since the candidates then hold every key at or above it. The other rows (top-k
 beyond the candidates, or a top-p head longer than them, as on a flat distribution) take a
-radix search over the whole row, RADIX_BITS = 4 bits per level: each level is one (row, chunk)
-pass that first picks the previous level's digit (every program reduces that level's
+radix search over the whole row, RADIX_BITS = 4 bits per level: each level is one pass over
+the (row, chunk) pairs of those rows (listed by the per-row program, shared by a fixed number
+of programs) that first picks the previous level's digit (every program reduces that level's
 per-chunk counts of its row, which is cheap) and then counts the chunk's keys per digit
-(tl.histogram), with their mass in the top-p search; the first level's counts come with the
-stats pass, a last per-row launch picks the last digit. A pass reads only the blocks of
-logits whose maximum key (noted by the stats pass) reaches its level's range, and the rows
-the candidates decided skip it at once. The top-k search keeps the k-th largest logit and its
-ties; the top-p search then runs over the kept logits with the goal top_p * (their mass) and
-keeps the smallest head that reaches it, ties included, as process_probs does.
+(tl.histogram), with their mass in the top-p search; a last launch picks the last digit. A
+pass reads only the blocks of logits whose maximum key (noted by the stats pass) reaches its
+level's range; with no row listed, its launch costs little. The top-k search keeps the k-th
+largest logit and its ties; the top-p search then runs over the kept logits with the goal
+top_p * (their mass) and keeps the smallest head that reaches it, ties included, as
+process_probs does.
 
 Differences to the references are float rounding only: Z and the masses are float32 sums
 in another order, and exp2 replaces torch's exp, so a sampled outcome can only differ where
@@ -72,6 +74,12 @@ HIST_BLOCK = 256
 RADIX_BITS = 4
 # Largest keys each chunk keeps as top-k / top-p candidates (a power of two); tests change it.
 CANDIDATES = 8
+# Sub-chunk of the stats pass's candidate selection (a power of two): the candidates are taken
+# from the CANDIDATES + 1 sub-chunks with the largest maxima (see `_chunk_stats_kernel`).
+SUB_CHUNK = 16
+# Programs of each radix search launch: they share the (row, chunk) work of the rows the
+# candidates left undecided, so a launch with none costs little; tests lower it.
+SEARCH_PROGRAMS = 1024
 KEY_BITS = {torch.bfloat16: 16, torch.float16: 16, torch.float32: 32}
 LOG2E = tl.constexpr(1.4426950408889634)
 # kernels.keyed_sampling's hash constants, as the kernels see them.
@@ -194,17 +202,39 @@ def _filters_on(top_k_ptr, top_p_ptr, b, V):
 
 
 @triton.jit
+def _largest(x, COUNT: tl.constexpr, SLOTS: tl.constexpr):
+    """The COUNT largest entries of the 1-D x (keys >= -1; ties are taken once each, the first
+    index first): their values, descending, and their indices in slots 0 .. COUNT - 1 of [SLOTS]
+    tensors (-1 and 0 past them), and the largest key left (-1 if none). By COUNT passes of a
+    max over x packed with its index into one distinct integer (cheaper here than an argmax,
+    and than a bitonic top-k)."""
+    N: tl.constexpr = x.shape[0]
+    slots, lanes = tl.arange(0, SLOTS), tl.arange(0, N)
+    packed = (x + 2) * N + (lanes ^ (N - 1))  # >= 0, ordered by (key, -index): N - 1 - index
+    values = tl.full([SLOTS], -1, x.dtype)
+    indices = tl.full([SLOTS], 0, tl.int32)
+    for i in tl.static_range(COUNT):
+        best = tl.max(packed, axis=0)
+        values = tl.where(slots == i, best // N - 2, values)
+        indices = tl.where(slots == i, (best % N ^ (N - 1)).to(tl.int32), indices)
+        packed = tl.where(packed == best, -1, packed)
+    return tl.maximum(values, -1), indices, tl.maximum(tl.max(packed, axis=0) // N - 2, -1)
+
+
+@triton.jit
 def _chunk_stats_kernel(logits_ptr, temperature_ptr, top_k_ptr, top_p_ptr, part_max_ptr, part_aux_ptr,
-                        block_max_ptr, count_ptr, cand_ptr, left_out_ptr, T, V, C, GREEDY: tl.constexpr,
-                        FILTERS: tl.constexpr, KEY_BITS: tl.constexpr, RADIX_BITS: tl.constexpr, CAND: tl.constexpr,
-                        CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+                        block_max_ptr, cand_ptr, left_out_ptr, todo_count_ptr, T, V, C, GREEDY: tl.constexpr,
+                        FILTERS: tl.constexpr, KEY_BITS: tl.constexpr, CAND: tl.constexpr, SUB: tl.constexpr,
+                        PICKED: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
     """Per (row, chunk): the maximum logit, and its first index (GREEDY) or sum exp2((x - max) * scale).
 
     FILTERS, where a filter is on, also writes the maximum key of each BLOCK of the chunk (the
-    searches skip the blocks below their range) and, where top-k is on, the counts of the first
-    top-k level: per digit key >> (KEY_BITS - RADIX_BITS) (see `_search_level_kernel`); and the
-    candidates: the chunk's CAND largest keys, descending (-1 past its last key), and the largest
-    key it leaves out (-1 if none), by CAND passes of a max (cheaper here than a bitonic top-k)."""
+    searches skip the blocks below their range) and the candidates: the chunk's CAND largest
+    keys, descending (-1 past its last key), and the largest key it leaves out (-1 if none).
+    Where SUB < CHUNK they are taken from the CAND + 1 sub-chunks of SUB keys with the largest
+    maxima (PICKED >= CAND + 1 rows, the rest masked), read again: exact, ties included, since
+    every key of another sub-chunk is at most those CAND + 1 maxima. (Program (0, 0) also
+    clears the searches' count of undecided rows, see `_filter_floor_kernel`.)"""
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     offs = chunk * CHUNK + tl.arange(0, CHUNK)
@@ -219,25 +249,25 @@ def _chunk_stats_kernel(logits_ptr, temperature_ptr, top_k_ptr, top_p_ptr, part_
     tl.store(part_max_ptr + row * C + chunk, chunk_max)
     tl.store(part_aux_ptr + row * C + chunk, aux)
     if FILTERS:
+        if (row == 0) & (chunk == 0):
+            tl.store(todo_count_ptr, 0)
         top_k_on, top_p_on = _filters_on(top_k_ptr, top_p_ptr, row // T, V)
         if top_k_on | top_p_on:
             key = _key(raw, KEY_BITS)
             NB: tl.constexpr = CHUNK // BLOCK
             tl.store(block_max_ptr + (row * C + chunk) * NB + tl.arange(0, NB),
                      tl.max(tl.reshape(key, (NB, BLOCK)), axis=1))
-            if top_k_on:
-                RADIX: tl.constexpr = 1 << RADIX_BITS
-                counts = tl.histogram((key >> (KEY_BITS - RADIX_BITS)).to(tl.int32), RADIX, mask=offs < V)
-                tl.store(count_ptr + (row * C + chunk) * RADIX + tl.arange(0, RADIX), counts)
             key = tl.where(offs < V, key, -1)
-            slots, lanes = tl.arange(0, CAND), tl.arange(0, CHUNK)
-            cand = tl.full([CAND], -1, key.dtype)
-            for i in tl.static_range(CAND):  # the largest key left, CAND times: ties count once each
-                best, at = tl.max(key, axis=0, return_indices=True, return_indices_tie_break_left=True)
-                cand = tl.where(slots == i, best, cand)
-                key = tl.where(lanes == at, -2, key)
-            tl.store(cand_ptr + (row * C + chunk) * CAND + slots, tl.maximum(cand, -1))
-            tl.store(left_out_ptr + row * C + chunk, tl.maximum(tl.max(key, axis=0), -1))
+            if SUB < CHUNK:
+                sub_max = tl.max(tl.reshape(key, (CHUNK // SUB, SUB)), axis=1)
+                _, sub, _ = _largest(sub_max, CAND + 1, PICKED)
+                sub_offs = chunk * CHUNK + sub[:, None] * SUB + tl.arange(0, SUB)[None, :]
+                live = (tl.arange(0, PICKED)[:, None] < CAND + 1) & (sub_offs < V)
+                sub_raw = tl.load(logits_ptr + row * V + sub_offs, mask=live, other=0.0)
+                key = tl.reshape(tl.where(live, _key(sub_raw, KEY_BITS), -1), (PICKED * SUB,))
+            cand, _, left_out = _largest(key, CAND, CAND)
+            tl.store(cand_ptr + (row * C + chunk) * CAND + tl.arange(0, CAND), cand)
+            tl.store(left_out_ptr + row * C + chunk, left_out)
 
 
 @triton.jit
@@ -296,12 +326,15 @@ def _key_value(key, KEY_BITS: tl.constexpr, DTYPE: tl.constexpr):
 
 @triton.jit
 def _filter_floor_kernel(logits_ptr, temperature_ptr, top_k_ptr, top_p_ptr, part_max_ptr, part_sum_ptr,
-                         cand_ptr, left_out_ptr, floor_ptr, kept_ptr, exact_ptr, T, V, C,
+                         cand_ptr, left_out_ptr, floor_ptr, kept_ptr, exact_ptr, top_k_floor_ptr, todo_ptr,
+                         todo_count_ptr, T, V, C,
                          KEY_BITS: tl.constexpr, CAND: tl.constexpr, SORTED: tl.constexpr, BLOCK_C: tl.constexpr):
     """Per row: the key floor and kept mass of its filters: top-p's where it is on (its
     threshold, the mass at and above it), else top-k's (its threshold, the mass it keeps),
     else 0 and the row's whole mass, where the sorted candidates decide them (exact_ptr 1);
-    elsewhere (0) the radix search writes them after."""
+    elsewhere (0) the radix search writes them after: such a row is appended to the searches'
+    list (todo_ptr, its length at todo_count_ptr; the order does not matter) and its top-k
+    search's floor (top_k_floor_ptr) is cleared: it stays 0 where top-k is off."""
     row = tl.program_id(0).to(tl.int64)
     b = row // T
     scale = _log2_scale(temperature_ptr, b)
@@ -339,6 +372,9 @@ def _filter_floor_kernel(logits_ptr, temperature_ptr, top_k_ptr, top_p_ptr, part
     tl.store(floor_ptr + row, floor.to(tl.int64))
     tl.store(kept_ptr + row, kept)
     tl.store(exact_ptr + row, exact.to(tl.int32))
+    if exact == 0:
+        tl.store(top_k_floor_ptr + row, tl.full([], 0, tl.int64))
+        tl.store(todo_ptr + tl.atomic_add(todo_count_ptr, 1), row.to(tl.int32))
 
 
 # The searches' levels are numbered 0 .. 2 * LEVELS - 1: top-k's, then top-p's, LEVELS =
@@ -348,13 +384,14 @@ def _filter_floor_kernel(logits_ptr, temperature_ptr, top_k_ptr, top_p_ptr, part
 
 @triton.jit
 def _takes_part(top_k_ptr, top_p_ptr, b, V, level, LEVELS: tl.constexpr):
-    """Whether batch row b takes part in level - 1 and in level. A row takes part in the top-k
-    levels where top-k is on, in the top-p levels where top-p is on, and in the first top-p
-    level also where top-k alone is (its masses sum to the mass that top-k keeps)."""
+    """Whether batch row b takes part in level - 1 (none before level 0) and in level. A row
+    takes part in the top-k levels where top-k is on, in the top-p levels where top-p is on,
+    and in the first top-p level also where top-k alone is (its masses sum to the mass that
+    top-k keeps)."""
     k = tl.load(top_k_ptr + b)
     top_k_on = (k > 0) & (k < V)  # as _filters_on, inline: the interpreter's calls are slow
     top_p_on = tl.load(top_p_ptr + b) < 1.0
-    before = (top_k_on & (level <= LEVELS + 1)) | (top_p_on & (level > LEVELS))
+    before = (level > 0) & ((top_k_on & (level <= LEVELS + 1)) | (top_p_on & (level > LEVELS)))
     at = (top_k_on & (level <= LEVELS)) | (top_p_on & (level >= LEVELS))
     return before, at
 
@@ -447,80 +484,81 @@ def _chunk_histogram(logits_ptr, block_max_ptr, row, chunk, V, C, prefix, floor,
 @triton.jit(do_not_specialize=["level"])
 def _search_level_kernel(logits_ptr, temperature_ptr, top_k_ptr, top_p_ptr, part_max_ptr, block_max_ptr,
                          count_in_ptr, mass_in_ptr, count_out_ptr, mass_out_ptr,
-                         prefix_ptr, above_count_ptr, above_mass_ptr, total_ptr, exact_ptr, T, V, C, R, level,
-                         shift, TOP_P: tl.constexpr, KEY_BITS: tl.constexpr, RADIX_BITS: tl.constexpr,
-                         CHUNK: tl.constexpr, BLOCK: tl.constexpr, BLOCK_C: tl.constexpr):
-    """Per (row, chunk), for a level >= 1 (its shift; TOP_P: a top-p level): pick the previous
-    level's digit (every program of the row does, from that level's partials; chunk 0 stores
-    the state), then write the chunk's counts (and masses, TOP_P) per digit of this level: of
-    the keys with the search's prefix, and at or above top-k's floor in the top-p search.
+                         prefix_ptr, above_count_ptr, above_mass_ptr, total_ptr, todo_ptr, todo_count_ptr,
+                         T, V, C, R, level, shift, TOP_P: tl.constexpr, KEY_BITS: tl.constexpr,
+                         RADIX_BITS: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr, BLOCK_C: tl.constexpr):
+    """One level (its shift; TOP_P: a top-p level) of the rows the candidates left undecided:
+    the programs share their (row, chunk) pairs. Per pair: pick the previous level's digit
+    (every program of the row does, from that level's partials; chunk 0 stores the state),
+    then write the chunk's counts (and masses, TOP_P) per digit of this level: of the keys
+    with the search's prefix, and at or above top-k's floor in the top-p search.
 
     The previous level's keys are at or above a bound (the prefix before it, and top-k's floor
     in the top-p search): a chunk whose maximum key is below it skips the pick (except chunk 0)
-    and the histogram. Rows the candidates decided (exact_ptr 1) take no part."""
+    and the histogram."""
     LEVELS: tl.constexpr = KEY_BITS // RADIX_BITS
     RADIX: tl.constexpr = 1 << RADIX_BITS
     NB: tl.constexpr = CHUNK // BLOCK
-    row = tl.program_id(0).to(tl.int64)
-    chunk = tl.program_id(1)
-    b = row // T
-    pick_on, count_on = _takes_part(top_k_ptr, top_p_ptr, b, V, level, LEVELS)
-    undecided = tl.load(exact_ptr + row) == 0
-    pick_on = pick_on & undecided
-    count_on = count_on & undecided
-    counts = tl.full([RADIX], 0, tl.int32)
-    masses = tl.full([RADIX], 0.0, tl.float32)
-    if pick_on | count_on:
-        prefix = tl.full([], 0, tl.int64)
-        if level >= 2:
-            prefix = tl.load(prefix_ptr + (level - 2) * R + row)
-        floor = tl.full([], 0, tl.int64)
-        if level > LEVELS:
-            floor = tl.load(prefix_ptr + (LEVELS - 1) * R + row)
-        chunk_max = tl.max(tl.load(block_max_ptr + (row * C + chunk) * NB + tl.arange(0, NB)), axis=0)
-        if (chunk == 0) | (chunk_max >= tl.maximum(prefix, floor)):
+    for item in range(tl.program_id(0), tl.load(todo_count_ptr) * C, tl.num_programs(0)):
+        row = tl.load(todo_ptr + item // C).to(tl.int64)
+        chunk = item % C
+        b = row // T
+        pick_on, count_on = _takes_part(top_k_ptr, top_p_ptr, b, V, level, LEVELS)
+        counts = tl.full([RADIX], 0, tl.int32)
+        masses = tl.full([RADIX], 0.0, tl.float32)
+        if pick_on | count_on:
             prefix = tl.full([], 0, tl.int64)
-            if pick_on:
-                prefix, above_count, above_mass, total, _ = _pick_digit(
-                    count_in_ptr, mass_in_ptr, prefix_ptr, above_count_ptr, above_mass_ptr, total_ptr, top_k_ptr,
-                    top_p_ptr, row, b, R, C, level - 1, (shift + RADIX_BITS) % KEY_BITS, KEY_BITS, RADIX_BITS,
-                    BLOCK_C)
-                if chunk == 0:
-                    state = (level - 1) * R + row
-                    tl.store(prefix_ptr + state, prefix)
-                    tl.store(above_count_ptr + state, above_count)
-                    tl.store(above_mass_ptr + state, above_mass)
-                    if level == LEVELS + 1:
-                        tl.store(total_ptr + row, total)
-            if TOP_P & (level == LEVELS):  # the top-p search starts at top-k's floor (0 without top-k)
-                floor = prefix
+            if pick_on & (level >= 2):  # (else this level starts the row's search)
+                prefix = tl.load(prefix_ptr + (level - 2) * R + row)
+            floor = tl.full([], 0, tl.int64)
+            if level > LEVELS:
+                floor = tl.load(prefix_ptr + (LEVELS - 1) * R + row)
+            chunk_max = tl.max(tl.load(block_max_ptr + (row * C + chunk) * NB + tl.arange(0, NB)), axis=0)
+            if (chunk == 0) | (chunk_max >= tl.maximum(prefix, floor)):
                 prefix = tl.full([], 0, tl.int64)
-            if count_on:
-                row_max = tl.full([], 0.0, tl.float32)
-                scale = tl.full([], 0.0, tl.float32)
-                if TOP_P:
-                    row_max = _row_max(part_max_ptr, row, C, BLOCK_C)
-                    scale = _log2_scale(temperature_ptr, b)
-                counts, masses = _chunk_histogram(logits_ptr, block_max_ptr, row, chunk, V, C, prefix, floor,
-                                                  shift, row_max, scale, TOP_P, KEY_BITS, RADIX_BITS, CHUNK, BLOCK)
-    if count_on:
-        out = (row * C + chunk) * RADIX + tl.arange(0, RADIX)
-        tl.store(count_out_ptr + out, counts)
-        if TOP_P:
-            tl.store(mass_out_ptr + out, masses)
+                if pick_on:
+                    prefix, above_count, above_mass, total, _ = _pick_digit(
+                        count_in_ptr, mass_in_ptr, prefix_ptr, above_count_ptr, above_mass_ptr, total_ptr,
+                        top_k_ptr, top_p_ptr, row, b, R, C, level - 1, (shift + RADIX_BITS) % KEY_BITS, KEY_BITS,
+                        RADIX_BITS, BLOCK_C)
+                    if chunk == 0:
+                        state = (level - 1) * R + row
+                        tl.store(prefix_ptr + state, prefix)
+                        tl.store(above_count_ptr + state, above_count)
+                        tl.store(above_mass_ptr + state, above_mass)
+                        if level == LEVELS + 1:
+                            tl.store(total_ptr + row, total)
+                if TOP_P & (level == LEVELS):  # the top-p search starts at top-k's floor (0 without top-k)
+                    floor = prefix
+                    prefix = tl.full([], 0, tl.int64)
+                if count_on:
+                    row_max = tl.full([], 0.0, tl.float32)
+                    scale = tl.full([], 0.0, tl.float32)
+                    if TOP_P:
+                        row_max = _row_max(part_max_ptr, row, C, BLOCK_C)
+                        scale = _log2_scale(temperature_ptr, b)
+                    counts, masses = _chunk_histogram(logits_ptr, block_max_ptr, row, chunk, V, C, prefix, floor,
+                                                      shift, row_max, scale, TOP_P, KEY_BITS, RADIX_BITS, CHUNK,
+                                                      BLOCK)
+        if count_on:
+            out = (row * C + chunk) * RADIX + tl.arange(0, RADIX)
+            tl.store(count_out_ptr + out, counts)
+            if TOP_P:
+                tl.store(mass_out_ptr + out, masses)
 
 
 @triton.jit
 def _search_result_kernel(count_ptr, mass_ptr, temperature_ptr, top_k_ptr, top_p_ptr, part_max_ptr, part_sum_ptr,
-                          prefix_ptr, above_count_ptr, above_mass_ptr, total_ptr, exact_ptr, floor_ptr, kept_ptr,
-                          T, V, C, R, KEY_BITS: tl.constexpr, RADIX_BITS: tl.constexpr, BLOCK_C: tl.constexpr):
-    """Per row the candidates did not decide (exact_ptr 0): pick the last level's digit; write
-    the key floor and the kept mass: top-p's where it is on (its threshold, the mass at and
-    above it), else top-k's (its threshold, the first top-p level's total)."""
+                          prefix_ptr, above_count_ptr, above_mass_ptr, total_ptr, todo_ptr, todo_count_ptr,
+                          floor_ptr, kept_ptr, T, V, C, R, KEY_BITS: tl.constexpr, RADIX_BITS: tl.constexpr,
+                          BLOCK_C: tl.constexpr):
+    """Per row the candidates left undecided (the programs share them): pick the last level's
+    digit; write the key floor and the kept mass: top-p's where it is on (its threshold, the
+    mass at and above it), else top-k's (its threshold, the first top-p level's total)."""
     LEVELS: tl.constexpr = KEY_BITS // RADIX_BITS
-    row = tl.program_id(0).to(tl.int64)
-    b = row // T
-    if tl.load(exact_ptr + row) == 0:
+    for item in range(tl.program_id(0), tl.load(todo_count_ptr), tl.num_programs(0)):
+        row = tl.load(todo_ptr + item).to(tl.int64)
+        b = row // T
         top_k_on, top_p_on = _filters_on(top_k_ptr, top_p_ptr, b, V)
         if top_p_on:
             floor, above_count, above_mass, total, kept = _pick_digit(
@@ -664,10 +702,10 @@ def tree_accept_triton(logits: Tensor, tokens: Tensor, next_token: Tensor, next_
     Launches: greedy 2 (chunk maxima, walk; the logits are read once); temperature only 4
     (chunk softmax partials, walk, residual chunk sums, bonus: the logits once, plus the
     last accepted row of each tree twice). Filters add one per-row launch over the candidates
-    (`_filter_floor_kernel`), then 2 * KEY_BITS / RADIX_BITS launches of the radix search (see
-    `_run_searches`): 8 for bf16/fp16 logits, 16 for float32, where the rows the candidates
-    decided do nothing; each reads only the blocks of the other rows' logits that hold a key in
-    its level's range, at most those logits once.
+    (`_filter_floor_kernel`), then 2 * KEY_BITS / RADIX_BITS + 1 launches of the radix search
+    (see `_run_searches`): 9 for bf16/fp16 logits, 17 for float32, over only the rows the
+    candidates left undecided (none, mostly); each reads only the blocks of those rows' logits
+    that hold a key in its level's range, at most those logits once.
     """
     bs, nodes, vocab = _check_accept_args(logits, tokens, next_token, next_sibling, predicts, accept_index,
                                           accept_num, greedy, coins, final_coins, temperature, top_k, top_p,
@@ -714,13 +752,17 @@ class _SearchBuffers:
         self.candidates = torch.empty((rows, num_chunks, CANDIDATES), dtype=key_dtype, device=dev)
         self.left_out = torch.empty((rows, num_chunks), dtype=key_dtype, device=dev)
         self.exact = torch.empty(rows, dtype=torch.int32, device=dev)
+        # The rows the candidates left to the searches, and their number (cleared by the stats pass).
+        self.todo = torch.empty(rows, dtype=torch.int32, device=dev)
+        self.todo_count = torch.empty(1, dtype=torch.int32, device=dev)
         self.key_bits = key_bits
         self.block_max = torch.empty((rows, num_chunks, blocks_per_chunk), dtype=torch.int64, device=dev)
         # Per-chunk counts / masses per digit; level j writes [j % 2] while j + 1 reads them.
         self.counts = torch.empty((2, rows, num_chunks, 1 << RADIX_BITS), dtype=torch.int32, device=dev)
         self.masses = torch.empty((2, rows, num_chunks, 1 << RADIX_BITS), dtype=torch.float32, device=dev)
-        # The state after each level's digit (zero: top-k's floor is 0 where it is off).
-        self.prefix = torch.zeros((self.levels, rows), dtype=torch.int64, device=dev)
+        # The state after each level's digit (the floor kernel clears top-k's floor, the last
+        # top-k level's prefix: 0 where top-k is off).
+        self.prefix = torch.empty((self.levels, rows), dtype=torch.int64, device=dev)
         self.above_count = torch.empty((self.levels, rows), dtype=torch.int32, device=dev)
         self.above_mass = torch.empty((self.levels, rows), dtype=torch.float32, device=dev)
         self.total = torch.empty(rows, dtype=torch.float32, device=dev)
@@ -740,28 +782,30 @@ def _run_searches(search: _SearchBuffers, logits, temperature, top_k, top_p, par
     >= the top-k floor: that changes nothing (the head it keeps never reaches below the floor)
     but lets its levels skip the other blocks; its first level also runs where top-p is off
     but top-k on, for the mass top-k keeps. Launches (L = 2 * KEY_BITS / RADIX_BITS levels):
-    the stats pass counts level 0; each `_search_level_kernel` launch picks level j - 1's
-    digit and counts level j (j = 1 .. L - 1); `_search_result_kernel` picks the last digit.
+    each `_search_level_kernel` launch picks level j - 1's digit and counts level j (j = 0 ..
+    L - 1); `_search_result_kernel` picks the last digit. They only visit the rows that
+    `_filter_floor_kernel` lists, with at most SEARCH_PROGRAMS programs (static grids).
     """
     rows, num_chunks = part_max.shape
     meta = dict(KEY_BITS=search.key_bits, RADIX_BITS=RADIX_BITS, BLOCK_C=triton.next_power_of_2(num_chunks))
     filters = (temperature, top_k, top_p)
-    _filter_floor_kernel[(rows,)](logits, *filters, part_max, part_sum, search.candidates, search.left_out, floor,
-                                  kept, search.exact, nodes, logits.shape[2], num_chunks, KEY_BITS=search.key_bits,
-                                  CAND=CANDIDATES, SORTED=triton.next_power_of_2(num_chunks * CANDIDATES),
-                                  BLOCK_C=meta["BLOCK_C"])
     levels = search.levels // 2  # per search
-    for level in range(1, search.levels):
-        _search_level_kernel[(rows, num_chunks)](
+    todo = (search.todo, search.todo_count)
+    _filter_floor_kernel[(rows,)](logits, *filters, part_max, part_sum, search.candidates, search.left_out, floor,
+                                  kept, search.exact, search.prefix[levels - 1], *todo, nodes, logits.shape[2],
+                                  num_chunks, KEY_BITS=search.key_bits, CAND=CANDIDATES,
+                                  SORTED=triton.next_power_of_2(num_chunks * CANDIDATES), BLOCK_C=meta["BLOCK_C"])
+    for level in range(search.levels):
+        _search_level_kernel[(min(rows * num_chunks, SEARCH_PROGRAMS),)](
             logits, *filters, part_max, search.block_max, search.counts[(level - 1) % 2],
             search.masses[(level - 1) % 2], search.counts[level % 2], search.masses[level % 2], *search.state(),
-            search.exact, nodes, logits.shape[2], num_chunks, rows, level,
+            *todo, nodes, logits.shape[2], num_chunks, rows, level,
             search.key_bits - RADIX_BITS * (level % levels + 1), TOP_P=level >= levels, CHUNK=chunk, BLOCK=block,
             **meta)
     last = (search.levels - 1) % 2
-    _search_result_kernel[(rows,)](search.counts[last], search.masses[last], *filters, part_max, part_sum,
-                                   *search.state(), search.exact, floor, kept, nodes, logits.shape[2], num_chunks,
-                                   rows, **meta)
+    _search_result_kernel[(min(rows, SEARCH_PROGRAMS),)](
+        search.counts[last], search.masses[last], *filters, part_max, part_sum, *search.state(), *todo, floor, kept,
+        nodes, logits.shape[2], num_chunks, rows, **meta)
 
 
 @dataclass
@@ -788,12 +832,17 @@ def _row_stats(logits: Tensor, nodes: int, *, greedy: bool, temperature: Tensor 
                       torch.empty((rows, num_chunks), dtype=torch.int32 if greedy else torch.float32, device=dev))
     search = _SearchBuffers(rows, num_chunks, chunk // block, key_bits, dev) if filters else None
     unused = stats.part_max  # stands in for the pointers a variant does not read
+    # The candidates' sub-chunks (see `_chunk_stats_kernel`): SUB_CHUNK, or the whole chunk
+    # where the CANDIDATES + 1 picked (a power of two of them) would cover it. Their passes of
+    # a max run faster on 2 warps (H200: B = 32, T = 65, 631 -> 564 us for the whole stage).
+    picked = triton.next_power_of_2(CANDIDATES + 1)
+    sub = SUB_CHUNK if picked * SUB_CHUNK < chunk else chunk
     _chunk_stats_kernel[(rows, num_chunks)](
         logits, unused if greedy else temperature, top_k if search else unused, top_p if search else unused,
-        stats.part_max, stats.part_aux, *((search.block_max, search.counts[0], search.candidates, search.left_out)
+        stats.part_max, stats.part_aux, *((search.block_max, search.candidates, search.left_out, search.todo_count)
                                           if search else (unused,) * 4),
-        nodes, vocab, num_chunks, GREEDY=greedy, FILTERS=filters, KEY_BITS=key_bits, RADIX_BITS=RADIX_BITS,
-        CAND=CANDIDATES, CHUNK=chunk, BLOCK=block)
+        nodes, vocab, num_chunks, GREEDY=greedy, FILTERS=filters, KEY_BITS=key_bits, CAND=CANDIDATES, SUB=sub,
+        PICKED=picked, CHUNK=chunk, BLOCK=block, num_warps=2 if filters else 4)
     if search:
         stats.floor = torch.empty(rows, dtype=torch.int64, device=dev)  # every row written by `_run_searches`
         stats.kept = torch.empty(rows, dtype=torch.float32, device=dev)
@@ -840,7 +889,8 @@ def tree_accept_keyed_reference(logits: Tensor, tokens: Tensor, next_token: Tens
 
 @triton.jit
 def _mix(x):
-    """kernels.keyed_sampling._mix: int64 values in [0, 2^32) -> [0, 2^31)."""
+    """kernels.keyed_sampling._mix on uint32 x: its int64 values in [0, 2^32) -> [0, 2^31). The
+    same bits: only a product's low 31 bits are kept, and 32-bit products wrap modulo 2^32."""
     x = (((x >> 16) ^ x) * HASH_MUL) & HASH_M31
     x = (((x >> 16) ^ x) * HASH_MUL) & HASH_M31
     return (x >> 16) ^ x
@@ -859,10 +909,11 @@ def _keyed_chunk_kernel(logits_ptr, floor_ptr, greedy_ptr, seeds_ptr, positions_
     raw = tl.load(logits_ptr + row * V + offs, mask=offs < V, other=-float("inf"))
     x = raw.to(tl.float32)
     if tl.load(greedy_ptr + b) == 0:
-        seed = tl.load(seeds_ptr + b)
-        position = tl.load(positions_ptr + row)
-        key = _mix(_mix((seed & HASH_M31) ^ _mix((seed >> 31) ^ HASH_SEED_SALT)) ^ (position & HASH_M31))
-        h = _mix(key ^ _mix(offs.to(tl.int64) ^ HASH_TOKEN_SALT))
+        seed = tl.load(seeds_ptr + b)  # >= 0: seed >> 31 < 2^32
+        position = (tl.load(positions_ptr + row) & HASH_M31).to(tl.uint32)
+        low, high = (seed & HASH_M31).to(tl.uint32), (seed >> 31).to(tl.uint32)
+        key = _mix(_mix(low ^ _mix(high ^ HASH_SEED_SALT)) ^ position)
+        h = _mix(key ^ _mix(offs.to(tl.uint32) ^ HASH_TOKEN_SALT))
         u = ((h >> 7).to(tl.float32) + 0.5) * (1.0 / (1 << 24))
         score = tl.math.div_rn(x, tl.load(temperature_ptr + b)) - tl.log(-tl.log(u))
         x = tl.where((offs < V) & (_key(raw, KEY_BITS) >= tl.load(floor_ptr + row)), score, -float("inf"))

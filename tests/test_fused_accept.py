@@ -102,14 +102,20 @@ def assert_same(stage: dict[str, Tensor], **options) -> list[Tensor]:
 
 @pytest.fixture
 def chunk(monkeypatch):
-    """Set the vocabulary chunk (and optionally the radix bits, the radix searches' block and the
-    candidates per chunk) of the fused kernels."""
+    """Set the vocabulary chunk (and optionally the radix bits, the radix searches' block, the
+    candidates per chunk, the candidates' sub-chunk and the searches' programs) of the fused
+    kernels. The small sub-chunk takes the candidates from picked sub-chunks wherever their
+    number (a power of two >= candidates + 1) times it is below the chunk; the few search
+    programs each take several (row, chunk) pairs."""
     def set_sizes(chunk_v: int, radix_bits: int = fused_accept.RADIX_BITS,
-                  hist_block: int = fused_accept.HIST_BLOCK, candidates: int = fused_accept.CANDIDATES) -> None:
+                  hist_block: int = fused_accept.HIST_BLOCK, candidates: int = fused_accept.CANDIDATES,
+                  sub_chunk: int = 4, search_programs: int = 5) -> None:
         monkeypatch.setattr(fused_accept, "CHUNK_V", chunk_v)
         monkeypatch.setattr(fused_accept, "RADIX_BITS", radix_bits)
         monkeypatch.setattr(fused_accept, "HIST_BLOCK", hist_block)
         monkeypatch.setattr(fused_accept, "CANDIDATES", candidates)
+        monkeypatch.setattr(fused_accept, "SUB_CHUNK", sub_chunk)
+        monkeypatch.setattr(fused_accept, "SEARCH_PROGRAMS", search_programs)
     return set_sizes
 
 
@@ -226,6 +232,71 @@ def test_candidates_and_radix_search_find_the_same_floors(dtype, chunk):
     assert torch.equal(floor, whole_floor)
     torch.testing.assert_close(kept, whole_kept, rtol=1e-5, atol=0)
     assert_same(stage, greedy=False, **params)  # and both equal the reference
+
+
+def logit_keys(logits: Tensor) -> Tensor:
+    """The kernels' keys (int64) of bf16 / fp16 / fp32 logits: ordered like the values, -0.0 as +0.0."""
+    bits = (logits.view(torch.int32) if logits.dtype == F32 else logits.view(torch.int16)).long()
+    sign = 1 << (logits.element_size() * 8 - 1)
+    bits = torch.where(bits == -sign, 0, bits)
+    return torch.where(bits < 0, bits ^ (sign - 1), bits) + sign
+
+
+def search_buffers(monkeypatch, logits: Tensor, nodes: int, params: dict[str, Tensor]):
+    """_row_stats on logits, with the searches' buffers (the candidates) it used."""
+    seen = []
+    run_searches = fused_accept._run_searches
+    monkeypatch.setattr(fused_accept, "_run_searches", lambda search, *a: (seen.append(search), run_searches(search, *a)))
+    stats = fused_accept._row_stats(logits.to(DEVICE), nodes, greedy=False, filters=True,
+                                    **{k: v.to(DEVICE) for k, v in params.items()})
+    return stats, seen[0]
+
+
+@pytest.mark.parametrize("dtype, sub_chunk", [(BF16, 4), (BF16, 16), (F32, 2)])
+def test_candidates_are_each_chunks_largest_keys(dtype, sub_chunk, chunk, monkeypatch):
+    """Each chunk's candidates are its largest keys, ties once each, and its left-out key the next
+    one, whether taken from picked sub-chunks (sub-chunks of 4 or 2: 8 of them are picked) or
+    from the whole chunk (16): with many ties (also across sub-chunks and at the boundary),
+    -0.0 and +0.0, -inf, and a last chunk of 3 keys (fewer than the candidates)."""
+    chunk(64, candidates=4, sub_chunk=sub_chunk)
+    vocab, bs, nodes = 4 * 64 + 3, 3, 2
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(bs, nodes, vocab, generator=gen)
+    logits[0] = torch.randint(0, 3, (nodes, vocab), generator=gen) * 0.5  # ties everywhere
+    logits[1, :, ::7] = 1.5  # ties across sub-chunks, above the rest
+    logits[1, 0, 64:128] = -0.0
+    logits[1, 0, 100:110] = 0.0
+    logits[2, :, 3::5] = -float("inf")
+    logits = logits.to(dtype)
+    params = {"temperature": torch.ones(bs), "top_k": torch.tensor([3, 0, 5]), "top_p": torch.tensor([1.0, 0.5, 0.9])}
+    _, search = search_buffers(monkeypatch, logits, nodes, params)
+    keys = torch.nn.functional.pad(logit_keys(logits.view(bs * nodes, vocab)), (0, 5 * 64 - vocab), value=-1)
+    ranked = torch.nn.functional.pad(keys.view(bs * nodes, 5, 64).sort(-1, descending=True).values, (0, 5), value=-1)
+    assert torch.equal(search.candidates.cpu().long(), ranked[..., :4])
+    assert torch.equal(search.left_out.cpu().long(), ranked[..., 4])
+
+
+def test_top_k_floor_at_the_candidates_boundary(chunk, monkeypatch):
+    """Rows whose k-th largest key is at the candidates' edge: tied with a left-out key (the radix
+    search must decide, and finds it), or just above every left-out key (the candidates decide)."""
+    chunk(64, candidates=4, sub_chunk=4)
+    vocab, bs = 256, 6
+    logits = torch.randn(bs, 1, vocab, generator=torch.Generator().manual_seed(3)) - 6.0
+    logits[:2, 0, [1, 20, 40, 41, 63]] = 3.0  # five tied in chunk 0: the fifth is left out
+    logits[2:, 0, [1, 20, 40, 41]] = 3.0  # four in chunk 0, then 2.75 in chunk 1, 2.5 left out of chunk 0
+    logits[2:, 0, 63] = 2.5
+    logits[2:, 0, 100] = 2.75
+    logits = logits.to(BF16)
+    top_k = torch.tensor([4, 5, 4, 5, 6, 7])
+    params = {"temperature": torch.ones(bs), "top_k": top_k, "top_p": torch.ones(bs)}
+    stats, _ = search_buffers(monkeypatch, logits, 1, params)
+    expected = logit_keys(logits[:, 0]).sort(-1, descending=True).values.gather(1, top_k[:, None] - 1)[:, 0]
+    assert torch.equal(stats.floor.cpu(), expected)
+    assert stats.exact.cpu().tolist() == [0, 0, 1, 1, 0, 0]
+    stage = random_stage(4, bs, 1, vocab, BF16)
+    stage["logits"] = logits
+    for top_p in (1.0, 0.3):  # top-p after top-k: its head ends in the tie, or at 2.75
+        assert_same(stage, greedy=False, **(params | {"top_p": torch.full((bs,), top_p)}))
 
 
 # ---------------------------------------------------------------------------------------
