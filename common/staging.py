@@ -68,14 +68,31 @@ def rows_of(tensor: Tensor, rows: list[int]) -> Tensor:
     return tensor.index_select(0, to_device(rows, tensor.device, torch.int64))
 
 
+class HostCopy:
+    """Device tensors on their way to the host: each is copied into pinned memory asynchronously
+    and an event is recorded behind the copies; `wait()` returns them after waiting for that
+    event alone, not for work queued on the stream after it (the next step's forward, say).
+    Host tensors are passed through as they are."""
+
+    def __init__(self, *tensors: Tensor):
+        cuda = [t for t in tensors if t.is_cuda]
+        self._out = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+                     if t.is_cuda else t for t in tensors]
+        self._done = None
+        if cuda:
+            self._done = torch.cuda.Event()
+            self._done.record(torch.cuda.current_stream(cuda[0].device))
+
+    def ready(self) -> bool:
+        """Whether the copies have finished (`wait` would return at once)."""
+        return self._done is None or self._done.query()
+
+    def wait(self) -> list[Tensor]:
+        if self._done is not None:
+            self._done.synchronize()
+        return self._out
+
+
 def to_host(*tensors: Tensor) -> list[Tensor]:
-    """Device tensors on the host, after a single wait: each is copied into pinned memory
-    asynchronously, then the stream is synchronized once (rather than once per `.cpu()`).
-    Host tensors are returned as they are."""
-    cuda = [t for t in tensors if t.is_cuda]
-    if not cuda:
-        return list(tensors)
-    out = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True) if t.is_cuda else t
-           for t in tensors]
-    torch.cuda.current_stream(cuda[0].device).synchronize()
-    return out
+    """Device tensors on the host, after a single wait (rather than one per `.cpu()`); see `HostCopy`."""
+    return HostCopy(*tensors).wait()

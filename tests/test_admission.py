@@ -230,7 +230,7 @@ def test_every_link_is_served_in_the_next_step(verifier, links, monkeypatch):
     """With the model worker busy, one link queues three messages and another one: the next step
     serves the first message of each, so a link's backlog delays no other link."""
     worker = verifier.server.worker
-    real, calls = worker.verifier.step, []
+    real, calls = worker.verifier.begin, []
     entered, gate = threading.Event(), threading.Event()
 
     def step(entries, **kw):
@@ -240,7 +240,7 @@ def test_every_link_is_served_in_the_next_step(verifier, links, monkeypatch):
             assert gate.wait(30)
         return real(entries, **kw)
 
-    monkeypatch.setattr(worker.verifier, "step", step)
+    monkeypatch.setattr(worker.verifier, "begin", step)
     busy, backlog, other = links(), links(), links()
     busy.post([CloseEntry(99)])  # closes of unknown sessions: steps without results
     assert entered.wait(10)
@@ -310,13 +310,13 @@ def test_full_queue_over_grpc_and_http(qwen3_pair, monkeypatch):
                 grpc.insecure_channel(f"127.0.0.1:{drafter.port}", options=CHANNEL_OPTIONS) as channel, \
                 ThreadPoolExecutor(2) as pool:
             gate = threading.Event()
-            real = verifier.server.worker.verifier.step
+            real = verifier.server.worker.verifier.begin
 
             def held_step(entries, **kw):
                 assert gate.wait(60)
                 return real(entries, **kw)
 
-            monkeypatch.setattr(verifier.server.worker.verifier, "step", held_step)
+            monkeypatch.setattr(verifier.server.worker.verifier, "begin", held_step)
             stub = pb_grpc.GenerationStub(channel)
             request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=PROMPT), max_new_tokens=4)
             scheduler = engine.scheduler

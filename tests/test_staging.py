@@ -31,3 +31,11 @@ def test_rows_of_selects_rows_and_keeps_the_tensor_when_all_are_asked():
     assert rows_of(x, [0, 1, 2, 3]) is x
     assert torch.equal(rows_of(x, [2, 0]), x[[2, 0]])
     assert rows_of(x, []).shape == (0, 3)
+
+
+def test_host_copy_of_host_tensors_is_ready_at_once():
+    from common.staging import HostCopy
+
+    a = torch.arange(5)
+    copy = HostCopy(a)
+    assert copy.ready() and copy.wait()[0] is a

@@ -198,7 +198,7 @@ def twin(local):
 
 
 class WorkerGate:
-    """Holds the server's model worker inside one TreeVerifier.step until `release`, so that
+    """Holds the server's model worker inside one TreeVerifier.begin until `release`, so that
     the messages sent meanwhile queue up and are served by the step after it."""
 
     def __init__(self, worker, monkeypatch):
@@ -208,7 +208,7 @@ class WorkerGate:
     def hold(self, link: LinkStream) -> pb.LinkRequest:
         """Post a no-op message on `link` (a close of an unknown session: a worker step with no
         results), wait until the worker is stuck in it; later steps are counted in `calls`."""
-        real = self.worker.verifier.step
+        real = self.worker.verifier.begin
 
         def step(entries, **kw):
             self.calls.append(len(entries))
@@ -217,7 +217,7 @@ class WorkerGate:
                 assert self.gate.wait(30)
             return real(entries, **kw)
 
-        self.monkeypatch.setattr(self.worker.verifier, "step", step)
+        self.monkeypatch.setattr(self.worker.verifier, "begin", step)
         sent = link.post([CloseEntry(99)])
         assert self.entered.wait(10), "the worker did not start the step"
         return sent
@@ -527,7 +527,7 @@ def test_sessions_spread_over_two_links_match_each_alone(stub, alone, truth, lay
 def test_worker_batches_messages_of_all_links_into_one_step(server, stub, local, layers, tracing, worker_gate,
                                                             monkeypatch):
     """While the worker is busy, messages from two links queue up; the next worker step runs
-    them together: one TreeVerifier.step, one batched forward of all four trees."""
+    them together: one TreeVerifier step, one batched forward of all four trees."""
     worker = server.server.worker
     a, b = LinkStream(stub), LinkStream(stub)
     with a, b:
@@ -537,13 +537,13 @@ def test_worker_batches_messages_of_all_links_into_one_step(server, stub, local,
                 roots[name, r.session_id] = r.outcome.token
         steps_before = worker.steps
         rows = []
-        real_verify = worker.verifier.runner.verify_batch
+        real_verify = worker.verifier.runner.launch_verify
 
         def counting_verify(batch_rows, *args):
             rows.append(len(batch_rows))
             return real_verify(batch_rows, *args)
 
-        monkeypatch.setattr(worker.verifier.runner, "verify_batch", counting_verify)
+        monkeypatch.setattr(worker.verifier.runner, "launch_verify", counting_verify)
         blocker = worker_gate.hold(a)
         spans_before = len(tracing.get_finished_spans())
         trees = {key: small_tree(root) if key[1] == 1 else chain(root, 5) for key, root in roots.items()}
@@ -579,7 +579,7 @@ def test_worker_batches_messages_of_all_links_into_one_step(server, stub, local,
 
 def test_one_batched_forward_per_step(local, layers):
     """TreeVerifier.step: the step's opens share one prefill (forward + sample); all trees share
-    one forward and one commit."""
+    one launched forward, one wait for it and one commit."""
     stages = []
 
     def stage(name):
@@ -593,7 +593,7 @@ def test_one_batched_forward_per_step(local, layers):
         stages.clear()
         trees = [(owner, TreeEntry(r.session_id, 1, small_tree(r.outcome.token))) for r in opened]
         assert all(isinstance(r.outcome, Verified) for r in local.step(trees, stage=stage))
-        assert stages == ["forward", "commit"]
+        assert stages == ["launch", "forward", "commit"]
     finally:
         local.close_owner(owner)
 

@@ -1,4 +1,4 @@
-"""The model worker: one thread that owns the `TreeVerifier` and runs one step at a time.
+"""The model worker: one thread that owns the `TreeVerifier` and runs its steps.
 
 gRPC handlers run on the asyncio event loop and never wait on the model. A link handler
 turns each decoded LinkRequest into a `LinkStep` (its entries, plus results already known
@@ -8,14 +8,15 @@ their trees go through one batched forward (`TreeVerifier.step`). It then serial
 link's LinkResponse off the event loop (`EncodedReply`: the features copied once, into the
 reply) and resolves the futures through `loop.call_soon_threadsafe`. A step takes one message
 per link (a link's later ones wait for the next step, first in line), so a link with a backlog
-delays no other.
+delays no other. On CUDA the next step's host work overlaps the running step's forward when a
+link pipelines (`ModelWorker`).
 
 `SessionTimers` (used by each link, on the event loop) closes, through the worker, the sessions
 a drafter opened and never sent a tree for (the open timeout) or stopped sending for (the idle
 timeout), freeing their KV slots.
 
-Tracing: each step is a `verify_step` span with `forward` (the batched forward, accept and KV
-compaction: one graph replay on CUDA), `commit` (the sessions' bookkeeping), `prefill` (the
+Tracing: each step is a `verify_step` span with `launch` (queuing the batched forward, accept
+and KV compaction: one graph replay on CUDA), `forward` (waiting for its results), `commit` (the sessions' bookkeeping), `prefill` (the
 batched prefill of the step's opens, with `forward` and `sample`) and `encode` (the replies)
 children; each tree entry that carries a `traceparent` gets a `verify` span under the
 drafter's span, each open a `prefill` span, covering the step and linked to its span.
@@ -25,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import functools
 import logging
 import queue
 import threading
@@ -39,7 +41,7 @@ from common import metrics
 from common.protocol import CloseEntry, Entry, ExtendEntry, OpenEntry, StatusError, StepResult, TreeEntry, Verified
 from common.tracing import context_from_traceparent, tracer
 from common.wire import EncodedReply, encode_link_response
-from verifier_svc.tree_verifier import TreeVerifier, VerifierError
+from verifier_svc.tree_verifier import PendingStep, TreeVerifier, VerifierError
 
 log = logging.getLogger(__name__)
 _tracer = tracer(__name__)
@@ -142,29 +144,70 @@ class SessionTimers:
 _WAKE = None  # queued by stop() to wake the thread
 
 
-class ModelWorker:
-    """Runs verifier steps on one thread; `submit` is called from the event loop."""
+@dataclass
+class _Ready:
+    """Queued by the waiter thread once a begun step's results are on the host."""
+    run: _Running
 
-    def __init__(self, verifier: TreeVerifier, name: str = "model-worker"):
+
+@dataclass
+class _Running:
+    """A verifier step begun (its verify queued on the device) and not yet finished."""
+    steps: list[LinkStep]
+    span: trace.Span
+    start_ns: int
+    began: float  # perf_counter at its begin: the step's time runs from here to the end of its finish
+    pending: PendingStep | None = None
+    launched: float | None = None  # perf_counter at its verify's launch (the forward histogram runs from here)
+    in_prefill: bool = False  # inside a "prefill" stage: its "forward" is not a verify's
+
+    @property
+    def owners(self) -> set[Hashable]:
+        return {s.owner for s in self.steps}
+
+
+class ModelWorker:
+    """Runs verifier steps on one thread; `submit` is called from the event loop.
+
+    With `overlap` (default on CUDA), a step runs in two halves (`TreeVerifier.begin`, `finish`):
+    while one step's forward runs on the device, a message from a link that pipelines (one with
+    a message in that step) begins the next step at once (its trees checked, its forward queued
+    behind the running one, with every other message waiting then that may go), so the device
+    does not wait for that host work. A message from another link alone waits for the running
+    step and goes into the next one with whatever arrives meanwhile, as without overlap, so
+    that messages batch; so does a message that touches a running step's sessions, and every
+    message behind an `exclusive` step (one with prefills or logprobs) or a close. A waiter
+    thread wakes the worker when a step's results are on the host; steps finish in the order
+    they began.
+    """
+
+    max_running = 2  # steps begun and not finished: the one on the device and the next, queued behind it
+
+    def __init__(self, verifier: TreeVerifier, name: str = "model-worker", overlap: bool | None = None):
         self.verifier = verifier
         model = verifier.runner.model
         self.feature_dim = model.feature_dim
         self.dtype = model.embed_tokens.weight.dtype
-        self._queue: queue.SimpleQueue[LinkStep | _Close | None] = queue.SimpleQueue()
+        self.overlap = verifier.runner.device.type == "cuda" if overlap is None else overlap
+        self._queue: queue.SimpleQueue[LinkStep | _Close | _Ready | None] = queue.SimpleQueue()
         self._lock = threading.Lock()  # orders submit() against stop()
         self._stopped = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._waits: queue.SimpleQueue[_Running | None] = queue.SimpleQueue()  # begun steps, for the waiter
+        self._waiter = threading.Thread(target=self._wait_for_results, name=f"{name}-waiter", daemon=True)
         # Spans of model steps measure device time: wait for the device before they end.
         self._sync = torch.cuda.synchronize if verifier.runner.device.type == "cuda" else None
         self.steps = 0
-        self.busy_s = 0.0  # wall time spent in verifier steps (forwards and their host work), for metrics
-        self._in_prefill = False  # inside a "prefill" stage: its "forward" is not a verify's
+        self.busy_s = 0.0  # wall time with a verifier step begun and not finished, for metrics
+        self._open_steps = 0  # begun and not finished
+        self._busy_since = 0.0  # when the last of them began that found none open
 
     def start(self) -> None:
+        self._waiter.start()
         self._thread.start()
 
     def stop(self, timeout: float | None = None) -> None:
-        """Finish the running step, then fail everything still queued with UNAVAILABLE.
+        """Finish the running steps, then fail everything still queued with UNAVAILABLE.
 
         Blocks until the thread ends; call it from a worker thread (`asyncio.to_thread`)
         when on the event loop.
@@ -173,6 +216,7 @@ class ModelWorker:
             self._stopped = True
             self._queue.put(_WAKE)
         self._thread.join(timeout)
+        self._waits.put(None)
         for job in self._drain():
             if isinstance(job, LinkStep):
                 _resolve(job.future, error=VerifierError("UNAVAILABLE", "the verifier is shutting down"))
@@ -214,46 +258,89 @@ class ModelWorker:
     # -- the worker thread -------------------------------------------------------------------
 
     def _run(self) -> None:
-        deferred: list[LinkStep | _Close] = []  # queued behind an earlier message of their link
+        waiting: list[LinkStep | _Close] = []  # received, not begun
+        running: collections.deque[_Running] = collections.deque()  # begun, oldest first
         while not self._stopped:
-            if not deferred:
-                first = self._queue.get()
-                deferred = [] if first is _WAKE else [first]
-            jobs = deferred + list(self._drain())
+            while running and running[0].pending.ready():
+                self._finish(running.popleft())
+            if not (waiting and (not running or self._begins_early(waiting, running))):
+                item = self._queue.get()  # a job, a step's results ready, or stop()'s wake-up
+                waiting += [item] if isinstance(item, (LinkStep, _Close)) else []
+            waiting += [job for job in self._drain() if isinstance(job, (LinkStep, _Close))]
             if self._stopped:
-                for job in jobs:
-                    if isinstance(job, LinkStep):
-                        _resolve(job.future, error=VerifierError("UNAVAILABLE", "the verifier is shutting down"))
-                    else:
-                        job.done.set()
-                return
+                break
+            if not waiting or (running and not self._begins_early(waiting, running)):
+                continue  # the oldest step's results first
+            steps, waiting = self._next_step(waiting, running)
+            if steps:
+                run = self._begin(steps)
+                if run is not None and self.overlap:
+                    running.append(run)
+                    self._waits.put(run)
+                elif run is not None:
+                    self._finish(run)
+        while running:
+            self._finish(running.popleft())
+        for job in waiting:
+            if isinstance(job, LinkStep):
+                _resolve(job.future, error=VerifierError("UNAVAILABLE", "the verifier is shutting down"))
+            else:
+                job.done.set()
+
+    def _begins_early(self, waiting: list[LinkStep | _Close], running: collections.deque[_Running]) -> bool:
+        """Whether to begin a step now, while `running` ones are on the device: when a waiting
+        message comes from a link that pipelines (it has a message running) and may go (no close
+        is waiting, and there is room behind steps that are not exclusive)."""
+        if len(running) >= self.max_running or any(r.pending.exclusive for r in running):
+            return False
+        if any(isinstance(job, _Close) for job in waiting):
+            return False
+        owners = set().union(*(r.owners for r in running))
+        return any(job.owner in owners and self._may_begin(job, running) for job in waiting)
+
+    @staticmethod
+    def _may_begin(job: LinkStep, running: collections.deque[_Running]) -> bool:
+        """Whether a message touches none of the running steps' sessions."""
+        keys = {(job.owner, item.session_id) for item in job.items}
+        return not any(keys & r.pending.keys for r in running)
+
+    def _next_step(self, waiting: list[LinkStep | _Close], running: collections.deque[_Running]
+                   ) -> tuple[list[LinkStep], list[LinkStep | _Close]]:
+        """The messages of the next step (one per link; none that touches a running step's sessions),
+        running the closes met on the way; returns (the step's messages, those left waiting)."""
+        steps, left, busy = [], [], set()
+        for job in waiting:
             # One message per link per step: a session's entries keep their order across a link's
             # pipelined messages; a link's close waits behind its earlier messages.
-            steps, deferred, busy = [], [], set()
-            for job in jobs:
-                if job.owner in busy:
-                    deferred.append(job)
-                elif isinstance(job, _Close):
-                    if job.session_ids is None:
-                        closed = self.verifier.close_owner(job.owner)
-                        if closed:
-                            log.info("link %s ended: closed %d sessions", job.owner, closed)
-                    else:
-                        for sid in job.session_ids:
-                            self.verifier.close((job.owner, sid))
-                    job.done.set()
+            if job.owner in busy:
+                left.append(job)
+            elif isinstance(job, _Close):
+                if job.session_ids is None:
+                    closed = self.verifier.close_owner(job.owner)
+                    if closed:
+                        log.info("link %s ended: closed %d sessions", job.owner, closed)
                 else:
-                    busy.add(job.owner)
-                    steps.append(job)
-            if steps:
-                try:
-                    self._step(steps)
-                except Exception:  # a bug: the links of this step fail, the worker goes on
-                    log.exception("model worker step failed")
-                    for s in steps:
-                        _resolve(s.future, error=VerifierError("INTERNAL", "internal error in the verifier; see its log"))
+                    for sid in job.session_ids:
+                        self.verifier.close((job.owner, sid))
+                job.done.set()
+            elif running and not self._may_begin(job, running):
+                busy.add(job.owner)
+                left.append(job)
+            else:
+                busy.add(job.owner)
+                steps.append(job)
+        return steps, left
 
-    def _drain(self) -> Iterator[LinkStep | _Close]:
+    def _wait_for_results(self) -> None:
+        """The waiter thread: wake the worker when each begun step's results are on the host."""
+        while (run := self._waits.get()) is not None:
+            try:
+                run.pending.wait()
+            except Exception:  # the worker's own wait reports it
+                pass
+            self._queue.put(_Ready(run))
+
+    def _drain(self) -> Iterator[LinkStep | _Close | _Ready]:
         """The queued jobs, without blocking (wake-ups skipped)."""
         while True:
             try:
@@ -263,71 +350,105 @@ class ModelWorker:
             if item is not _WAKE:
                 yield item
 
-    def _step(self, steps: list[LinkStep]) -> None:
+    def _begin(self, steps: list[LinkStep]) -> _Running | None:
+        """Begin one verifier step over the messages: None if it failed (their futures are resolved)."""
         entries = [(s.owner, item) for s in steps for item in s.items if not isinstance(item, StepResult)]
         metrics.VERIFIER_STEP_BATCH_SIZE.observe(sum(isinstance(item, TreeEntry) for _, item in entries))
-        start_ns = time.time_ns()
-        with _tracer.start_as_current_span("verify_step", attributes={"links": len(steps),
-                                                                       "entries": len(entries)}) as span:
-            started = time.perf_counter()
-            try:
-                outcomes = self.verifier.step(entries, stage=self._stage)
-            except Exception:
-                log.exception("verifier step failed")
-                for s in steps:
-                    _resolve(s.future, error=VerifierError("INTERNAL", "internal error in the verifier; see its log"))
-                return
-            finally:
-                step_s = time.perf_counter() - started
-                self.busy_s += step_s
-                metrics.VERIFIER_STEP.observe(step_s)
-            for s in steps:  # an entry refused while decoding fails its session too
+        start_ns = time.time_ns()  # the session spans cover the step span
+        span = _tracer.start_span("verify_step", attributes={"links": len(steps), "entries": len(entries)})
+        run = _Running(steps, span, start_ns, time.perf_counter())
+        if not self._open_steps:
+            self._busy_since = run.began
+        self._open_steps += 1
+        try:
+            with trace.use_span(span):
+                run.pending = self.verifier.begin(entries, stage=functools.partial(self._stage, run))
+        except Exception:
+            log.exception("verifier step failed")
+            self._fail(steps)
+            span.end()
+            self._closed()
+            return None
+        return run
+
+    def _finish(self, run: _Running) -> None:
+        """Finish a begun step and answer its messages."""
+        try:
+            with trace.use_span(run.span):
+                outcomes = self.verifier.finish(run.pending, stage=functools.partial(self._stage, run))
+        except Exception:
+            log.exception("verifier step failed")
+            self._fail(run.steps)
+            run.span.end()
+            return
+        finally:
+            self._closed()
+        step_s = time.perf_counter() - run.began  # overlapped, it includes waiting for the step before
+        metrics.VERIFIER_STEP.observe(step_s)
+        steps, span = run.steps, run.span
+        for s in steps:  # an entry refused while decoding fails its session too
+            for item in s.items:
+                if isinstance(item, StepResult):
+                    self.verifier.close((s.owner, item.session_id))
+        self.steps += 1
+        end_ns = time.time_ns()
+        results = iter(outcomes)
+        replies = []
+        with trace.use_span(span, end_on_exit=True), _tracer.start_as_current_span("encode"):
+            for s in steps:
+                out = []
                 for item in s.items:
-                    if isinstance(item, StepResult):
-                        self.verifier.close((s.owner, item.session_id))
-            self.steps += 1
-            end_ns = time.time_ns()
-            results = iter(outcomes)
-            replies = []
-            with _tracer.start_as_current_span("encode"):
-                for s in steps:
-                    out = []
-                    for item in s.items:
-                        result = item if isinstance(item, StepResult) else next(results)
-                        if result is None:  # a close
-                            continue
-                        out.append(result)
-                        if isinstance(item, (OpenEntry, ExtendEntry, TreeEntry)) and item.traceparent:
-                            _session_span(item, result, span.get_span_context(), start_ns, end_ns)
-                    try:
-                        replies.append(encode_link_response(s.step, out, self.feature_dim, self.dtype, step_s))
-                    except Exception:
-                        log.exception("encoding a link response failed")
-                        replies.append(VerifierError("INTERNAL", "internal error in the verifier; see its log"))
+                    result = item if isinstance(item, StepResult) else next(results)
+                    if result is None:  # a close
+                        continue
+                    out.append(result)
+                    if isinstance(item, (OpenEntry, ExtendEntry, TreeEntry)) and item.traceparent:
+                        _session_span(item, result, span.get_span_context(), run.start_ns, end_ns)
+                try:
+                    replies.append(encode_link_response(s.step, out, self.feature_dim, self.dtype, step_s))
+                except Exception:
+                    log.exception("encoding a link response failed")
+                    replies.append(VerifierError("INTERNAL", "internal error in the verifier; see its log"))
         for s, reply in zip(steps, replies):
             if isinstance(reply, VerifierError):
                 _resolve(s.future, error=reply)
             else:
                 _resolve(s.future, result=reply)
 
+    def _closed(self) -> None:
+        """A begun step is finished (or failed): the busy time ends with the last open one."""
+        self._open_steps -= 1
+        if not self._open_steps:
+            self.busy_s += time.perf_counter() - self._busy_since
+
+    @staticmethod
+    def _fail(steps: list[LinkStep]) -> None:
+        for s in steps:
+            _resolve(s.future, error=VerifierError("INTERNAL", "internal error in the verifier; see its log"))
+
     @contextlib.contextmanager
-    def _stage(self, name: str) -> Iterator[None]:
-        """A span for one part of the step (the TreeVerifier's `stage` hook), and the histogram of
-        a prefill or of a verify's "forward" (both end with their results on the host)."""
-        histogram = (metrics.VERIFIER_PREFILL if name == "prefill" else
-                     metrics.VERIFIER_FORWARD if name == "forward" and not self._in_prefill else None)
-        self._in_prefill |= name == "prefill"
+    def _stage(self, run: _Running, name: str) -> Iterator[None]:
+        """A span for one part of a step (the TreeVerifier's `stage` hook), and the histogram of a
+        prefill or of a verify (from its "launch" to the end of its "forward": its results on the host)."""
+        prefill = name == "prefill"
+        verify = not run.in_prefill
+        run.in_prefill |= prefill
         start = time.perf_counter()
+        if verify and name == "launch":
+            run.launched = start
         try:
             with _tracer.start_as_current_span(name) as span:
                 yield
                 if self._sync is not None and span.is_recording():
                     self._sync()
         finally:
-            if name == "prefill":
-                self._in_prefill = False
-        if histogram is not None:
-            histogram.observe(time.perf_counter() - start)
+            if prefill:
+                run.in_prefill = False
+        end = time.perf_counter()
+        if prefill:
+            metrics.VERIFIER_PREFILL.observe(end - start)
+        elif verify and name == "forward" and run.launched is not None:
+            metrics.VERIFIER_FORWARD.observe(end - run.launched)
 
 
 def _session_span(entry: OpenEntry | ExtendEntry | TreeEntry, result: StepResult, step_context, start_ns: int,

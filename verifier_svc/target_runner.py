@@ -1,9 +1,10 @@
 """Runs the target model over the KV cache: prefill, and the batched verify step.
 
 The runner knows slots, positions, cache indices and masks, not sessions: the verifier
-above it decides which slot a request uses. A verify step (`verify_batch`) runs the trees
-of many sessions in one forward, accepts them in one batched call and compacts every
-row's accepted K/V in one batched copy (`verifier_svc.cuda_graphs.verify_step`).
+above it decides which slot a request uses. A verify step (`verify_batch`: `launch_verify`,
+which queues it without waiting, then `finish_verify`) runs the trees of many sessions in
+one forward, accepts them in one batched call and compacts every row's accepted K/V in one
+batched copy (`verifier_svc.cuda_graphs.verify_step`).
 
 On CUDA the step replays CUDA graphs captured when the runner is built, per (mode, batch
 bucket, tree bucket, KV bucket); batches no graph fits, `cuda_graphs=False` and CPU devices
@@ -22,7 +23,7 @@ import torch
 from torch import Tensor
 
 from common.protocol import TokenLogprob
-from common.staging import to_device, to_host
+from common.staging import HostCopy, to_device
 from verifier_svc.accept import emitted_logprobs
 from verifier_svc.cuda_graphs import (SAMPLING, BatchInputs, GraphConfig, VerifyGraphs, VerifyRow, cache_length,
                                       verify_step)
@@ -45,6 +46,25 @@ class VerifiedBatch:
     accepted: list[list[int]]  # the tokens of each path's nodes after the root
     features: Tensor  # [sum of path lengths, F] on the CPU: the path rows of the rows asked for, in row order
     logprobs: list[list[TokenLogprob] | None]  # per row: of its emitted tokens, for the rows that ask
+
+
+@dataclass
+class PendingVerify:
+    """A verify step queued on the device (`TargetRunner.launch_verify`), its results on their way."""
+
+    rows: list[VerifyRow]
+    with_features: list[bool]
+    copy: HostCopy  # the per-row results and the path rows' features
+    logits: Tensor  # [B, T, V] of every node; under CUDA graphs a buffer that every step shares
+
+    @property
+    def exclusive(self) -> bool:
+        """Whether no other step may be launched before this one is finished: its logits are read
+        then (rows that ask for logprobs), and a later step would overwrite them."""
+        return any(r.logprobs is not None for r in self.rows)
+
+    def ready(self) -> bool:
+        return self.copy.ready()
 
 
 class TargetRunner:
@@ -163,11 +183,19 @@ class TargetRunner:
     def verify_batch(self, rows: Sequence[VerifyRow], masks: Tensor,
                      with_features: Sequence[bool] | None = None) -> VerifiedBatch:
         """Verify every row's tree (masks: bool [B, >= n, >= n], see `common.tree.ancestor_masks`),
-        accept, and compact each row's accepted K/V to [past, past + len(path)).
+        accept, and compact each row's accepted K/V to [past, past + len(path)): `launch_verify`
+        then `finish_verify`."""
+        return self.finish_verify(self.launch_verify(rows, masks, with_features))
 
-        One wait for the device: the per-row results and the path rows' features come back
-        together (the features kept are those of the rows `with_features` marks, default all);
-        a second, only when a row asks for logprobs (`VerifyRow.logprobs`), for theirs.
+    def launch_verify(self, rows: Sequence[VerifyRow], masks: Tensor,
+                      with_features: Sequence[bool] | None = None) -> PendingVerify:
+        """Queue the verify step and the copies of its results to the host, without waiting for
+        the device: the host can prepare the next step meanwhile (`verifier_svc.scheduler`).
+
+        The per-row results and the path rows' features come back together (the features kept
+        are those of the rows `with_features` marks, default all). The copies are queued right
+        behind the step, so a later step may reuse its graph's buffers; the logits are read after
+        the wait, though, so a step with rows that ask for logprobs is `exclusive`.
         """
         mode = "greedy" if all(r.sampling.greedy for r in rows) else self.sampling
         outputs = self.graphs.run(mode, rows, masks) if self.graphs is not None else None
@@ -175,9 +203,17 @@ class TargetRunner:
             inp, length = self._eager_inputs(rows, masks)
             outputs = self._run_eager(inp, length, mode)
         result, features, logits = outputs
-        # The results and the path rows' features (no path is longer than the deepest tree) in one wait.
+        # No path is longer than the deepest tree.
         width = min(features.shape[1], 1 + int(torch.cat([r.depths for r in rows]).max()))
-        result, features = to_host(result[: len(rows)], features[: len(rows), :width])
+        copy = HostCopy(result[: len(rows)], features[: len(rows), :width])
+        return PendingVerify(list(rows), list(with_features) if with_features is not None else [True] * len(rows),
+                             copy, logits)
+
+    def finish_verify(self, pending: PendingVerify) -> VerifiedBatch:
+        """Wait for a launched step's results (one wait; a second, only when a row asks for
+        logprobs, for theirs) and read them out per row."""
+        rows = pending.rows
+        result, features = pending.copy.wait()
         values = result.tolist()
         paths = [v[2: 3 + v[0]] for v in values]
         bonus = [v[1] for v in values]
@@ -185,13 +221,12 @@ class TargetRunner:
         for row, path in zip(rows, paths):
             tokens = row.tree.tokens.tolist()  # a list once: cheaper than a tensor index per row
             accepted.append([tokens[node] for node in path[1:]])
-        wanted = with_features if with_features is not None else [True] * len(rows)
         b, t, f = features.shape
-        index = torch.tensor([i * t + j for i, path in enumerate(paths) if wanted[i] for j in range(len(path))],
-                             dtype=torch.int64)
+        index = torch.tensor([i * t + j for i, path in enumerate(paths) if pending.with_features[i]
+                              for j in range(len(path))], dtype=torch.int64)
         picked = features.reshape(b * t, f).index_select(0, index)
         return VerifiedBatch(paths=paths, bonus=bonus, accepted=accepted, features=picked,
-                             logprobs=self._path_logprobs(rows, accepted, bonus, logits, paths))
+                             logprobs=self._path_logprobs(rows, accepted, bonus, pending.logits, paths))
 
     @staticmethod
     def _path_logprobs(rows: Sequence[VerifyRow], accepted: list[list[int]], bonus: list[int], logits: Tensor,

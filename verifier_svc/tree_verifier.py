@@ -23,7 +23,7 @@ import collections
 import secrets
 import time
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -33,7 +33,7 @@ from common.staging import rows_of
 from common.tree import DraftTree, TreeError, TreeLayout, ancestor_masks, walk_trees
 from verifier_svc.accept import Stage, accept_roots, draw_coins, emitted_logprobs, no_stage
 from verifier_svc.cuda_graphs import VerifyRow
-from verifier_svc.target_runner import TargetRunner
+from verifier_svc.target_runner import PendingVerify, TargetRunner
 
 
 class VerifierError(StatusError):
@@ -63,6 +63,45 @@ class _Session:
 
 
 Key = tuple[Hashable, int]  # (owner, session id)
+
+
+@dataclass
+class _CheckedTrees:
+    """A step's trees, which of them passed the checks (`good`), the failed ones' errors, and
+    the good ones' verify queued on the device (None when none passed)."""
+    items: list[tuple[Key, TreeEntry]]
+    good: list[int]
+    outcomes: list[Verified | VerifierError | None]
+    launched: PendingVerify | None
+
+
+@dataclass
+class PendingStep:
+    """A step between `TreeVerifier.begin` and `finish`: results known so far, its trees' verify
+    on the device, and the prompt chunks that `finish` prefills."""
+    keys: frozenset[Key]  # the sessions it touches
+    size: int  # entries
+    results: dict[int, StepResult] = field(default_factory=dict)
+    trees: list[tuple[int, Key, TreeEntry]] = field(default_factory=list)
+    chunks: list[tuple[int, Key, OpenEntry | ExtendEntry]] = field(default_factory=list)
+    verify: _CheckedTrees | None = None
+
+    @property
+    def exclusive(self) -> bool:
+        """Whether no other step may begin before this one is finished: its prefills (run by
+        `finish`) would queue behind that step's forward, or its logits would be overwritten."""
+        launched = self.verify.launched if self.verify is not None else None
+        return bool(self.chunks) or (launched is not None and launched.exclusive)
+
+    def ready(self) -> bool:
+        """Whether `finish` would find the verify's results on the host without waiting."""
+        launched = self.verify.launched if self.verify is not None else None
+        return launched is None or launched.ready()
+
+    def wait(self) -> None:
+        """Wait until `ready` (any thread)."""
+        if self.verify is not None and self.verify.launched is not None:
+            self.verify.launched.copy.wait()
 
 
 class TreeVerifier:
@@ -97,18 +136,25 @@ class TreeVerifier:
 
         Returns a list aligned with `entries`: a result for each open and tree entry, None for
         a close. A session may have one entry per step. An error result means the session has
-        failed and is closed. `stage` wraps the parts: "forward" (the batched verify: forward,
-        accept and KV compaction) and "commit" (bookkeeping), and each batched prefill of opens
-        ("prefill", around its "forward" and "sample").
+        failed and is closed. `stage` wraps the parts: "launch" (queuing the batched verify:
+        forward, accept and KV compaction), "forward" (waiting for its results) and "commit"
+        (bookkeeping), and each batched prefill of opens ("prefill", around its "forward" and
+        "sample"). `begin` then `finish`.
         """
-        results: dict[int, StepResult] = {}
+        return self.finish(self.begin(entries, stage=stage), stage=stage)
+
+    def begin(self, entries: Sequence[tuple[Hashable, Entry]], *, stage: Stage = no_stage) -> PendingStep:
+        """The first half of `step`: the closes, the trees' checks, and the batched verify queued
+        on the device without waiting for it. Until `finish`, another step may begin only if it
+        touches none of this one's sessions and this one is not `exclusive`."""
+        pending = PendingStep(keys=frozenset((owner, e.session_id) for owner, e in entries), size=len(entries))
         counts = collections.Counter((owner, e.session_id) for owner, e in entries)
         trees: list[tuple[int, Key, TreeEntry]] = []
-        chunks: list[tuple[int, Key, OpenEntry | ExtendEntry]] = []
         for i, (owner, e) in enumerate(entries):
             key = (owner, e.session_id)
             if counts[key] > 1:  # every entry of the session fails, and it is closed
-                results[i] = _failed(e.session_id, "FAILED_PRECONDITION", "the session has another entry in this step")
+                pending.results[i] = _failed(e.session_id, "FAILED_PRECONDITION",
+                                             "the session has another entry in this step")
                 self.close(key)
                 continue
             if isinstance(e, CloseEntry):
@@ -116,16 +162,25 @@ class TreeVerifier:
             elif isinstance(e, TreeEntry):
                 trees.append((i, key, e))
             else:
-                chunks.append((i, key, e))
+                pending.chunks.append((i, key, e))
         if trees:
-            for (i, key, e), outcome in zip(trees, self._verify([(key, e) for _, key, e in trees], stage)):
+            pending.trees = trees
+            pending.verify = self._launch_verify([(key, e) for _, key, e in trees], stage)
+        return pending
+
+    def finish(self, pending: PendingStep, *, stage: Stage = no_stage) -> list[StepResult | None]:
+        """The second half of `step`: the verify's results committed, then the prefills."""
+        results = pending.results
+        if pending.verify is not None:
+            for (i, key, e), outcome in zip(pending.trees, self._finish_verify(pending.verify, stage)):
                 results[i] = StepResult(e.session_id, outcome)
-        if chunks:
+        if pending.chunks:
+            chunks = pending.chunks
             for (i, key, e), outcome in zip(chunks, self.prefill([(key, e) for _, key, e in chunks], stage=stage)):
                 results[i] = StepResult(e.session_id, outcome)
                 if isinstance(outcome, VerifierError):
                     self.close(key)
-        return [results.get(i) for i in range(len(entries))]
+        return [results.get(i) for i in range(pending.size)]
 
     # -- session lifecycle -------------------------------------------------------------
 
@@ -313,8 +368,8 @@ class TreeVerifier:
 
     # -- verify ----------------------------------------------------------------------------
 
-    def _verify(self, items: Sequence[tuple[Key, TreeEntry]], stage: Stage) -> list[Verified | VerifierError]:
-        """Check every tree, verify the good ones in one batched step; a bad one closes its session."""
+    def _launch_verify(self, items: Sequence[tuple[Key, TreeEntry]], stage: Stage) -> _CheckedTrees:
+        """Check every tree (a bad one closes its session) and queue the good ones' batched verify."""
         outcomes: list[Verified | VerifierError | None] = [None] * len(items)
         layouts = walk_trees([e.tree for _, e in items], vocab_size=self.vocab_size,
                              max_nodes=self.limits.max_tree_nodes, max_depth=self.limits.max_tree_depth)
@@ -326,6 +381,7 @@ class TreeVerifier:
             except VerifierError as exc:
                 outcomes[i] = exc
                 self.close(key)
+        launched = None
         if good:
             rows = []
             for i in good:
@@ -337,23 +393,32 @@ class TreeVerifier:
                                       s.logprobs))
             masks = ancestor_masks([layouts[i] for i in good], max(r.tree.num_nodes for r in rows))
             with_features = [self._sessions[items[i][0]].features for i in good]
-            with stage("forward"):
-                batch = self.runner.verify_batch(rows, masks, with_features)
-            with stage("commit"):
-                offset = 0
-                for j, i in enumerate(good):
-                    key, e = items[i]
-                    s = self._sessions[key]
-                    path = batch.paths[j]
-                    s.length += len(path)
-                    s.next_token = batch.bonus[j]
-                    s.rounds += 1
-                    accepted = batch.accepted[j]
-                    taken = len(path) if s.features else 0
-                    outcomes[i] = Verified(accepted_tokens=accepted, next_token=batch.bonus[j],
-                                           features=batch.features[offset: offset + taken], round=e.round,
-                                           logprobs=batch.logprobs[j])
-                    offset += taken
+            with stage("launch"):
+                launched = self.runner.launch_verify(rows, masks, with_features)
+        return _CheckedTrees(list(items), good, outcomes, launched)
+
+    def _finish_verify(self, pending: _CheckedTrees, stage: Stage) -> list[Verified | VerifierError]:
+        """Wait for a launched verify and commit every good tree's accepted path."""
+        items, outcomes = pending.items, pending.outcomes
+        if pending.launched is None:
+            return outcomes
+        with stage("forward"):
+            batch = self.runner.finish_verify(pending.launched)
+        with stage("commit"):
+            offset = 0
+            for j, i in enumerate(pending.good):
+                key, e = items[i]
+                s = self._sessions[key]
+                path = batch.paths[j]
+                s.length += len(path)
+                s.next_token = batch.bonus[j]
+                s.rounds += 1
+                accepted = batch.accepted[j]
+                taken = len(path) if s.features else 0
+                outcomes[i] = Verified(accepted_tokens=accepted, next_token=batch.bonus[j],
+                                       features=batch.features[offset: offset + taken], round=e.round,
+                                       logprobs=batch.logprobs[j])
+                offset += taken
         return outcomes
 
     def _check(self, key: Key, e: TreeEntry, layout: TreeLayout | TreeError) -> None:

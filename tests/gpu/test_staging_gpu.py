@@ -35,3 +35,14 @@ def test_to_host_brings_several_tensors_and_views_back_after_one_wait():
     host_c, host_a, host_b = to_host(torch.arange(3), a[:4, :5], b[:4])  # a host tensor first, too
     assert host_a.device.type == "cpu" and torch.equal(host_a, a[:4, :5].cpu())
     assert torch.equal(host_b, b[:4].cpu()) and host_c.tolist() == [0, 1, 2]
+
+
+def test_host_copy_waits_for_its_copies_only_not_for_work_queued_after_them():
+    from common.staging import HostCopy
+
+    a = torch.randn(64, 33, device="cuda")
+    copy = HostCopy(a[:, 1:])
+    torch.cuda._sleep(200_000_000)  # ~0.1 s of device work queued behind the copy (the next step, say)
+    (host,) = copy.wait()
+    assert not torch.cuda.current_stream().query(), "HostCopy.wait waited for work queued after its copies"
+    assert copy.ready() and torch.equal(host, a[:, 1:].cpu())

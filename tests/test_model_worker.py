@@ -1,0 +1,201 @@
+"""The verifier's model worker with `overlap` on (as on CUDA), run on the CPU: when the running
+step's results are not there yet, the next message of a link that pipelines begins at once
+(its trees checked and its verify queued), while other links' messages, messages that touch the
+running step's sessions and anything behind an exclusive step wait for it; steps finish in the
+order they began, and the results are those of the same messages one step after another.
+
+Every step's "device work" is held by a gate per step (its `PendingStep` reports not ready until
+the test opens the gate), so the order of begins and finishes is the test's to observe.
+"""
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+import torch
+
+from common.config import load_draft_config
+from common.protocol import CloseEntry, OpenEntry, SamplingParams, StepResult, TreeEntry, Verified
+from common.tree import DraftTree
+from verifier_svc.scheduler import LinkStep, ModelWorker
+from verifier_svc.server import VerifierConfig, load_verifier
+
+PROMPTS = [[5, 17, 42, 99, 3], list(range(60, 90)), [7, 300, 12, 450, 33, 8, 2], [100, 200, 300]]
+
+
+@pytest.fixture(scope="module")
+def config(qwen3_pair) -> VerifierConfig:
+    layers = load_draft_config(qwen3_pair[1]).target_layer_ids
+    return VerifierConfig(target_dir=str(qwen3_pair[0]), feature_layer_ids=layers, host="127.0.0.1", port=0,
+                          max_sessions=6, max_seq_len=128, max_tree_nodes=33, max_tree_depth=16)
+
+
+def opening(sid: int, config: VerifierConfig) -> OpenEntry:
+    return OpenEntry(sid, PROMPTS[(sid - 1) % len(PROMPTS)], SamplingParams(), "", tuple(config.feature_layer_ids))
+
+
+def tree(root: int) -> DraftTree:
+    """root -> 11 -> 13, root -> 12."""
+    return DraftTree.from_parents([root, 11, 12, 13], [-1, 0, 0, 1])
+
+
+class GatedWorker:
+    """A ModelWorker (overlap on) over a fresh verifier whose steps stay "on the device" until
+    `release`; records begins and finishes in order. Runs its own event loop thread."""
+
+    def __init__(self, config: VerifierConfig):
+        self.verifier = load_verifier(config)
+        self.events: list[tuple[str, int]] = []  # ("begin" | "finish", step number)
+        self.gates: list[threading.Event] = []
+        self.outcomes: dict[int, list] = {}
+        real_begin, real_finish = self.verifier.begin, self.verifier.finish
+
+        def begin(entries, **kw):
+            pending = real_begin(entries, **kw)
+            n = len(self.gates)
+            gate = threading.Event()
+            self.gates.append(gate)
+            pending.ready, pending.wait = gate.is_set, gate.wait  # the device work, held
+            pending.number = n
+            self.events.append(("begin", n))
+            return pending
+
+        def finish(pending, **kw):
+            self.events.append(("finish", pending.number))
+            out = real_finish(pending, **kw)
+            self.outcomes[pending.number] = out
+            return out
+
+        self.verifier.begin, self.verifier.finish = begin, finish
+        self.worker = ModelWorker(self.verifier, overlap=True)
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+
+    def __enter__(self):
+        self._thread.start()
+        self.worker.start()
+        return self
+
+    def __exit__(self, *exc):
+        for gate in self.gates:
+            gate.set()
+        self.worker.stop(30)
+        asyncio.run_coroutine_threadsafe(asyncio.sleep(0.05), self.loop).result(10)  # let the replies land
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(10)
+
+    def post(self, owner: str, step: int, entries: list) -> asyncio.Future:
+        """Submit one link message; returns the concurrent future of its reply."""
+        async def submit():
+            return await self.worker.submit(LinkStep(owner, step, list(entries)))
+        return asyncio.run_coroutine_threadsafe(submit(), self.loop)
+
+    def wait_begun(self, n: int) -> None:
+        deadline = time.monotonic() + 10
+        while len(self.gates) < n:
+            assert time.monotonic() < deadline, f"{n} steps did not begin: {self.events}"
+            time.sleep(0.002)
+
+    def release(self, n: int) -> None:
+        self.wait_begun(n + 1)
+        self.gates[n].set()
+
+    def open_all(self, owner: str, sids: list[int], config: VerifierConfig, step: int = 1) -> dict[int, int]:
+        """Open sessions in one message (released at once); their first tokens."""
+        reply = self.post(owner, step, [opening(s, config) for s in sids])
+        self.release(len(self.gates))
+        reply.result(30)
+        n = len(self.gates) - 1
+        return {r.session_id: r.outcome.token for r in self.outcomes[n]}
+
+
+def sequential(config: VerifierConfig, messages: list[tuple[str, list]]) -> list[list[StepResult]]:
+    """The same messages, one `TreeVerifier.step` after another, on a fresh verifier."""
+    verifier = load_verifier(config)
+    return [[r for r in verifier.step([(owner, e) for e in entries]) if r is not None] for owner, entries in messages]
+
+
+def same(got: list[StepResult], want: list[StepResult]) -> None:
+    assert [r.session_id for r in got] == [r.session_id for r in want]
+    for g, w in zip(got, want):
+        if isinstance(w.outcome, Verified):
+            assert isinstance(g.outcome, Verified)
+            assert (g.outcome.accepted_tokens, g.outcome.next_token) == (w.outcome.accepted_tokens, w.outcome.next_token)
+            assert torch.equal(g.outcome.features, w.outcome.features)
+        else:
+            assert type(g.outcome) is type(w.outcome) and getattr(g.outcome, "token", None) == w.outcome.token
+
+
+def test_a_pipelining_links_next_message_begins_while_its_step_runs(config):
+    with GatedWorker(config) as w:
+        roots = w.open_all("L", [1, 2, 3, 4], config)
+        first = [TreeEntry(1, 1, tree(roots[1])), TreeEntry(2, 1, tree(roots[2]))]
+        second = [TreeEntry(3, 1, tree(roots[3])), TreeEntry(4, 1, tree(roots[4]))]
+        a = w.post("L", 2, first)
+        w.wait_begun(2)
+        b = w.post("L", 3, second)  # the other half of the link's sessions: begins at once
+        w.wait_begun(3)
+        assert w.events[-2:] == [("begin", 1), ("begin", 2)] and not a.done()
+        w.gates[2].set()  # the later step is done first: it still waits for the earlier one
+        time.sleep(0.2)
+        assert not a.done() and not b.done()
+        w.gates[1].set()
+        a.result(30), b.result(30)
+        assert w.events[-2:] == [("finish", 1), ("finish", 2)]
+    want = sequential(config, [("L", [opening(s, config) for s in (1, 2, 3, 4)]), ("L", first), ("L", second)])
+    same(w.outcomes[1], want[1])
+    same(w.outcomes[2], want[2])
+
+
+def test_other_links_and_the_running_sessions_wait_for_the_running_step(config):
+    with GatedWorker(config) as w:
+        roots = w.open_all("L", [1, 2], config)
+        roots.update(w.open_all("M", [5], config))
+        a = w.post("L", 3, [TreeEntry(1, 1, tree(roots[1]))])
+        w.wait_begun(3)
+        other = w.post("M", 2, [TreeEntry(5, 1, tree(roots[5]))])  # a link with nothing running: batches later
+        again = w.post("L", 4, [TreeEntry(2, 1, tree(roots[2])), CloseEntry(1)])  # touches session 1: waits
+        time.sleep(0.3)
+        assert len(w.gates) == 3 and not a.done()
+        w.gates[2].set()
+        a.result(30)
+        w.wait_begun(4)  # both waiting messages, together in the next step
+        w.gates[3].set()
+        other.result(30), again.result(30)
+        assert len(w.gates) == 4
+        results = [r for r in w.outcomes[3] if r is not None]  # the close has none
+        assert [r.session_id for r in results] == [5, 2] and all(isinstance(r.outcome, Verified) for r in results)
+
+
+def test_nothing_begins_behind_a_step_with_prefills(config):
+    with GatedWorker(config) as w:
+        roots = w.open_all("L", [1], config)
+        a = w.post("L", 2, [TreeEntry(1, 1, tree(roots[1])), opening(2, config)])  # exclusive: it prefills
+        w.wait_begun(2)
+        b = w.post("L", 3, [opening(3, config)])
+        time.sleep(0.3)
+        assert len(w.gates) == 2
+        w.gates[1].set()
+        a.result(30)
+        w.release(2)
+        b.result(30)
+        assert w.events[-3:] == [("finish", 1), ("begin", 2), ("finish", 2)]
+
+
+def test_stop_finishes_the_running_steps_and_fails_the_rest(config):
+    w = GatedWorker(config)
+    with w:
+        roots = w.open_all("L", [1, 2], config)
+        a = w.post("L", 2, [TreeEntry(1, 1, tree(roots[1]))])
+        w.wait_begun(2)
+        b = w.post("L", 3, [TreeEntry(2, 1, tree(roots[2]))])
+        w.wait_begun(3)
+        late = w.post("M", 1, [opening(5, config)])
+        time.sleep(0.1)
+        threading.Timer(0.2, lambda: [g.set() for g in w.gates]).start()
+        w.worker.stop(30)
+        assert a.result(10) and b.result(10)  # both answered
+        with pytest.raises(Exception, match="shutting down"):
+            late.result(10)
