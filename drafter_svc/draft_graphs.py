@@ -116,16 +116,19 @@ class DraftInputs:
         # Rows past a session's k new ones keep whatever finite values an earlier step left: their
         # K/V land where the block's K/V overwrite them, so they need no zeroing.
         n = len(rows)
-        if n:  # the scalar fields in one copy each, the feature rows one session at a time
+        if n:  # the scalar fields in one copy each, the feature rows in one
             counts = [row.features.shape[0] for row in rows]
             tokens[:n, 0] = torch.tensor([row.root for row in rows])
             past[:n] = torch.tensor([row.past for row in rows])
             new_length[:n] = past[:n] + torch.tensor(counts)
             slot[:n] = torch.tensor([row.slot for row in rows])
-        feats = self._host_features
-        for i, row in enumerate(rows):
-            if row.features.shape[0]:
-                feats[i, : row.features.shape[0]] = row.features
+            if max(counts) > self.R:
+                raise ValueError(f"{max(counts)} new feature rows for a session, the step takes {self.R}")
+            if any(counts):
+                feats = self._host_features
+                index = torch.tensor([i * self.R + j for i, k in enumerate(counts) for j in range(k)])
+                feats.view(-1, feats.shape[-1]).index_copy_(
+                    0, index, torch.cat([row.features for row in rows]).to(feats.dtype))
         self._staging.commit()
 
 

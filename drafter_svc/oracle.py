@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -40,11 +40,12 @@ class ControlledAcceptance:
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise ValueError(f"bad --bench-oracle file {path}: {exc}") from None
 
-    @torch.inference_mode()  # the block logits are inference tensors
-    def __call__(self, prompts: Sequence[list[int]], emitted: Sequence[list[int]], logits: torch.Tensor) -> None:
-        """Edit block logits [S, D, V] in place for sessions with a known continuation (the
-        decisions on the host, then two scatters for the whole batch)."""
-        depths = logits.shape[1]
+    def __call__(self, prompts: Sequence[list[int]], emitted: Sequence[list[int]], depths: int
+                 ) -> Callable[[torch.Tensor], None] | None:
+        """Decide the edits of the coming draft step's block logits [S, depths, V] for sessions with
+        a known continuation, before its forward is queued (so no host work sits between the
+        forward and the tree build's top-k on the device); returns what applies them (two
+        scatters for the whole batch), or None when there is nothing to edit."""
         hits, misses = [], []  # (session, depth, token)
         for i, (prompt, out) in enumerate(zip(prompts, emitted)):
             truth = self.continuations.get(tuple(prompt))
@@ -59,9 +60,14 @@ class ControlledAcceptance:
                     misses.append((i, d, truth[n + d]))
                     break
         if not hits and not misses:
-            return
-        # One asynchronous copy of every edit (no wait for the draft forward); a (session, depth)
-        # is edited at most once, so one scatter applies them all.
-        i, d, t, hit = to_device([h + (True,) for h in hits] + [m + (False,) for m in misses], logits.device,
-                                 torch.int64).T
-        logits[i, d, t] = torch.where(hit.bool(), logits[i, d].amax(-1) + 10.0, float("-inf")).to(logits.dtype)
+            return None
+        edits = [h + (True,) for h in hits] + [m + (False,) for m in misses]
+
+        @torch.inference_mode()  # the block logits are inference tensors
+        def apply(logits: torch.Tensor) -> None:
+            # One asynchronous copy of every edit (no wait for the draft forward); a (session, depth)
+            # is edited at most once, so one scatter applies them all.
+            i, d, t, hit = to_device(edits, logits.device, torch.int64).T
+            logits[i, d, t] = torch.where(hit.bool(), logits[i, d].amax(-1) + 10.0, float("-inf")).to(logits.dtype)
+
+        return apply

@@ -118,9 +118,10 @@ class GenerationResult:
 # matched), so that no further round is drafted for it.
 Delivery = RoundUpdate | GenerationResult | StatusError
 
-# Benchmarks only (`drafter_svc.oracle`): edits the block logits [S, D, V] of the drafted
-# sessions in place, given their prompts and the tokens they have emitted so far.
-LogitsHook = Callable[[Sequence[list[int]], Sequence[list[int]], Tensor], None]
+# Benchmarks only (`drafter_svc.oracle`): given the drafted sessions' prompts, the tokens they
+# have emitted so far and the block's depths D, before the draft step, what edits its block
+# logits [S, D, V] in place after it (None: nothing to edit).
+LogitsHook = Callable[[Sequence[list[int]], Sequence[list[int]], int], Callable[[Tensor], None] | None]
 
 
 @dataclass
@@ -610,10 +611,12 @@ class DraftScheduler:
             sessions = [drafting[i] for i in busy]
             start = time.perf_counter()
             with _tracer.start_as_current_span("draft"):
+                edit = (self.logits_hook([s.prompt_ids for s in sessions], [s.result.tokens for s in sessions],
+                                         self.proposer.block_size - 1) if self.logits_hook is not None else None)
                 block = self.proposer.propose([s.draft_state for s in sessions], [s.root for s in sessions],
                                               [s.new_tokens for s in sessions], [s.new_features for s in sessions])
-                if self.logits_hook is not None:
-                    self.logits_hook([s.prompt_ids for s in sessions], [s.result.tokens for s in sessions], block)
+                if edit is not None:
+                    edit(block)
             for s in sessions:
                 s.new_features = s.new_features[:0]
             draft_s = time.perf_counter() - start
