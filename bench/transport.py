@@ -6,10 +6,10 @@
 The verifier runs in a child process: the real servicer, link handler, model worker and
 `TreeVerifier` (link-message decode, tree walk and validation of every tree, ancestor masks,
 commit bookkeeping, reply encode) over the bundled default target, whose batched verify
-(`TargetRunner.verify_batch`) is replaced by a canned result that accepts `--feature-rows` -
-1 tokens per session and so returns that many rows of Qwen3-8B-sized features each (context
-rows, as a projecting verifier sends them: 4096 bf16 = 8 KB per row); its prefill runs for
-real but returns features of that width. This process drives a `GrpcLink` exactly as the
+(`TargetRunner.launch_verify` / `finish_verify`) is replaced by a canned result that
+accepts `--feature-rows` - 1 tokens per session and so returns that many rows of
+Qwen3-8B-sized features each (context rows, as a projecting verifier sends them: 4096 bf16
+= 8 KB per row); its prefill runs for real but returns features of that width. This process drives a `GrpcLink` exactly as the
 drafter's scheduler does: it opens B sessions in one message, then sends `--rounds` link
 messages, each carrying one `--nodes`-node tree for each of the B sessions, and times each
 `GrpcLink.step` call (tracing off unless --trace; with it, spans as the scheduler makes
@@ -80,7 +80,8 @@ def _verifier_process(port_out, rows: int, trace: bool, sessions: int, seq_len: 
     import verifier_svc.scheduler
     from common.wire import encode_link_response
     from verifier_svc.server import VerifierConfig, load_verifier, serve
-    from verifier_svc.target_runner import VerifiedBatch
+    from common.staging import HostCopy
+    from verifier_svc.target_runner import PendingVerify, VerifiedBatch
 
     if trace:
         _tracing("verifier")
@@ -97,13 +98,17 @@ def _verifier_process(port_out, rows: int, trace: bool, sessions: int, seq_len: 
         logits, _ = real_prefill(slots, prompts, pasts)
         return logits, [torch.zeros(p.shape[0], FEATURE_DIM, dtype=torch.bfloat16) for p in prompts]
 
-    def verify_batch(batch_rows, masks, with_features=None):
+    def launch_verify(batch_rows, masks, with_features=None):
+        return PendingVerify(list(batch_rows), [True] * len(batch_rows), HostCopy(), features)
+
+    def finish_verify(pending):
+        batch_rows = pending.rows
         return VerifiedBatch(paths=[path] * len(batch_rows), bonus=[int(r.tree.tokens[0]) for r in batch_rows],
                              accepted=[r.tree.tokens[path[1:]].tolist() for r in batch_rows],
                              features=features[: len(batch_rows) * rows], logprobs=[None] * len(batch_rows))
 
     runner.prefill = prefill
-    runner.verify_batch = verify_batch
+    runner.launch_verify, runner.finish_verify = launch_verify, finish_verify
     # Replies without rows (a close-only message) carry an empty tensor of the features' width.
     verifier_svc.scheduler.encode_link_response = (
         lambda step, results, feature_dim, dtype, step_s=0.0: encode_link_response(step, results, FEATURE_DIM,
