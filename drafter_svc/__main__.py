@@ -83,8 +83,9 @@ def parse_args(argv=None) -> DrafterConfig:
     p.switch("--no-cuda-graphs", env="DRAFTER_NO_CUDA_GRAPHS", default=not d.cuda_graphs,
              help="run the draft step eagerly on CUDA instead of replaying captured CUDA graphs")
     p.flag("--pipelining", env="DRAFTER_PIPELINING", default=d.pipelining, choices=("auto", "on", "off"),
-           help="on: with two or more sessions, keep two link messages in flight, each with half of them, so "
-                "drafting one half overlaps verifying the other and the round trip; off: lockstep rounds, each "
+           help="on: with two or more sessions, keep --pipeline-groups link messages in flight (default two, "
+                "each with half of them), so drafting one group overlaps verifying the others and the round trip; "
+                "off: lockstep rounds, each "
                 "reply awaited before drafting again; auto: on when --device is a GPU, and on the verifier's own "
                 "GPU only from --shared-gpu-pipeline-sessions sessions; off on a CPU (default auto)")
     p.flag("--shared-gpu-pipeline-sessions", env="DRAFTER_SHARED_GPU_PIPELINE_SESSIONS",
@@ -92,6 +93,10 @@ def parse_args(argv=None) -> DrafterConfig:
            help="with --pipelining auto and the drafter on the verifier's own GPU: pipeline rounds only while at "
                 "least this many sessions run or wait (fewer: two half-size verify passes on one device cost more "
                 f"than the host work they hide) (default {d.shared_gpu_pipeline_sessions})")
+    p.flag("--pipeline-groups", env="DRAFTER_PIPELINE_GROUPS", default=d.pipeline_groups, type=int,
+           help="pipelined rounds: how many link messages are in flight, each with that share of the sessions "
+                "(more groups keep the verifier's queue fuller while the drafter works on one, at the cost of "
+                f"smaller verify passes) (default {d.pipeline_groups})")
     p.flag("--adaptive-budget", env="DRAFTER_ADAPTIVE_BUDGET", default=d.adaptive_budget,
            choices=("auto", "on", "off"),
            help="on: each step cuts every DDTree to the one budget that the verifier's measured step times and "
@@ -118,8 +123,9 @@ def parse_args(argv=None) -> DrafterConfig:
         fail(f"--max-queue must be >= 0, got {a.max_queue}")
     if a.prefill_chunk < 0:
         fail(f"--prefill-chunk must be >= 0 (0 = no limit), got {a.prefill_chunk}")
-    if a.shared_gpu_pipeline_sessions < 2:
-        fail(f"--shared-gpu-pipeline-sessions must be >= 2, got {a.shared_gpu_pipeline_sessions}")
+    if a.shared_gpu_pipeline_sessions < 2 or a.pipeline_groups < 2:
+        fail("--shared-gpu-pipeline-sessions and --pipeline-groups must be >= 2, got "
+             f"{a.shared_gpu_pipeline_sessions} and {a.pipeline_groups}")
     if a.tree_budget < 0 or a.max_new_tokens < 1 or a.max_concurrent < 1:
         fail("--tree-budget must be >= 0, --max-new-tokens and --max-concurrent >= 1")
     if a.max_message_mb < 1 or a.max_prompt_bytes < 1:
@@ -135,6 +141,7 @@ def parse_args(argv=None) -> DrafterConfig:
                          trace_console=a.trace_console, cuda_graphs=not a.no_cuda_graphs,
                          max_message_mb=a.max_message_mb, max_prompt_bytes=a.max_prompt_bytes,
                          pipelining=a.pipelining, shared_gpu_pipeline_sessions=a.shared_gpu_pipeline_sessions,
+                         pipeline_groups=a.pipeline_groups,
                          adaptive_budget=a.adaptive_budget, bench_oracle=a.bench_oracle,
                          tls=tls, verifier_tls=verifier_tls, api_key=api_key, http_port=a.http_port,
                          served_model_name=a.served_model_name, log_level=a.log_level, log_format=a.log_format)

@@ -237,16 +237,21 @@ class DraftScheduler:
     def __init__(self, link: VerifierLink, proposer: BlockProposer | None, *, max_sessions: int,
                  feature_layer_ids: tuple[int, ...] = (), eos_token_ids: tuple[int, ...] = (),
                  queue_timeout_s: float = 30.0, logits_hook: LogitsHook | None = None, pipelined: bool = True,
-                 pipeline_min_sessions: int = 2, recovery_timeout_s: float = 0.0, planner: BudgetPlanner | None = None,
-                 adapt_sampled: bool = False, max_queue: int = 256, prefill_chunk: int = 0):
+                 pipeline_min_sessions: int = 2, pipeline_groups: int = 2, recovery_timeout_s: float = 0.0,
+                 planner: BudgetPlanner | None = None, adapt_sampled: bool = False, max_queue: int = 256,
+                 prefill_chunk: int = 0):
         self.link, self.proposer = link, proposer
         # The adaptive tree budget (None: each request's budget as given). It adapts greedy
         # sessions, and sampled ones only when `adapt_sampled` (the verifier samples keyed by
         # position): under the coin walk a seeded output depends on its trees, and a budget
         # that follows the batch would make it depend on the other sessions.
         self.planner, self.adapt_sampled = planner, adapt_sampled
-        # Pipelined rounds split the sessions into two messages in flight once this many run or wait.
+        # Pipelined rounds split the sessions into `pipeline_groups` messages in flight once this many
+        # run or wait.
         self.pipelined, self.pipeline_min_sessions = pipelined, max(2, pipeline_min_sessions)
+        if pipeline_groups < 2:
+            raise ValueError(f"pipeline_groups must be >= 2, got {pipeline_groups}")
+        self.pipeline_groups = pipeline_groups
         # Prompt tokens one step may prefill, over every session (0: no limit): a longer prompt is
         # sent in chunks over several steps, so that no round waits more than one chunk for it.
         self.prefill_chunk = prefill_chunk
@@ -400,14 +405,14 @@ class DraftScheduler:
         returns False when there was nothing to do.
 
         Lockstep (pipelining off, or fewer than `pipeline_min_sessions` sessions): each
-        message's reply is read before the next is sent. Pipelined: up to two messages are in
-        flight, each carrying about half of the running sessions, so the draft of one half
-        overlaps the other's verification, its round trip included.
+        message's reply is read before the next is sent. Pipelined: up to `pipeline_groups`
+        messages are in flight (two by default, each with about half of the running sessions),
+        so the draft of one group overlaps the others' verification, its round trip included.
         """
         self._take_commands()
         for s in [s for s in self._running.values() if s.result.finish_reason and not s.in_flight]:
             self._finish(s)  # cancelled meanwhile
-        depth = 2 if self._pipelining() else 1
+        depth = self.pipeline_groups if self._pipelining() else 1
         sent = len(self._inflight) < depth and self._send()
         if self._inflight and (len(self._inflight) >= depth or not sent):
             self._receive()
@@ -419,7 +424,8 @@ class DraftScheduler:
 
     def _send(self) -> bool:
         """Build and send one message: closes, opens, and trees for the ready sessions (all of
-        them, or in pipelined mode about half of the running ones). False if it would be empty."""
+        them, or in pipelined mode about 1 / `pipeline_groups` of the running ones). False if it
+        would be empty."""
         entries: list[Entry] = [CloseEntry(sid) for sid in self._ending]
         self._ending = []
         self._expire_waiting()
@@ -429,7 +435,7 @@ class DraftScheduler:
         if self._pipelining() and ready:
             in_flight = sum(1 for s in self._running.values() if s.in_flight and s.open_on_verifier)
             total = len(ready) + in_flight
-            ready = ready[: (total + 1) // 2] if total >= 2 else ready
+            ready = ready[: -(-total // self.pipeline_groups)]
         if not entries and not ready:
             return False
         started = time.perf_counter()

@@ -78,12 +78,13 @@ class DrafterConfig:
     grace_s: float = 25.0  # on SIGTERM, how long running generations may finish (compose waits 30 s)
     trace_console: bool = False
     cuda_graphs: bool = True         # on CUDA, replay captured graphs for the draft step (False = eager)
-    # "on": two link messages in flight, each with half the sessions; "off": lockstep rounds;
+    # "on": `pipeline_groups` link messages in flight, each with that share of the sessions; "off": lockstep rounds;
     # "auto": on when the draft runs on a GPU; on the verifier's own GPU only from
     # `shared_gpu_pipeline_sessions` running sessions (below that, two half-size verify passes
     # on one device cost more than the host work they hide); off on a CPU.
     pipelining: str = "auto"
     shared_gpu_pipeline_sessions: int = 16
+    pipeline_groups: int = 2  # pipelined: link messages in flight, each with 1 / this of the sessions
     # "auto"/"on": each step's DDTrees are cut to the budget that the verifier's cost table and
     # the observed acceptance promise the most tokens per second for (`drafter_svc.budget`;
     # a request's tree_budget is then a cap); "auto" falls back to the fixed budget when the
@@ -203,11 +204,13 @@ class DrafterEngine:
                                    eos_token_ids=target_cfg.eos_token_ids, queue_timeout_s=cfg.queue_timeout_s,
                                    logits_hook=hook, pipelined=cfg.pipelined(info.device_id),
                                    pipeline_min_sessions=cfg.pipeline_min_sessions(info.device_id),
+                                   pipeline_groups=cfg.pipeline_groups,
                                    recovery_timeout_s=cfg.recovery_timeout_s, planner=cfg.budget_planner(info),
                                    adapt_sampled=info.sampling == "keyed", max_queue=cfg.max_queue,
                                    prefill_chunk=cfg.prefill_chunk)
         log.info("rounds %s (--pipelining %s; verifier on %s); tree budget %s",
-                 f"pipelined from {scheduler.pipeline_min_sessions} sessions" if scheduler.pipelined
+                 f"pipelined in {scheduler.pipeline_groups} groups from {scheduler.pipeline_min_sessions} sessions"
+                 if scheduler.pipelined
                  else "in lockstep", cfg.pipelining, info.device_id or "?",
                  "adaptive (requests' budgets are caps)" if scheduler.planner else "as each request sets it")
         scheduler.start()

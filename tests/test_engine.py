@@ -121,10 +121,11 @@ def test_more_requests_than_slots_queue_and_complete(engine):
     assert engine.verifier.free_capacity == limit
 
 
-def test_pipelined_rounds_change_no_output(engine):
-    """Pipelined (two link messages in flight, half the sessions each, new sessions joining as
-    others end) gives every session exactly its lockstep tokens, greedy and seeded, and has
-    two messages in flight at a time; capacity comes back in full."""
+@pytest.mark.parametrize("groups", [2, 3])
+def test_pipelined_rounds_change_no_output(engine, groups):
+    """Pipelined (`groups` link messages in flight, that share of the sessions each, new sessions
+    joining as others end) gives every session exactly its lockstep tokens, greedy and seeded,
+    and has `groups` messages in flight at a time; capacity comes back in full."""
     from drafter_svc.link import LocalLink
 
     class CountingLink(LocalLink):
@@ -139,13 +140,13 @@ def test_pipelined_rounds_change_no_output(engine):
     requests += [(p, GenerationConfig(N, sampling=SAMPLED, mode=DraftMode("tree", 8))) for p in PROMPTS]
     lockstep = engine.generate_many(requests)
     link = CountingLink(engine.verifier)
-    scheduler = _scheduler(engine, engine.proposer, pipelined=True)
+    scheduler = _scheduler(engine, engine.proposer, pipelined=True, pipeline_groups=groups)
     scheduler.link = link
     ends = _ends(scheduler, requests)
     scheduler.run_until_idle()
     for (prompt, config), end, alone in zip(requests, ends, lockstep):
         assert end["items"][-1].tokens == alone.tokens, (prompt, config.mode, config.sampling)
-    assert link.most == 2
+    assert link.most == groups
     assert engine.verifier.free_capacity == engine.verifier.limits.max_sessions
     assert engine.proposer.free_slots == engine.verifier.limits.max_sessions
 
