@@ -56,10 +56,10 @@ class GatedWorker:
             pending = real_begin(entries, **kw)
             n = len(self.gates)
             gate = threading.Event()
-            self.gates.append(gate)
             pending.ready, pending.wait = gate.is_set, gate.wait  # the device work, held
             pending.number = n
             self.events.append(("begin", n))
+            self.gates.append(gate)  # last: the test sees a step as begun once its gate is there
             return pending
 
         def finish(pending, **kw):
@@ -199,3 +199,27 @@ def test_stop_finishes_the_running_steps_and_fails_the_rest(config):
         assert a.result(10) and b.result(10)  # both answered
         with pytest.raises(Exception, match="shutting down"):
             late.result(10)
+
+
+def test_a_links_later_message_waits_behind_its_earlier_one(config):
+    """A link's message that must wait for the running step (it touches its sessions) holds back
+    the link's later messages too, even one that could go: they keep their order, and the worker
+    sleeps meanwhile rather than spinning."""
+    with GatedWorker(config) as w:
+        roots = w.open_all("L", [1, 2, 3], config)
+        a = w.post("L", 2, [TreeEntry(1, 1, tree(roots[1]))])
+        w.wait_begun(2)
+        checks = []
+        real = w.worker._begins_early
+        w.worker._begins_early = lambda *args: checks.append(1) or real(*args)
+        held = w.post("L", 3, [CloseEntry(1)])  # session 1 is in a: after it
+        later = w.post("L", 4, [TreeEntry(3, 1, tree(roots[3]))])
+        time.sleep(0.3)
+        assert len(w.gates) == 2 and len(checks) < 20, (len(w.gates), len(checks))
+        w.gates[1].set()
+        a.result(30)
+        w.release(2)
+        w.release(3)
+        held.result(30), later.result(30)
+        assert [e for e in w.events if e[1] >= 1] == [("begin", 1), ("finish", 1), ("begin", 2), ("begin", 3),
+                                                      ("finish", 2), ("finish", 3)]

@@ -288,15 +288,18 @@ class ModelWorker:
                 job.done.set()
 
     def _begins_early(self, waiting: list[LinkStep | _Close], running: collections.deque[_Running]) -> bool:
-        """Whether to begin a step now, while `running` ones are on the device: when a waiting
-        message comes from a link that pipelines (it has a message running) and may go (no close
-        is waiting, and there is room behind steps that are not exclusive)."""
+        """Whether to begin a step now, while `running` ones are on the device: when the next
+        message of a link that pipelines (it has a message running) may go (no close is waiting,
+        and there is room behind steps that are not exclusive)."""
         if len(running) >= self.max_running or any(r.pending.exclusive for r in running):
             return False
         if any(isinstance(job, _Close) for job in waiting):
             return False
         owners = set().union(*(r.owners for r in running))
-        return any(job.owner in owners and self._may_begin(job, running) for job in waiting)
+        first = {}  # each link's next message: a later one waits behind it
+        for job in waiting:
+            first.setdefault(job.owner, job)
+        return any(job.owner in owners and self._may_begin(job, running) for job in first.values())
 
     @staticmethod
     def _may_begin(job: LinkStep, running: collections.deque[_Running]) -> bool:
