@@ -49,6 +49,7 @@ class GatedWorker:
         self.verifier = load_verifier(config)
         self.events: list[tuple[str, int]] = []  # ("begin" | "finish", step number)
         self.gates: list[threading.Event] = []
+        self.pendings: list = []  # the steps begun, in order
         self.outcomes: dict[int, list] = {}
         real_begin, real_finish = self.verifier.begin, self.verifier.finish
 
@@ -58,6 +59,7 @@ class GatedWorker:
             gate = threading.Event()
             pending.ready, pending.wait = gate.is_set, gate.wait  # the device work, held
             pending.number = n
+            self.pendings.append(pending)
             self.events.append(("begin", n))
             self.gates.append(gate)  # last: the test sees a step as begun once its gate is there
             return pending
@@ -223,3 +225,25 @@ def test_a_links_later_message_waits_behind_its_earlier_one(config):
         held.result(30), later.result(30)
         assert [e for e in w.events if e[1] >= 1] == [("begin", 1), ("finish", 1), ("begin", 2), ("begin", 3),
                                                       ("finish", 2), ("finish", 3)]
+
+
+def test_a_device_error_fails_its_step_only(config):
+    """A step whose results cannot be waited for (a device error: its readiness check and its
+    finish raise) fails its own link messages with INTERNAL; the worker goes on with the next."""
+    with GatedWorker(config) as w:
+        roots = w.open_all("L", [1, 2], config)
+        real_finish = w.verifier.finish
+
+        def broken(*args):
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+        a = w.post("L", 2, [TreeEntry(1, 1, tree(roots[1]))])
+        w.wait_begun(2)
+        w.verifier.finish = lambda pending, **kw: broken() if pending.number == 1 else real_finish(pending, **kw)
+        w.pendings[1].ready = broken
+        w.gates[1].set()
+        with pytest.raises(Exception, match="internal error"):
+            a.result(30)
+        b = w.post("L", 3, [TreeEntry(2, 1, tree(roots[2]))])
+        w.release(2)
+        assert isinstance(b.result(30), object) and isinstance(w.outcomes[2][0].outcome, Verified)

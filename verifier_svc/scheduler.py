@@ -261,7 +261,7 @@ class ModelWorker:
         waiting: list[LinkStep | _Close] = []  # received, not begun
         running: collections.deque[_Running] = collections.deque()  # begun, oldest first
         while not self._stopped:
-            while running and running[0].pending.ready():
+            while running and self._ready(running[0]):
                 self._finish(running.popleft())
             if not (waiting and (not running or self._begins_early(waiting, running))):
                 item = self._queue.get()  # a job, a step's results ready, or stop()'s wake-up
@@ -300,6 +300,15 @@ class ModelWorker:
         for job in waiting:
             first.setdefault(job.owner, job)
         return any(job.owner in owners and self._may_begin(job, running) for job in first.values())
+
+    @staticmethod
+    def _ready(run: _Running) -> bool:
+        """Whether a begun step's results are on the host; True if asking fails (a device error:
+        finishing the step reports it to its links)."""
+        try:
+            return run.pending.ready()
+        except Exception:
+            return True
 
     @staticmethod
     def _may_begin(job: LinkStep, running: collections.deque[_Running]) -> bool:
