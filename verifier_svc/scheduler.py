@@ -16,9 +16,9 @@ a drafter opened and never sent a tree for (the open timeout) or stopped sending
 timeout), freeing their KV slots.
 
 Tracing: each step is a `verify_step` span with `launch` (queuing the batched forward, accept
-and KV compaction: one graph replay on CUDA), `forward` (waiting for its results), `commit` (the sessions' bookkeeping), `prefill` (the
-batched prefill of the step's opens, with `forward` and `sample`) and `encode` (the replies)
-children; each tree entry that carries a `traceparent` gets a `verify` span under the
+and KV compaction: one graph replay on CUDA), `forward` (waiting for its results), `commit`
+(the sessions' bookkeeping), `prefill` (the batched prefill of the step's opens, with
+`forward` and `sample`) and `encode` (the replies) children; each tree entry that carries a `traceparent` gets a `verify` span under the
 drafter's span, each open a `prefill` span, covering the step and linked to its span.
 """
 from __future__ import annotations
@@ -141,13 +141,7 @@ class SessionTimers:
         return unstarted, idle
 
 
-_WAKE = None  # queued by stop() to wake the thread
-
-
-@dataclass
-class _Ready:
-    """Queued by the waiter thread once a begun step's results are on the host."""
-    run: _Running
+_WAKE = None  # queued to wake the thread: by stop(), and by the waiter when a step's results land
 
 
 @dataclass
@@ -189,12 +183,13 @@ class ModelWorker:
         self.feature_dim = model.feature_dim
         self.dtype = model.embed_tokens.weight.dtype
         self.overlap = verifier.runner.device.type == "cuda" if overlap is None else overlap
-        self._queue: queue.SimpleQueue[LinkStep | _Close | _Ready | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[LinkStep | _Close | None] = queue.SimpleQueue()
         self._lock = threading.Lock()  # orders submit() against stop()
         self._stopped = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._waits: queue.SimpleQueue[_Running | None] = queue.SimpleQueue()  # begun steps, for the waiter
-        self._waiter = threading.Thread(target=self._wait_for_results, name=f"{name}-waiter", daemon=True)
+        self._waiter = (threading.Thread(target=self._wait_for_results, name=f"{name}-waiter", daemon=True)
+                        if self.overlap else None)
         # Spans of model steps measure device time: wait for the device before they end.
         self._sync = torch.cuda.synchronize if verifier.runner.device.type == "cuda" else None
         self.steps = 0
@@ -203,7 +198,8 @@ class ModelWorker:
         self._busy_since = 0.0  # when the last of them began that found none open
 
     def start(self) -> None:
-        self._waiter.start()
+        if self._waiter is not None:
+            self._waiter.start()
         self._thread.start()
 
     def stop(self, timeout: float | None = None) -> None:
@@ -264,9 +260,9 @@ class ModelWorker:
             while running and self._ready(running[0]):
                 self._finish(running.popleft())
             if not (waiting and (not running or self._begins_early(waiting, running))):
-                item = self._queue.get()  # a job, a step's results ready, or stop()'s wake-up
+                item = self._queue.get()  # a job, or a wake-up (a step's results landed, or stop())
                 waiting += [item] if isinstance(item, (LinkStep, _Close)) else []
-            waiting += [job for job in self._drain() if isinstance(job, (LinkStep, _Close))]
+            waiting += self._drain()
             if self._stopped:
                 break
             if not waiting or (running and not self._begins_early(waiting, running)):
@@ -350,9 +346,9 @@ class ModelWorker:
                 run.pending.wait()
             except Exception:  # the worker's own wait reports it
                 pass
-            self._queue.put(_Ready(run))
+            self._queue.put(_WAKE)
 
-    def _drain(self) -> Iterator[LinkStep | _Close | _Ready]:
+    def _drain(self) -> Iterator[LinkStep | _Close]:
         """The queued jobs, without blocking (wake-ups skipped)."""
         while True:
             try:
@@ -397,6 +393,14 @@ class ModelWorker:
             self._closed()
         step_s = time.perf_counter() - run.began  # overlapped, it includes waiting for the step before
         metrics.VERIFIER_STEP.observe(step_s)
+        try:
+            self._answer(run, outcomes, step_s)
+        except Exception:  # a bug: the links of this step fail, the worker goes on
+            log.exception("model worker step failed")
+            self._fail(run.steps)
+
+    def _answer(self, run: _Running, outcomes: list[StepResult | None], step_s: float) -> None:
+        """Close the sessions refused while decoding, then encode and send each message's reply."""
         steps, span = run.steps, run.span
         for s in steps:  # an entry refused while decoding fails its session too
             for item in s.items:

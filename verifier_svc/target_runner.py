@@ -66,6 +66,9 @@ class PendingVerify:
     def ready(self) -> bool:
         return self.copy.ready()
 
+    def wait(self) -> None:
+        self.copy.wait()
+
 
 class TargetRunner:
     def __init__(self, model: TargetModel, num_slots: int, max_seq_len: int, max_tree_nodes: int = 1025,

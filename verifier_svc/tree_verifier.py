@@ -87,21 +87,23 @@ class PendingStep:
     verify: _CheckedTrees | None = None
 
     @property
+    def _launched(self) -> PendingVerify | None:
+        return self.verify.launched if self.verify is not None else None
+
+    @property
     def exclusive(self) -> bool:
         """Whether no other step may begin before this one is finished: its prefills (run by
         `finish`) would queue behind that step's forward, or its logits would be overwritten."""
-        launched = self.verify.launched if self.verify is not None else None
-        return bool(self.chunks) or (launched is not None and launched.exclusive)
+        return bool(self.chunks) or (self._launched is not None and self._launched.exclusive)
 
     def ready(self) -> bool:
         """Whether `finish` would find the verify's results on the host without waiting."""
-        launched = self.verify.launched if self.verify is not None else None
-        return launched is None or launched.ready()
+        return self._launched is None or self._launched.ready()
 
     def wait(self) -> None:
         """Wait until `ready` (any thread)."""
-        if self.verify is not None and self.verify.launched is not None:
-            self.verify.launched.copy.wait()
+        if self._launched is not None:
+            self._launched.wait()
 
 
 class TreeVerifier:
