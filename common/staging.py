@@ -92,7 +92,3 @@ class HostCopy:
             self._done.synchronize()
         return self._out
 
-
-def to_host(*tensors: Tensor) -> list[Tensor]:
-    """Device tensors on the host, after a single wait (rather than one per `.cpu()`); see `HostCopy`."""
-    return HostCopy(*tensors).wait()

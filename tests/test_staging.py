@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from common.staging import to_device, to_host
+from common.staging import HostCopy, to_device
 
 
 def test_to_device_takes_lists_and_tensors_with_their_dtype():
@@ -17,11 +17,11 @@ def test_to_device_takes_lists_and_tensors_with_their_dtype():
     assert torch.equal(to_device(x, "cpu"), x)
 
 
-def test_to_host_returns_host_tensors_unchanged():
+def test_host_copy_returns_host_tensors_unchanged():
     a, b = torch.randn(4, 5), torch.arange(7)
-    out = to_host(a[:, 1:3], b)
+    out = HostCopy(a[:, 1:3], b).wait()
     assert torch.equal(out[0], a[:, 1:3]) and torch.equal(out[1], b)
-    assert to_host() == []
+    assert HostCopy().wait() == []
 
 
 def test_rows_of_selects_rows_and_keeps_the_tensor_when_all_are_asked():
@@ -34,8 +34,6 @@ def test_rows_of_selects_rows_and_keeps_the_tensor_when_all_are_asked():
 
 
 def test_host_copy_of_host_tensors_is_ready_at_once():
-    from common.staging import HostCopy
-
     a = torch.arange(5)
     copy = HostCopy(a)
     assert copy.ready() and copy.wait()[0] is a

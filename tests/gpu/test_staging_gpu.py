@@ -2,7 +2,7 @@
 
 `to_device` must queue its copy behind the device's work rather than wait for it (a pageable
 copy would: the drafter's and the verifier's small index copies then stalled each step for
-the other service's time slice on a shared GPU), and give the right values; `to_host` must
+the other service's time slice on a shared GPU), and give the right values; `HostCopy` must
 bring several tensors (views included) back after one wait.
 """
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from common.staging import to_device, to_host
+from common.staging import HostCopy, to_device
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -29,17 +29,15 @@ def test_to_device_does_not_wait_for_queued_work_and_lands_in_order():
     assert torch.equal(to_device(rows, dev, torch.float32).cpu(), rows)
 
 
-def test_to_host_brings_several_tensors_and_views_back_after_one_wait():
+def test_host_copy_brings_several_tensors_and_views_back_after_one_wait():
     a = torch.randn(6, 17, 8, device="cuda", dtype=torch.bfloat16)
     b = torch.randint(0, 100, (6, 19), device="cuda")
-    host_c, host_a, host_b = to_host(torch.arange(3), a[:4, :5], b[:4])  # a host tensor first, too
+    host_c, host_a, host_b = HostCopy(torch.arange(3), a[:4, :5], b[:4]).wait()  # a host tensor first, too
     assert host_a.device.type == "cpu" and torch.equal(host_a, a[:4, :5].cpu())
     assert torch.equal(host_b, b[:4].cpu()) and host_c.tolist() == [0, 1, 2]
 
 
 def test_host_copy_waits_for_its_copies_only_not_for_work_queued_after_them():
-    from common.staging import HostCopy
-
     a = torch.randn(64, 33, device="cuda")
     copy = HostCopy(a[:, 1:])
     torch.cuda._sleep(200_000_000)  # ~0.1 s of device work queued behind the copy (the next step, say)
