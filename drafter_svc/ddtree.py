@@ -64,17 +64,19 @@ def _best_children(
     slot, rank = pairs
     rows = np.arange(front_score.shape[0])[:, None]
     score = front_score[:, slot] + logq[:, rank]  # NaN = no such child; sorts last
-    # The width + 1 best by score (one more to see a tie at the cut), then sorted.
-    if score.shape[1] > width + 1:
+    # The width + 1 best by score (one more to see a tie at the cut), then sorted; a short row is
+    # sorted whole (one call instead of three).
+    if score.shape[1] > max(width + 1, 64):
         best = np.argpartition(-score, width, axis=1)[:, : width + 1]
         order = best[rows, np.argsort(-score[rows, best], axis=1)]
     else:
-        order = np.argsort(-score, axis=1)
+        order = np.argsort(-score, axis=1)[:, : width + 1]
     # Equal scores among the kept children, or at the cut, also need the rank-tuple order;
     # sorting by the full key is slower, so only those sessions get it.
     kept = score[rows, order]
-    tied = np.flatnonzero((kept[:, 1:] == kept[:, :-1]).any(axis=1))
-    if tied.size:
+    equal = kept[:, 1:] == kept[:, :-1]
+    if equal.any():  # (the whole-array test first: much cheaper than per row, and usually False)
+        tied = np.flatnonzero(equal.any(axis=1))
         code = front_order[tied][:, slot] * logq.shape[1] + rank
         order[tied] = np.lexsort((code, -score[tied]), axis=1)[:, : width + 1]
     order = order[:, :width]
@@ -175,8 +177,14 @@ def select_ddtrees(block_logits: Tensor, root_tokens: Sequence[int], budgets: Se
 
     rows = np.arange(num_sessions)[:, None]
     over_budget = np.arange(width) >= budget[:, None]
+    cut = bool(over_budget.any())  # some session's budget is below the width
     stair_counts = np.minimum(width // np.arange(1, width + 1), ranks)
     staircase, stair_ends = _children(stair_counts), np.cumsum(stair_counts)
+    # The parents with children past the staircase (a suffix: the counts never grow) and the rank of
+    # each one's first such child.
+    past_slot = np.flatnonzero(stair_counts < ranks)
+    past_rank = stair_counts[past_slot]
+    first_past = int(past_slot[0]) if past_slot.size else width
     last_kept = np.maximum(budget - 1, 0)[:, None]
 
     # Node ids: 0 = the root, 1 + d * width + q = child q kept at depth d + 1.
@@ -196,36 +204,37 @@ def select_ddtrees(block_logits: Tensor, root_tokens: Sequence[int], budgets: Se
         score, slot, rank = _best_children(front_score, front_order, logq[:, depth], pairs, width)
         cutoff = score[rows, last_kept]
         cutoff[np.isnan(cutoff)] = -np.inf  # fewer children than the budget: any outside one counts
-        outside_slot = np.flatnonzero(stair_counts[:num_parents] < ranks)  # each one's first child past it
-        outside = front_score[:, outside_slot] + logq[:, depth, stair_counts[outside_slot]]
-        redo = np.flatnonzero((outside >= cutoff).any(axis=1))
-        if redo.size:
+        outside = max(0, num_parents - first_past)  # parents with children past the staircase
+        reached = front_score[:, past_slot[:outside]] + logq[:, depth, past_rank[:outside]] >= cutoff
+        if outside and reached.any():
+            redo = np.flatnonzero(reached.any(axis=1))
             score[redo], slot[redo], rank[redo] = _best_children(
                 front_score[redo], front_order[redo], logq[redo, depth], _children(np.full(num_parents, ranks)), width
             )
-        score[over_budget] = np.nan
+        if cut:
+            score[over_budget] = np.nan
         base = 1 + depth * width
         id_tokens[:, base:base + width] = top_tokens[rows, depth, rank]
         id_parents[:, base:base + width] = front_base + slot
-        by_tuple = np.argsort(front_order[rows, slot] * ranks + rank, axis=1)
-        order = np.empty_like(by_tuple)
-        order[rows, by_tuple] = np.arange(width)
 
         # Merge: on equal scores the shallower (already selected) node comes first, and a
         # stable sort on score keeps each side's own key order.
         merged_score = np.concatenate((best_score, score), axis=1)
         pick = np.argsort(-merged_score, axis=1, kind="stable")[:, :width]
         best_score = merged_score[rows, pick]
-        best_score[over_budget] = np.nan
+        if cut:
+            best_score[over_budget] = np.nan
         merged_id[:, :width], merged_id[:, width:] = best_id, base + np.arange(width)
         best_id = merged_id[rows, pick]
         # This depth's nodes still selected are a prefix of its children (both sides are in key order).
-        selected = ((pick >= width) & ~over_budget).sum(axis=1)
+        selected = ((pick >= width) & ~over_budget if cut else pick >= width).sum(axis=1)
         num_parents = int(selected.max())
         if num_parents == 0:  # nothing deeper can be selected
             break
         front_score = np.where(np.arange(num_parents) < selected[:, None], score[:, :num_parents], np.nan)
-        front_order, front_base = order[:, :num_parents], base
+        # The new parents' rank-tuple order (parent's order, then rank), as ranks 0 .. num_parents - 1.
+        code = front_order[rows, slot[:, :num_parents]] * ranks + rank[:, :num_parents]
+        front_order, front_base = np.argsort(np.argsort(code, axis=1), axis=1), base
 
     # Node index = 1 + position in key order; a parent's key is smaller, so its index too.
     num_nodes = 1 + (~np.isnan(best_score)).sum(axis=1)
