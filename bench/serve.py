@@ -214,6 +214,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tree budgets to compare in each controlled-acceptance setting, e.g. 8,16,32,adaptive "
                         "(adaptive: the drafter with --adaptive-budget on, capped at the largest fixed one; the "
                         "others with --adaptive-budget off); default: --tree-budget alone, the drafter's default")
+    p.add_argument("--timeline", metavar="DIR", default=None,
+                   help="qwen3-8b setup only: both services record host spans and device intervals into DIR "
+                        "(summarise with bench/timeline.py DIR)")
     p.add_argument("--out-json", help="write the results here")
     return p
 
@@ -238,6 +241,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a.graph_trees = a.graph_trees or ",".join(map(str, sorted({0, a.tree_budget} | {
         b for b in a.budgets or () if b != "adaptive"})))
     bad = [m for m in a.models if m not in ("default", "qwen3-8b")]
+    if a.timeline and a.models != ["qwen3-8b"]:
+        p.error("--timeline needs --models qwen3-8b (the roles of bench/serve_roles.py record it)")
     if bad or not a.models:
         p.error(f"--models takes default and/or qwen3-8b, got {','.join(bad) or 'nothing'}")
     if a.requests_per_client < 1 or a.prompt_len < 1 or a.max_new_tokens < 1 or a.tree_budget < 1:
@@ -454,6 +459,7 @@ def make_setup(name: str, a: argparse.Namespace) -> Setup:
 
     roles = [python, "bench/serve_roles.py"]
     small = ["--small"] if a.small else []
+    small += ["--timeline", str(Path(a.timeline).resolve())] if a.timeline else []
     return Setup("qwen3-8b" + (" (small)" if a.small else ""),
                  [*roles, "verifier", *small, *common_verifier_flags(a)],
                  [*roles, "drafter", *small, *common_drafter_flags(a)],

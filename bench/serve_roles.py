@@ -3,6 +3,8 @@
     PYTHONPATH=. python bench/serve_roles.py verifier [--small] [--seed 0] [python -m verifier_svc flags...]
     PYTHONPATH=. python bench/serve_roles.py drafter [--small] [--seed 1] [python -m drafter_svc flags...]
 
+`--timeline DIR` records where each step's time goes (`bench/timeline.py`).
+
 Each role is the real service CLI (`verifier_svc.__main__.main`, `drafter_svc.__main__.main`:
 flags, environment fallbacks, the real servers, scheduler, link, CUDA graphs, "listening
 on" line and SIGTERM handling) with only the checkpoint loaders replaced by builders of
@@ -157,7 +159,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("role", choices=("verifier", "drafter"))
     p.add_argument("--small", action="store_true", help="toy dimensions (runs on CPU)")
     p.add_argument("--seed", type=int, default=None, help="weights seed (default 0 for the verifier, 1 for the drafter)")
+    p.add_argument("--timeline", metavar="DIR", default=None,
+                   help="record host spans and device intervals into DIR (bench/timeline.py reads them)")
     a, rest = p.parse_known_args(argv)
+    if a.timeline:
+        from bench.timeline import install
+
+        install(a.timeline, a.role)
     if a.role == "verifier":
         run_verifier(a.small, 0 if a.seed is None else a.seed, rest)
     else:

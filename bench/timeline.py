@@ -1,0 +1,252 @@
+"""Where a step's time goes across both services: host spans and device intervals on one clock.
+
+    PYTHONPATH=. python bench/timeline.py DIR [--window 0.3,0.7] [--excerpt-ms 60] [--out-json F]
+
+`bench/serve.py --timeline DIR` starts both roles (`bench/serve_roles.py --timeline DIR`) with
+`install` applied: a few methods of each service are wrapped to append, per process, lines
+`[name, start_ns, end_ns]` to DIR/<pid>.jsonl, on CLOCK_MONOTONIC, which processes on one host
+share. Host spans ("v." the verifier, "d." the drafter) time the calls themselves; device
+intervals ("g.") come from CUDA events recorded before and after the call that queues the work
+(the verify step, a prefill, the draft step) and converted to that clock, so a device
+interval starts when the stream reaches the work (after what was queued before it) and ends
+when it is done. Two processes on one GPU time-slice it: "both outstanding" is the time
+each had device work queued at once.
+
+This script summarises the drafter that ran last and the verifier: per name, how often and
+how long; the device's busy fraction (each service's and their union) over a window of the
+run (by default its middle 40%, away from start-up and drain); and an excerpt of the timeline.
+Measurement only: the wrappers add a few microseconds per call.
+"""
+from __future__ import annotations
+
+import os.path
+import sys
+
+if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(__file__)):
+    sys.path[0] = os.path.dirname(sys.path[0])
+
+import argparse
+import functools
+import glob
+import json
+import threading
+import time
+from collections import defaultdict
+
+Interval = tuple[int, int]
+
+
+class Recorder:
+    """Appends spans to DIR/<pid>.jsonl; device intervals once their end event has completed."""
+
+    def __init__(self, out_dir: str, role: str):
+        os.makedirs(out_dir, exist_ok=True)
+        self._file = open(os.path.join(out_dir, f"{os.getpid()}.jsonl"), "a", buffering=1)
+        self._lock = threading.RLock()
+        self._pending: list[tuple[str, object, object]] = []  # (name, start event, end event)
+        self._origin = None  # (event, monotonic ns) recorded together after a sync
+        self._write(["role", role, 0])
+
+    def _write(self, row: list) -> None:
+        with self._lock:
+            self._file.write(json.dumps(row) + "\n")
+
+    def host(self, name: str, fn):
+        @functools.wraps(fn)
+        def wrapped(*args, **kwargs):
+            start = time.monotonic_ns()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self._write([name, start, time.monotonic_ns()])
+        return wrapped
+
+    def device(self, name: str, host_name: str, fn):
+        """Host span `host_name` of the call, device interval `name` of the work it queues."""
+        import torch
+
+        if not torch.cuda.is_available():
+            return self.host(host_name, fn)
+
+        @functools.wraps(fn)
+        def wrapped(*args, **kwargs):
+            if self._origin is None:
+                torch.cuda.synchronize()
+                origin = torch.cuda.Event(enable_timing=True)
+                origin.record()
+                torch.cuda.synchronize()
+                self._origin = (origin, time.monotonic_ns())
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
+            start = time.monotonic_ns()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                end.record()
+                self._write([host_name, start, time.monotonic_ns()])
+                with self._lock:
+                    self._pending.append((name, begin, end))
+                    self._flush_device()
+        return wrapped
+
+    def _flush_device(self) -> None:
+        origin, origin_ns = self._origin
+        waiting = []
+        for name, begin, end in self._pending:
+            if end.query():
+                self._write([name, origin_ns + int(origin.elapsed_time(begin) * 1e6),
+                             origin_ns + int(origin.elapsed_time(end) * 1e6)])
+            else:
+                waiting.append((name, begin, end))
+        self._pending = waiting
+
+
+def install(out_dir: str, role: str) -> None:
+    """Wrap the service's methods (call before the service starts)."""
+    rec = Recorder(out_dir, role)
+    if role == "verifier":
+        import verifier_svc.scheduler as scheduler
+        import verifier_svc.server as server
+        import verifier_svc.target_runner as runner
+
+        worker, target = scheduler.ModelWorker, runner.TargetRunner
+        worker._begin = rec.host("v.begin", worker._begin)  # tree checks, inputs, the verify queued
+        worker._finish = rec.host("v.finish", worker._finish)  # wait for results, commit, answer
+        target.launch_verify = rec.device("g.verify", "v.launch", target.launch_verify)
+        target.prefill = rec.device("g.prefill", "v.prefill", target.prefill)
+        server.decode_link_request = rec.host("v.decode", server.decode_link_request)
+    else:
+        import drafter_svc.drafter as drafter
+        import drafter_svc.link as link
+        import drafter_svc.scheduler as scheduler
+
+        sched = scheduler.DraftScheduler
+        sched._send = rec.host("d.send", sched._send)  # draft, trees, the message sent
+        sched._receive = rec.host("d.receive", sched._receive)  # wait for the reply, apply it
+        drafter.DFlashProposer.propose = rec.device("g.draft", "d.propose", drafter.DFlashProposer.propose)
+        drafter.select_ddtrees = rec.host("d.select", drafter.select_ddtrees)  # top-k, its copy, the selection
+        link.GrpcLink.receive = rec.host("d.wait", link.GrpcLink.receive)  # blocked on the reply, then decode
+
+
+# -- report -------------------------------------------------------------------------------
+
+
+def _load(directory: str) -> dict[str, tuple[str, list]]:
+    runs = {}
+    for path in sorted(glob.glob(os.path.join(directory, "*.jsonl"))):
+        rows = [json.loads(line) for line in open(path) if line.strip()]
+        if len(rows) > 1 and rows[0][0] == "role":
+            runs[path] = (rows[0][1], rows[1:])
+    return runs
+
+
+def _union(spans: list[Interval], lo: int, hi: int) -> list[Interval]:
+    out: list[list[int]] = []
+    for a, b in sorted((max(a, lo), min(b, hi)) for a, b in spans if b > lo and a < hi):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return [(a, b) for a, b in out]
+
+
+def _intersection(x: list[Interval], y: list[Interval]) -> list[Interval]:
+    i = j = 0
+    out = []
+    while i < len(x) and j < len(y):
+        a, b = max(x[i][0], y[j][0]), min(x[i][1], y[j][1])
+        if a < b:
+            out.append((a, b))
+        if x[i][1] < y[j][1]:
+            i += 1
+        else:
+            j += 1
+    return out
+
+
+def _total(spans: list[Interval]) -> int:
+    return sum(b - a for a, b in spans)
+
+
+def report(directory: str, window: tuple[float, float] = (0.3, 0.7), excerpt_ms: float = 60.0) -> dict:
+    runs = _load(directory)
+    drafters = [(max(e[2] for e in rows), path) for path, (role, rows) in runs.items() if role == "drafter"]
+    verifiers = [path for path, (role, _) in runs.items() if role == "verifier"]
+    if not drafters or not verifiers:
+        raise SystemExit(f"error: {directory} holds no drafter and verifier timeline")
+    drafter = max(drafters)[1]
+    sends = sorted(e[1] for e in runs[drafter][1] if e[0] == "d.send")
+    if len(sends) < 2:
+        raise SystemExit(f"error: the drafter in {drafter} sent fewer than two messages")
+    lo = int(sends[0] + (sends[-1] - sends[0]) * window[0])
+    hi = int(sends[0] + (sends[-1] - sends[0]) * window[1])
+    span_ms = (hi - lo) / 1e6
+    out = {"window_ms": span_ms, "services": {}, "device": {}}
+    busy = {}
+    for path in [*verifiers, drafter]:
+        role, rows = runs[path]
+        busy[role] = _union([(a, b) for name, a, b in rows if name.startswith("g.")], lo, hi)
+        per_name = defaultdict(list)
+        for name, a, b in rows:
+            if lo <= a and b <= hi:
+                per_name[name].append((b - a) / 1e6)
+        out["services"][role] = {
+            name: {"count": len(v), "per_s": len(v) / span_ms * 1e3, "mean_ms": sum(v) / len(v),
+                   "p50_ms": sorted(v)[len(v) // 2], "max_ms": max(v), "share": sum(v) / span_ms}
+            for name, v in sorted(per_name.items())}
+    both = _intersection(busy.get("verifier", []), busy.get("drafter", []))
+    out["device"] = {"verifier": _total(busy.get("verifier", [])) / 1e6 / span_ms,
+                     "drafter": _total(busy.get("drafter", [])) / 1e6 / span_ms,
+                     "union": _total(_union(busy.get("verifier", []) + busy.get("drafter", []), lo, hi)) / 1e6 / span_ms,
+                     "both_outstanding": _total(both) / 1e6 / span_ms}
+    start = (lo + hi) // 2
+    excerpt = []
+    for path in [*verifiers, drafter]:
+        role, rows = runs[path]
+        excerpt += [((a - start) / 1e6, (b - start) / 1e6, role, name) for name, a, b in rows
+                    if start <= a <= start + excerpt_ms * 1e6]
+    out["excerpt"] = sorted(excerpt)
+    return out
+
+
+def print_report(res: dict) -> None:
+    print(f"window: {res['window_ms']:.0f} ms of the last drafter's run")
+    for role, names in res["services"].items():
+        print(f"\n{role}: name, per second, mean / p50 / max ms, share of the window")
+        for name, s in names.items():
+            print(f"  {name:11s} {s['per_s']:7.1f}/s {s['mean_ms']:8.3f} {s['p50_ms']:8.3f} {s['max_ms']:8.3f}"
+                  f" {s['share']:7.1%}")
+    d = res["device"]
+    print(f"\ndevice work queued: verifier {d['verifier']:.1%}, drafter {d['drafter']:.1%}, either {d['union']:.1%},"
+          f" both {d['both_outstanding']:.1%} of the window")
+    print("\nexcerpt (ms from the window's middle; the drafter's rows indented)")
+    for a, b, role, name in res["excerpt"]:
+        print(f"{'' if role == 'verifier' else ' ' * 36}{a:8.2f} {b:8.2f} {b - a:6.2f} {name}")
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=__doc__.split("\n\n", 1)[1], allow_abbrev=False)
+    p.add_argument("directory", help="what bench/serve.py --timeline wrote")
+    p.add_argument("--window", default="0.3,0.7",
+                   help="the part of the drafter's run to summarise, as fractions from its first to its last "
+                        "message (default 0.3,0.7)")
+    p.add_argument("--excerpt-ms", type=float, default=60.0, help="length of the printed excerpt (default 60)")
+    p.add_argument("--out-json", help="write the summary here")
+    a = p.parse_args(argv)
+    try:
+        lo, hi = (float(x) for x in a.window.split(","))
+    except ValueError:
+        p.error(f"--window takes two fractions, got {a.window!r}")
+    if not 0.0 <= lo < hi <= 1.0:
+        p.error(f"--window needs 0 <= start < end <= 1, got {a.window}")
+    res = report(a.directory, (lo, hi), a.excerpt_ms)
+    print_report(res)
+    if a.out_json:
+        with open(a.out_json, "w") as f:
+            json.dump(res, f, indent=1)
+    return res
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

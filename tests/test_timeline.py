@@ -1,0 +1,58 @@
+"""bench/timeline.py: the recorder's lines and the report's arithmetic on a synthetic timeline."""
+import json
+
+import pytest
+
+from bench.timeline import Recorder, report
+
+MS = 1_000_000
+
+
+def write(path, role, rows):
+    with open(path, "w") as f:
+        f.write(json.dumps(["role", role, 0]) + "\n")
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+
+
+def test_report_device_fractions_and_window(tmp_path):
+    # Drafter messages every 10 ms from 0 to 100 ms: the default window is 30..70 ms.
+    sends = [["d.send", t * MS, t * MS + 2 * MS] for t in range(0, 101, 10)]
+    drafts = [["g.draft", t * MS + 1 * MS, t * MS + 3 * MS] for t in range(0, 101, 10)]  # 2 of every 10 ms
+    verifies = [["g.verify", t * MS + 2 * MS, t * MS + 8 * MS] for t in range(0, 101, 10)]  # 6 of every 10 ms
+    write(tmp_path / "1.jsonl", "verifier", verifies)
+    write(tmp_path / "2.jsonl", "drafter", sends + drafts)
+    res = report(str(tmp_path))
+    assert res["window_ms"] == pytest.approx(40.0)
+    device = res["device"]
+    assert device["verifier"] == pytest.approx(0.6)
+    assert device["drafter"] == pytest.approx(0.2)
+    assert device["both_outstanding"] == pytest.approx(0.1)  # 2..3 ms of every 10
+    assert device["union"] == pytest.approx(0.7)  # 1..8 ms of every 10
+    sends_seen = res["services"]["drafter"]["d.send"]
+    assert sends_seen["count"] == 4 and sends_seen["mean_ms"] == pytest.approx(2.0)  # 30, 40, 50, 60 (70 ends past)
+    assert [name for *_, name in res["excerpt"]][:2] == ["d.send", "g.draft"]
+
+
+def test_report_takes_the_drafter_that_ran_last(tmp_path):
+    write(tmp_path / "1.jsonl", "verifier", [["g.verify", 0, 100 * MS]])
+    write(tmp_path / "2.jsonl", "drafter", [["d.send", 0, MS], ["d.send", 10 * MS, 11 * MS]])
+    write(tmp_path / "3.jsonl", "drafter", [["d.send", 50 * MS, 51 * MS], ["d.send", 90 * MS, 91 * MS]])
+    res = report(str(tmp_path), (0.0, 1.0))
+    assert res["window_ms"] == pytest.approx(40.0)
+    assert res["device"]["verifier"] == pytest.approx(1.0)
+
+
+def test_report_refuses_a_directory_without_both_services(tmp_path):
+    write(tmp_path / "1.jsonl", "verifier", [["g.verify", 0, MS]])
+    with pytest.raises(SystemExit):
+        report(str(tmp_path))
+
+
+def test_recorder_writes_host_spans(tmp_path):
+    rec = Recorder(str(tmp_path), "drafter")
+    wrapped = rec.host("d.x", lambda x: x + 1)
+    assert wrapped(1) == 2
+    rows = [json.loads(line) for f in tmp_path.iterdir() for line in f.read_text().splitlines()]
+    assert rows[0] == ["role", "drafter", 0]
+    assert rows[1][0] == "d.x" and rows[1][1] <= rows[1][2]
