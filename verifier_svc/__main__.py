@@ -87,6 +87,10 @@ def build_parser() -> argparse.ArgumentParser:
              help="batch-invariant kernels: a token's logits do not depend on the tree, the batch or its padding, "
                   "so greedy tree decoding equals greedy plain decoding bit for bit in bf16 too (the default "
                   "kernels promise that in float32; in bf16 a near-tie may flip); costs verify speed")
+    p.switch("--prefill-graphs", env="VERIFIER_PREFILL_GRAPHS", default=_DEFAULTS["prefill_graphs"],
+             help="prefill prompt chunks of up to 4 sessions per step (each chunk no longer than the largest "
+                  "--graph-trees bucket) by replaying captured CUDA graphs instead of eagerly: a short prompt's "
+                  "prefill then costs its device time rather than the eager launches; more graphs to capture")
     flag("--tensor-parallel", "tensor_parallel", "shard the target over this many processes, one GPU each (from "
          "--device cuda:N on), Megatron-style with an all-reduce after o_proj and down_proj; rank 0 serves",
          type=int)
@@ -130,7 +134,8 @@ def parse_config(argv: list[str] | None = None) -> VerifierConfig:
         open_timeout_s=args.open_timeout,
         grace_s=args.grace, trace_console=args.trace_console, cuda_graphs=not args.no_cuda_graphs,
         max_inflight=args.max_inflight, graph_batches=tuple(args.graph_batches), graph_trees=tuple(args.graph_trees),
-        sampling=args.sampling, deterministic=args.deterministic, tensor_parallel=args.tensor_parallel,
+        sampling=args.sampling, deterministic=args.deterministic, prefill_graphs=args.prefill_graphs,
+        tensor_parallel=args.tensor_parallel,
         max_message_mb=args.max_message_mb,
         measure_costs=args.measure_costs,
         metrics_port=args.metrics_port, log_level=args.log_level, log_format=args.log_format,

@@ -26,7 +26,9 @@ static-shape code runs eagerly (CPU, or shapes no graph covers) and under CUDA g
   one batch mixes both), run forward, `verifier_svc.accept.accept_batch`
   (one batched sampling + tree-walk call) and the KV compaction of every row's accepted path
   (one batched gather + scatter); one small device-to-host copy returns [accepted count, bonus,
-  path] per row. "forward" returns the logits and features of all rows (tests, benchmarks).
+  path] per row. "forward" returns the logits and features of all rows (tests, benchmarks,
+  and prefills: a prompt chunk is a chain tree, `TargetRunner.prefill`; its graphs are captured
+  at `GraphConfig.prefill_batches` unless "forward" is one of the modes).
 
 Graphs are captured at start-up into one memory pool (largest first), after the warm-up runs
 PyTorch needs on a side stream; capture runs dummy trees in the scratch slot, so sessions'
@@ -73,6 +75,9 @@ class GraphConfig:
     max_kv_buckets: int = 4  # for the automatic ladder
     max_tokens: int = 4096  # no graph for B * T above this (eager)
     warmup_iters: int = 2
+    # Prompt chunks of this many rows per step at most run through captured "forward" graphs (a
+    # chunk is a chain: `TargetRunner.prefill`), at every tree bucket; () = prefills run eagerly.
+    prefill_batches: tuple[int, ...] = ()
 
     def check(self) -> None:
         if not self.tree_buckets or any(b < 0 for b in self.tree_buckets):
@@ -86,6 +91,8 @@ class GraphConfig:
             raise ValueError(f"kv_buckets must be positive, got {self.kv_buckets}")
         if self.max_kv_buckets < 1 or self.warmup_iters < 1 or self.max_tokens < 1:
             raise ValueError("max_kv_buckets, max_tokens and warmup_iters must be >= 1")
+        if any(b < 1 for b in self.prefill_batches):
+            raise ValueError(f"prefill_batches must be >= 1, got {self.prefill_batches}")
 
     def token_buckets(self) -> tuple[int, ...]:
         """Static node counts T = 1 + N, ascending."""
@@ -260,12 +267,16 @@ class VerifyGraphs:
         self.token_buckets = tuple(t for t in config.token_buckets() if max_seq_len + t <= cache.max_seq_len)
         sessions = cache.num_slots - 1
         self.batch_buckets = tuple(sorted({min(b, sessions) for b in config.batch_buckets}))
+        # Batch buckets of the "forward" graphs: every batch bucket when it is one of the modes (tests,
+        # benchmarks), else the prefill buckets alone (`TargetRunner.prefill`).
+        self.forward_batches = (self.batch_buckets if "forward" in config.modes
+                                else tuple(sorted({min(b, sessions) for b in config.prefill_batches})))
         kv = config.kv_buckets or auto_kv_buckets(cache.max_seq_len, config.max_kv_buckets)
         self.kv_buckets = tuple(sorted({min(k, cache.max_seq_len) for k in kv}))
         self._inputs: dict[tuple[int, int], BatchInputs] = {}
         # One logits buffer for the largest (B, T); every shape's logits are a view of its front.
-        most = max((b * t for b in self.batch_buckets for t in self.token_buckets if b * t <= config.max_tokens),
-                   default=0)
+        most = max((b * t for b in self.batch_buckets + self.forward_batches for t in self.token_buckets
+                    if b * t <= config.max_tokens), default=0)
         self._logits = torch.empty(most * model.cfg.vocab_size, device=self.device, dtype=model.lm_head.weight.dtype)
         self._graphs: dict[tuple[str, int, int, int], tuple[torch.cuda.CUDAGraph, object]] = {}
         self._pool = None
@@ -280,7 +291,7 @@ class VerifyGraphs:
     def select(self, mode: str, batch: int, nodes: int, end: int) -> tuple[int, int, int] | None:
         """(B, T, L) for `batch` trees of at most `nodes` nodes whose last position is below
         `end` (max past + nodes), or None when no captured graph fits (eager)."""
-        b = next((x for x in self.batch_buckets if x >= batch), None)
+        b = next((x for x in (self.forward_batches if mode == "forward" else self.batch_buckets) if x >= batch), None)
         t = next((x for x in self.token_buckets if x >= nodes), None)
         if b is None or t is None or b * t > self.config.max_tokens:
             return None
@@ -311,15 +322,18 @@ class VerifyGraphs:
         start = time.perf_counter()
         gc.collect()  # dead graphs freed by the collector in the middle of a capture would break it
         self._pool = torch.cuda.graph_pool_handle()
-        keys = [(m, b, t, k) for m in self.config.modes for b in self.batch_buckets for t in self.token_buckets
+        modes = [(m, self.batch_buckets) for m in self.config.modes if m != "forward"]
+        modes.append(("forward", self.forward_batches))
+        keys = [(m, b, t, k) for m, batches in modes for b in batches for t in self.token_buckets
                 for k in self.kv_buckets if t <= k and b * t <= self.config.max_tokens]
         for key in sorted(keys, key=lambda key: (-key[1] * key[2] * key[3], key)):
             self._capture(*key)
         torch.cuda.synchronize(self.device)
         self.capture_s = time.perf_counter() - start
-        log.info("captured %d verify CUDA graphs (modes %s, batches %s, nodes %s, kv lengths %s) in %.1f s",
+        log.info("captured %d verify CUDA graphs (modes %s, batches %s, nodes %s, kv lengths %s%s) in %.1f s",
                  len(self._graphs), ",".join(self.config.modes), list(self.batch_buckets), list(self.token_buckets),
-                 list(self.kv_buckets), self.capture_s)
+                 list(self.kv_buckets), f"; prefills of batches {list(self.forward_batches)}"
+                 if self.forward_batches and "forward" not in self.config.modes else "", self.capture_s)
 
     def _capture(self, mode: str, b: int, t: int, length: int) -> None:
         inp = self.inputs(b, t)

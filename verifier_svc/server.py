@@ -87,6 +87,9 @@ class VerifierConfig:
     # tree bucket, the batch or its padding, so greedy tree decoding equals greedy plain decoding
     # bit for bit in bf16 too (the default mode promises that in float32; bf16 near-ties may flip).
     deterministic: bool = False
+    # Prompt chunks of up to 4 sessions per step prefill through captured "forward" CUDA graphs
+    # (chain trees at the tree buckets) instead of eagerly: more graphs to capture at start-up.
+    prefill_graphs: bool = False
     # Ranks of a tensor parallel target (`verifier_svc.tensor_parallel`): one process and GPU each
     # (cuda:N .. cuda:N + ranks - 1 from --device cuda:N), rank 0 serving; 1 = one process.
     tensor_parallel: int = 1
@@ -172,7 +175,8 @@ class VerifierConfig:
 
     def graph_config(self) -> GraphConfig:
         return GraphConfig(tree_buckets=self.graph_trees, batch_buckets=self.graph_batches,
-                           modes=("greedy", self.accept_mode()))
+                           modes=("greedy", self.accept_mode()),
+                           prefill_batches=(1, 2, 4) if self.prefill_graphs else ())
 
 
 def load_runner(config: VerifierConfig, rank: int = 0, world: int = 1) -> TargetRunner:

@@ -22,8 +22,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from common.protocol import TokenLogprob
+from common.protocol import SamplingParams, TokenLogprob
 from common.staging import HostCopy, to_device
+from common.tree import DraftTree
 from verifier_svc.accept import emitted_logprobs
 from verifier_svc.cuda_graphs import (SAMPLING, BatchInputs, GraphConfig, VerifyGraphs, VerifyRow, cache_length,
                                       verify_step)
@@ -142,11 +143,19 @@ class TargetRunner:
         is the same column and the head runs on that column only. Row b's padding columns (the
         first T - n_b) go to cache positions past its chunk, up to pasts[b] + T - 1 (overwritten
         later, never visible; the caller keeps that inside the cache), and see only themselves.
+
+        With prefill graphs (`GraphConfig.prefill_batches`) a batch that fits one runs through it
+        instead (`_prefill_graphed`); the features are then views of the graph's output, valid until
+        the next replay of the same graph.
         """
+        pasts = list(pasts) if pasts is not None else [0] * len(prompts)
+        graphed = self._prefill_graphed(slots, prompts, pasts)
+        if graphed is not None:
+            return graphed
         dev = self.device
         b, t = len(prompts), max(p.shape[0] for p in prompts)
         sizes = torch.tensor([p.shape[0] for p in prompts])
-        past = torch.tensor(list(pasts) if pasts is not None else [0] * b)[:, None]
+        past = torch.tensor(pasts)[:, None]
         col = torch.arange(t)[None]
         start = (t - sizes)[:, None]  # the first chunk column of each row
         in_prompt = col >= start
@@ -163,6 +172,31 @@ class TargetRunner:
             self.mirror.prefill(*args)
         out = prefill_forward(self.model, self.cache, *args)
         return out.logits[:, 0], [out.features[i, t - n:] for i, n in enumerate(sizes.tolist())]
+
+    def _prefill_graphed(self, slots: Sequence[int], prompts: Sequence[Tensor], pasts: Sequence[int]
+                         ) -> tuple[Tensor, list[Tensor]] | None:
+        """`prefill` through a captured "forward" graph, or None when none fits (or there are none).
+
+        A chunk of n tokens after `past` is a chain tree: node i is token i at position past + i,
+        it sees the slot's first `past` positions and nodes 0..i (a causal mask), and the step
+        stores node i's K/V at past + i, where the prefill puts them. So the verify graphs'
+        "forward" mode, padded like any tree, is a prefill; its last node's logits and every
+        node's features are the prefill's."""
+        if self.graphs is None or not self.graphs.forward_batches:
+            return None
+        sizes = [p.shape[0] for p in prompts]
+        rows = [VerifyRow(slot, past, DraftTree.from_parents(p.tolist(), list(range(-1, n - 1))), torch.arange(n),
+                          SamplingParams()) for slot, past, p, n in zip(slots, pasts, prompts, sizes)]
+        width = max(sizes)
+        masks = torch.eye(width, dtype=torch.bool).repeat(len(rows), 1, 1)
+        for i, n in enumerate(sizes):
+            masks[i, :n, :n] = torch.ones(n, n, dtype=torch.bool).tril()
+        out = self.graphs.run("forward", rows, masks)
+        if out is None:
+            return None
+        last = to_device([n - 1 for n in sizes], self.device, torch.int64)
+        logits = out.logits[torch.arange(len(rows), device=self.device), last]
+        return logits, [out.features[i, :n] for i, n in enumerate(sizes)]
 
     def _eager_inputs(self, rows: Sequence[VerifyRow], masks: Tensor) -> tuple[BatchInputs, int]:
         nodes = max(r.tree.num_nodes for r in rows)
