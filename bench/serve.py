@@ -89,6 +89,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from bench.bench_timing import write_json
 from common.rpc import CHANNEL_OPTIONS, pb, pb_grpc
+from verifier_svc.cuda_graphs import GraphConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_TARGET = "models/default/target"
@@ -201,6 +202,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="keep the services' logs and the oracle files here (default: a temporary folder, removed)")
     p.add_argument("--deterministic", action="store_true",
                    help="the verifier with batch-invariant kernels (--deterministic), for its cost against the default")
+    p.add_argument("--prefill-graphs", action="store_true",
+                   help="the verifier with --prefill-graphs (prompt chunks prefilled through captured CUDA graphs)")
     p.add_argument("--lockstep", action="store_true",
                    help="also run each controlled-acceptance setting with the drafter in lockstep (--pipelining off; "
                         "its rows are named SETTING-ls), to compare with the default pipelined rounds")
@@ -238,7 +241,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         a.tree_budget = max([b for b in a.budgets if b != "adaptive"], default=a.tree_budget)
     a.max_seq_len = a.max_seq_len or -(-(a.prompt_len + a.max_new_tokens + a.tree_budget + 1) // 64) * 64
     a.graph_batches = a.graph_batches or sorted(set(a.concurrency))
-    a.graph_trees = a.graph_trees or ",".join(map(str, sorted({0, a.tree_budget} | {
+    # With --prefill-graphs the prompts need a tree bucket that holds them (and its cache headroom).
+    prefill_bucket = next((b for b in GraphConfig.tree_buckets if b + 1 >= a.prompt_len), 0) if a.prefill_graphs else 0
+    a.verifier_tree_nodes = max(a.tree_budget, prefill_bucket) + 1
+    a.graph_trees = a.graph_trees or ",".join(map(str, sorted({0, a.tree_budget, prefill_bucket} | {
         b for b in a.budgets or () if b != "adaptive"})))
     bad = [m for m in a.models if m not in ("default", "qwen3-8b")]
     if a.timeline and a.models != ["qwen3-8b"]:
@@ -429,10 +435,11 @@ class Setup:
 def common_verifier_flags(a: argparse.Namespace) -> list[str]:
     flags = ["--host", "127.0.0.1", "--port", "0", "--device", a.device, "--dtype", a.dtype,
              "--max-sessions", str(a.max_sessions),
-             "--max-seq-len", str(a.max_seq_len), "--max-tree-nodes", str(a.tree_budget + 1),
+             "--max-seq-len", str(a.max_seq_len), "--max-tree-nodes", str(a.verifier_tree_nodes),
              "--graph-batches", ",".join(map(str, a.graph_batches)), "--graph-trees", a.graph_trees]
     flags += ["--measure-costs", "on"] if "adaptive" in (a.budgets or ()) else []
     flags += ["--deterministic"] if a.deterministic else []
+    flags += ["--prefill-graphs"] if a.prefill_graphs else []
     flags += ["--tensor-parallel", str(a.verifier_tp)] if a.verifier_tp > 1 else []
     return flags + (["--no-cuda-graphs"] if a.no_cuda_graphs else [])
 
