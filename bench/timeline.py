@@ -116,6 +116,7 @@ def install(out_dir: str, role: str) -> None:
         target.prefill = rec.device("g.prefill", "v.prefill", target.prefill)
         server.decode_link_request = rec.host("v.decode", server.decode_link_request)
     else:
+        import drafter_svc.ddtree as ddtree
         import drafter_svc.drafter as drafter
         import drafter_svc.link as link
         import drafter_svc.scheduler as scheduler
@@ -125,6 +126,7 @@ def install(out_dir: str, role: str) -> None:
         sched._receive = rec.host("d.receive", sched._receive)  # wait for the reply, apply it
         drafter.DFlashProposer.propose = rec.device("g.draft", "d.propose", drafter.DFlashProposer.propose)
         drafter.select_ddtrees = rec.host("d.select", drafter.select_ddtrees)  # top-k, its copy, the selection
+        ddtree.top_candidates = rec.host("d.topk", ddtree.top_candidates)  # its top-k and copy (waits for the GPU)
         link.GrpcLink.receive = rec.host("d.wait", link.GrpcLink.receive)  # blocked on the reply, then decode
 
 

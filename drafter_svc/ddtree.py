@@ -168,10 +168,7 @@ def select_ddtrees(block_logits: Tensor, root_tokens: Sequence[int], budgets: Se
         return DDTreeSelection(roots[:, None], np.full((num_sessions, 1), -1), np.ones(num_sessions, dtype=np.int64),
                                np.zeros((num_sessions, 0)))
 
-    top = torch.topk(torch.log_softmax(block_logits.float(), dim=-1), ranks, dim=-1)
-    # One device->host copy for both; float64 holds token ids exactly.
-    logq, top_tokens = torch.stack((top.values.double(), top.indices.double())).detach().cpu().numpy()
-    top_tokens = top_tokens.astype(np.int64)
+    logq, top_tokens = top_candidates(block_logits, ranks)
     if np.isnan(logq[budget > 0, :, 0]).any():  # topk ranks NaN first
         raise ValueError("block_logits contain NaN (or a row that is all -inf)")
 
@@ -244,6 +241,15 @@ def select_ddtrees(block_logits: Tensor, root_tokens: Sequence[int], budgets: Se
     tokens = np.concatenate((roots[:, None], id_tokens[rows, best_id]), axis=1)
     parents = np.concatenate((np.full((num_sessions, 1), -1), node_of_id[rows, id_parents[rows, best_id]]), axis=1)
     return DDTreeSelection(tokens, parents, num_nodes, best_score)
+
+
+def top_candidates(block_logits: Tensor, ranks: int) -> tuple[np.ndarray, np.ndarray]:
+    """The top `ranks` log-probs (float64) and their tokens (int64) of every [S, D] row, on the host:
+    one top-k and one device->host copy (which waits for the draft forward behind it)."""
+    top = torch.topk(torch.log_softmax(block_logits.float(), dim=-1), ranks, dim=-1)
+    # One copy for both; float64 holds token ids exactly.
+    logq, top_tokens = torch.stack((top.values.double(), top.indices.double())).detach().cpu().numpy()
+    return logq, top_tokens.astype(np.int64)
 
 
 def _trees(tokens: np.ndarray, parents: np.ndarray, num_nodes: np.ndarray) -> list[DraftTree]:
