@@ -307,7 +307,8 @@ def test_select_picks_the_smallest_fitting_buckets(qwen3_pair):
     assert g.select("greedy", 1, 1, 1) == (1, 5, 128)
     assert g.select("greedy", 1, 5, 5) == (1, 5, 128)
     assert g.select("sample", 2, 6, 6) == (2, 9, 128)
-    assert g.select("forward", 3, 9, 9) == (3, 9, 128)
+    assert g.select("greedy", 3, 9, 9) == (3, 9, 128)
+    assert g.select("forward", 1, 9, 9) is None  # "forward" is no mode here, and there are no prefill graphs
     assert g.select("greedy", 1, 9, 119 + 9) == (1, 9, 128)
     assert g.select("greedy", 1, 9, 120 + 9) == (1, 9, 256)
     # The padding nodes need room too: L covers the largest past + T, not past + nodes.
@@ -317,6 +318,11 @@ def test_select_picks_the_smallest_fitting_buckets(qwen3_pair):
     assert g.select("greedy", 2, 9, 248 + 9) is None  # past + T beyond the largest KV bucket
     assert g.select("greedy", 1, 10, 10) is None  # above the largest tree bucket: eager
     assert g.select("greedy", 4, 1, 1) is None  # above the largest batch bucket: eager
+    # Prefill graphs: "forward" at their own batch buckets (capped at the sessions too).
+    prefills = static_runner(model, 3, 160, dataclasses.replace(config, prefill_batches=(2, 8)), headroom=9).graphs
+    assert prefills.forward_batches == (2, 3)
+    assert prefills.select("forward", 1, 9, 9) == (2, 9, 128) and prefills.select("forward", 3, 5, 5) == (3, 5, 128)
+    assert prefills.select("greedy", 1, 9, 9) == (1, 9, 128)  # the verify modes keep theirs
 
 
 def test_select_honours_max_tokens_without_capture(qwen3_pair):
