@@ -14,7 +14,8 @@ each had device work queued at once.
 
 This script summarises the drafter that ran last and the verifier: per name, how often and
 how long; the device's busy fraction (each service's and their union) over a window of the
-run (by default its middle 40%, away from start-up and drain); and an excerpt of the timeline.
+run (by default its middle 40%, away from start-up and drain); the verifier's idle gaps between
+stretches of its device work; and an excerpt of the timeline.
 Measurement only: the wrappers add a few microseconds per call.
 """
 from __future__ import annotations
@@ -201,6 +202,11 @@ def report(directory: str, window: tuple[float, float] = (0.3, 0.7), excerpt_ms:
                      "drafter": _total(busy.get("drafter", [])) / 1e6 / span_ms,
                      "union": _total(_union(busy.get("verifier", []) + busy.get("drafter", []), lo, hi)) / 1e6 / span_ms,
                      "both_outstanding": _total(both) / 1e6 / span_ms}
+    # The verifier's idle gaps: from the end of one stretch of its device work to the next.
+    verifier = busy.get("verifier", [])
+    gaps = sorted((b[0] - a[1]) / 1e6 for a, b in zip(verifier, verifier[1:]))
+    out["verifier_gaps_ms"] = ({"count": len(gaps), "mean": sum(gaps) / len(gaps), "p50": gaps[len(gaps) // 2],
+                                "p90": gaps[int(len(gaps) * 0.9)], "max": gaps[-1]} if gaps else {"count": 0})
     start = (lo + hi) // 2
     excerpt = []
     for path in [*verifiers, drafter]:
@@ -221,6 +227,10 @@ def print_report(res: dict) -> None:
     d = res["device"]
     print(f"\ndevice work queued: verifier {d['verifier']:.1%}, drafter {d['drafter']:.1%}, either {d['union']:.1%},"
           f" both {d['both_outstanding']:.1%} of the window")
+    g = res["verifier_gaps_ms"]
+    if g["count"]:
+        print(f"the verifier's idle gaps between device work: {g['count']}, mean {g['mean']:.2f} ms, p50 {g['p50']:.2f}, "
+              f"p90 {g['p90']:.2f}, max {g['max']:.2f}")
     print("\nexcerpt (ms from the window's middle; the drafter's rows indented)")
     for a, b, role, name in res["excerpt"]:
         print(f"{'' if role == 'verifier' else ' ' * 36}{a:8.2f} {b:8.2f} {b - a:6.2f} {name}")

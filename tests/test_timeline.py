@@ -29,6 +29,8 @@ def test_report_device_fractions_and_window(tmp_path):
     assert device["drafter"] == pytest.approx(0.2)
     assert device["both_outstanding"] == pytest.approx(0.1)  # 2..3 ms of every 10
     assert device["union"] == pytest.approx(0.7)  # 1..8 ms of every 10
+    gaps = res["verifier_gaps_ms"]  # the verifier idles 8..12 ms of every 10-ms period
+    assert gaps["count"] == 3 and gaps["max"] == pytest.approx(4.0) and gaps["p50"] == pytest.approx(4.0)
     sends_seen = res["services"]["drafter"]["d.send"]
     assert sends_seen["count"] == 4 and sends_seen["mean_ms"] == pytest.approx(2.0)  # 30, 40, 50, 60 (70 ends past)
     assert [name for *_, name in res["excerpt"]][:2] == ["d.send", "g.draft"]
