@@ -103,3 +103,12 @@ def test_opens_and_rounds_through_the_verifier_match_eager_prefills(tiny_pair):
 def test_config_rejects_a_bad_prefill_batch():
     with pytest.raises(ValueError, match="prefill_batches"):
         GraphConfig(prefill_batches=(0, 2)).check()
+
+
+def test_the_startup_line_says_how_prompts_prefill(tiny_pair):
+    from verifier_svc.server import startup_summary
+
+    eager, graphed = runners(tiny_pair[0])
+    limits = VerifierLimits(max_sessions=3, max_seq_len=MAX_SEQ, max_tree_nodes=17)
+    assert "eager prefills" in startup_summary(TreeVerifier(eager, limits))  # no graphs on the CPU
+    assert "prefills through graphs" in startup_summary(TreeVerifier(graphed, limits))

@@ -221,12 +221,14 @@ def startup_summary(verifier: TreeVerifier) -> str:
     """The start-up line's facts: device, dtype, KV capacity, CUDA graphs, measured costs, memory."""
     runner = verifier.runner
     graphs = runner.graphs.num_graphs if runner.graphs is not None else 0
+    prefills = ("prefills through graphs" if runner.graphs is not None and runner.graphs.forward_batches
+                else "eager prefills")
     features = (f"{len(verifier.feature_layer_ids)} feature layers"
                 + (" projected" if runner.model.feature_projection is not None else "")
                 if verifier.feature_layer_ids else "no features")
     return (f"device {runner.device}, dtype {str(runner.cache.k.dtype).removeprefix('torch.')}, "
             f"KV {runner.num_slots} sessions x {runner.max_seq_len} tokens, "
-            f"{graphs} verify CUDA graphs{'' if graphs else ' (eager)'}, "
+            f"{graphs} verify CUDA graphs{'' if graphs else ' (eager)'}, {prefills}, "
             f"{'deterministic' if batch_invariant.enabled() else 'default'} kernels, "
             f"{len(verifier.verify_costs)} verify costs measured, {features}, {memory_summary(runner.device)}")
 
