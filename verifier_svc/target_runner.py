@@ -185,6 +185,8 @@ class TargetRunner:
         if self.graphs is None or not self.graphs.forward_batches:
             return None
         sizes = [p.shape[0] for p in prompts]
+        if self.graphs.select("forward", len(prompts), max(sizes), max(pasts) + max(sizes)) is None:
+            return None  # before building chains of a chunk no graph takes (a long prompt's, say)
         rows = [VerifyRow(slot, past, DraftTree.from_parents(p.tolist(), list(range(-1, n - 1))), torch.arange(n),
                           SamplingParams()) for slot, past, p, n in zip(slots, pasts, prompts, sizes)]
         width = max(sizes)
