@@ -106,10 +106,10 @@ class GatedWorker:
 
     def open_all(self, owner: str, sids: list[int], config: VerifierConfig, step: int = 1) -> dict[int, int]:
         """Open sessions in one message (released at once); their first tokens."""
+        n = len(self.gates)  # counted before the post: the step may begin before the next line runs
         reply = self.post(owner, step, [opening(s, config) for s in sids])
-        self.release(len(self.gates))
+        self.release(n)
         reply.result(30)
-        n = len(self.gates) - 1
         return {r.session_id: r.outcome.token for r in self.outcomes[n]}
 
 
