@@ -200,7 +200,8 @@ def report(directory: str, window: tuple[float, float] = (0.3, 0.7), excerpt_ms:
     both = _intersection(busy.get("verifier", []), busy.get("drafter", []))
     out["device"] = {"verifier": _total(busy.get("verifier", [])) / 1e6 / span_ms,
                      "drafter": _total(busy.get("drafter", [])) / 1e6 / span_ms,
-                     "union": _total(_union(busy.get("verifier", []) + busy.get("drafter", []), lo, hi)) / 1e6 / span_ms,
+                     "union": _total(_union(busy.get("verifier", []) + busy.get("drafter", []), lo, hi))
+                     / 1e6 / span_ms,
                      "both_outstanding": _total(both) / 1e6 / span_ms}
     # The verifier's idle gaps: from the end of one stretch of its device work to the next.
     verifier = busy.get("verifier", [])
@@ -229,8 +230,8 @@ def print_report(res: dict) -> None:
           f" both {d['both_outstanding']:.1%} of the window")
     g = res["verifier_gaps_ms"]
     if g["count"]:
-        print(f"the verifier's idle gaps between device work: {g['count']}, mean {g['mean']:.2f} ms, p50 {g['p50']:.2f}, "
-              f"p90 {g['p90']:.2f}, max {g['max']:.2f}")
+        print(f"the verifier's idle gaps between device work: {g['count']}, mean {g['mean']:.2f} ms, "
+              f"p50 {g['p50']:.2f}, p90 {g['p90']:.2f}, max {g['max']:.2f}")
     print("\nexcerpt (ms from the window's middle; the drafter's rows indented)")
     for a, b, role, name in res["excerpt"]:
         print(f"{'' if role == 'verifier' else ' ' * 36}{a:8.2f} {b:8.2f} {b - a:6.2f} {name}")

@@ -9,8 +9,8 @@ commit bookkeeping, reply encode) over the bundled default target, whose batched
 (`TargetRunner.launch_verify` / `finish_verify`) is replaced by a canned result that
 accepts `--feature-rows` - 1 tokens per session and so returns that many rows of
 Qwen3-8B-sized features each (context rows, as a projecting verifier sends them: 4096 bf16
-= 8 KB per row); its prefill runs for real but returns features of that width. This process drives a `GrpcLink` exactly as the
-drafter's scheduler does: it opens B sessions in one message, then sends `--rounds` link
+= 8 KB per row); its prefill runs for real but returns features of that width. This process
+drives a `GrpcLink` exactly as the drafter's scheduler does: it opens B sessions in one message, then sends `--rounds` link
 messages, each carrying one `--nodes`-node tree for each of the B sessions, and times each
 `GrpcLink.step` call (tracing off unless --trace; with it, spans as the scheduler makes
 them: `draft_step` with `verify_rpc`, a `round` per session whose traceparent rides on its

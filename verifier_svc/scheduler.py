@@ -18,8 +18,8 @@ timeout), freeing their KV slots.
 Tracing: each step is a `verify_step` span with `launch` (queuing the batched forward, accept
 and KV compaction: one graph replay on CUDA), `forward` (waiting for its results), `commit`
 (the sessions' bookkeeping), `prefill` (the batched prefill of the step's opens, with
-`forward` and `sample`) and `encode` (the replies) children; each tree entry that carries a `traceparent` gets a `verify` span under the
-drafter's span, each open a `prefill` span, covering the step and linked to its span.
+`forward` and `sample`) and `encode` (the replies) children; each tree entry that carries a
+`traceparent` gets a `verify` span under the drafter's span, each open a `prefill` span, covering the step and linked to its span.
 """
 from __future__ import annotations
 

@@ -67,8 +67,10 @@ Key = tuple[Hashable, int]  # (owner, session id)
 
 @dataclass
 class _CheckedTrees:
-    """A step's trees, which of them passed the checks (`good`), the failed ones' errors, and
-    the good ones' verify queued on the device (None when none passed)."""
+    """A step's trees (each at `positions[j]` among the step's entries), which of them passed the
+    checks (`good`), the failed ones' errors, and the good ones' verify queued on the device
+    (None when none passed)."""
+    positions: list[int]
     items: list[tuple[Key, TreeEntry]]
     good: list[int]
     outcomes: list[Verified | VerifierError | None]
@@ -82,7 +84,6 @@ class PendingStep:
     keys: frozenset[Key]  # the sessions it touches
     size: int  # entries
     results: dict[int, StepResult] = field(default_factory=dict)
-    trees: list[tuple[int, Key, TreeEntry]] = field(default_factory=list)
     chunks: list[tuple[int, Key, OpenEntry | ExtendEntry]] = field(default_factory=list)
     verify: _CheckedTrees | None = None
 
@@ -151,7 +152,7 @@ class TreeVerifier:
         touches none of this one's sessions and this one is not `exclusive`."""
         pending = PendingStep(keys=frozenset((owner, e.session_id) for owner, e in entries), size=len(entries))
         counts = collections.Counter((owner, e.session_id) for owner, e in entries)
-        trees: list[tuple[int, Key, TreeEntry]] = []
+        trees: list[tuple[int, Key, TreeEntry]] = []  # (position among the entries, key, entry)
         for i, (owner, e) in enumerate(entries):
             key = (owner, e.session_id)
             if counts[key] > 1:  # every entry of the session fails, and it is closed
@@ -166,15 +167,15 @@ class TreeVerifier:
             else:
                 pending.chunks.append((i, key, e))
         if trees:
-            pending.trees = trees
-            pending.verify = self._launch_verify([(key, e) for _, key, e in trees], stage)
+            pending.verify = self._launch_verify(trees, stage)
         return pending
 
     def finish(self, pending: PendingStep, *, stage: Stage = no_stage) -> list[StepResult | None]:
         """The second half of `step`: the verify's results committed, then the prefills."""
         results = pending.results
         if pending.verify is not None:
-            for (i, key, e), outcome in zip(pending.trees, self._finish_verify(pending.verify, stage)):
+            checked = pending.verify
+            for i, (_, e), outcome in zip(checked.positions, checked.items, self._finish_verify(checked, stage)):
                 results[i] = StepResult(e.session_id, outcome)
         if pending.chunks:
             chunks = pending.chunks
@@ -370,8 +371,10 @@ class TreeVerifier:
 
     # -- verify ----------------------------------------------------------------------------
 
-    def _launch_verify(self, items: Sequence[tuple[Key, TreeEntry]], stage: Stage) -> _CheckedTrees:
-        """Check every tree (a bad one closes its session) and queue the good ones' batched verify."""
+    def _launch_verify(self, trees: Sequence[tuple[int, Key, TreeEntry]], stage: Stage) -> _CheckedTrees:
+        """Check every tree (a bad one closes its session) and queue the good ones' batched verify;
+        `trees` holds (position among the step's entries, key, entry)."""
+        items = [(key, e) for _, key, e in trees]
         outcomes: list[Verified | VerifierError | None] = [None] * len(items)
         layouts = walk_trees([e.tree for _, e in items], vocab_size=self.vocab_size,
                              max_nodes=self.limits.max_tree_nodes, max_depth=self.limits.max_tree_depth)
@@ -397,7 +400,7 @@ class TreeVerifier:
             with_features = [self._sessions[items[i][0]].features for i in good]
             with stage("launch"):
                 launched = self.runner.launch_verify(rows, masks, with_features)
-        return _CheckedTrees(list(items), good, outcomes, launched)
+        return _CheckedTrees([i for i, _, _ in trees], items, good, outcomes, launched)
 
     def _finish_verify(self, pending: _CheckedTrees, stage: Stage) -> list[Verified | VerifierError]:
         """Wait for a launched verify and commit every good tree's accepted path."""
