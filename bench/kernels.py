@@ -12,7 +12,7 @@ target logits [B, T, V] and random trees:
 * sample-temp: the same with temperature only (no top-k / top-p filter)
 * greedy:      argmax, then greedy tree verification
 
-each with its output buffers allocated and initialised as the verifier does, run by
+each with its output buffers allocated as the verifier does (left unset: the stage writes them), run by
 kernels/fused_accept.py: tree_accept_triton (which never materialises the probabilities)
 and tree_accept_reference (the plain PyTorch references composed). Times: the eager Triton
 stage (device time), the stage captured in a CUDA graph (device time of a replay), and the
@@ -88,9 +88,10 @@ class Stage:
     def run(self, stage: str, impl):
         b, t = self.batch, self.nodes
         dev = self.device
-        predicts = torch.full((b * t,), -1, dtype=torch.int32, device=dev)
-        accept_index = torch.full((b, t), -1, dtype=torch.int32, device=dev)
-        accept_num = torch.zeros(b, dtype=torch.int32, device=dev)
+        # Left unset, as the verifier leaves them: the stage writes every entry.
+        predicts = torch.empty(b * t, dtype=torch.int32, device=dev)
+        accept_index = torch.empty((b, t), dtype=torch.int32, device=dev)
+        accept_num = torch.empty(b, dtype=torch.int32, device=dev)
         temperature, top_k, top_p = self.filters.get(stage, (None, None, None))
         impl(self.logits, self.candidates, self.next_token, self.next_sibling, predicts, accept_index, accept_num,
              greedy=stage == "greedy", coins=self.coins, final_coins=self.final, temperature=temperature,

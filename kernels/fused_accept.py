@@ -1,8 +1,9 @@
 """The whole sampling + accept stage of a verify round, from the target's logits to the path.
 
 Per batch row b of logits [B, T, V] (one tree of T nodes, node i in slot b * T + i),
-`tree_accept` writes exactly what these references write, with accept_index of width T
-(so a path may hold every node):
+`tree_accept` writes exactly what these references write into outputs pre-filled with -1
+(accept_num with 0), with accept_index of width T (so a path may hold every node); it
+writes every entry itself, so its callers need not fill them:
 
     greedy:   verify_tree_greedy on logits.argmax(-1) (the first maximum on ties);
     sampling: process_probs (temperature, top-k, top-p), then
@@ -78,8 +79,16 @@ CANDIDATES = 8
 # from the CANDIDATES + 1 sub-chunks with the largest maxima (see `_chunk_stats_kernel`).
 SUB_CHUNK = 16
 # Programs of each radix search launch: they share the (row, chunk) work of the rows the
-# candidates left undecided, so a launch with none costs little; tests lower it.
-SEARCH_PROGRAMS = 1024
+# candidates left undecided, so a launch with none costs little; tests lower it. (H200, T = 65,
+# top-k 50 / top-p 0.9, B = 1: the stage takes 53.4 us with 512, 57.3 with 1,024; rows that every
+# level searches, as top-p alone on flat logits, take 1.6% (B = 1) to 5.8% (B = 32) longer, and
+# 22-32% with 256, 90-120% with 128.)
+SEARCH_PROGRAMS = 512
+# Warps of a stats-pass program with filters on: its candidate selection's passes of a max run
+# faster on few warps (H200: B = 32, T = 65, 631 -> 564 us for the whole stage on 2 against 4).
+FILTER_STATS_WARPS = 2
+# Warps of the bonus pick's one program per tree (its scan of one chunk; 8 against 4: 5.95 -> 4.8 us).
+RESIDUAL_PICK_WARPS = 8
 KEY_BITS = {torch.bfloat16: 16, torch.float16: 16, torch.float32: 32}
 LOG2E = tl.constexpr(1.4426950408889634)
 # kernels.keyed_sampling's hash constants, as the kernels see them.
@@ -137,6 +146,7 @@ def tree_accept_reference(logits: Tensor, tokens: Tensor, next_token: Tensor, ne
     bs, nodes, vocab = _check_accept_args(logits, tokens, next_token, next_sibling, predicts, accept_index,
                                           accept_num, greedy, coins, final_coins, temperature, top_k, top_p,
                                           filters)
+    _clear_outputs(predicts, accept_index, accept_num)
     slots = torch.arange(bs * nodes, device=logits.device).view(bs, nodes)
     tree = (tokens, slots, next_token, next_sibling)
     if greedy:
@@ -148,6 +158,13 @@ def tree_accept_reference(logits: Tensor, tokens: Tensor, next_token: Tensor, ne
     probs = process_probs_reference(logits.view(bs * nodes, vocab), *per_row).view(bs, nodes, vocab)
     tree_speculative_sampling_target_only_reference(predicts, accept_index, accept_num, *tree, coins,
                                                     final_coins, probs, torch.zeros_like(probs))
+
+
+def _clear_outputs(predicts: Tensor, accept_index: Tensor, accept_num: Tensor) -> None:
+    """What the references' callers do first (they write only the path and its tokens)."""
+    predicts.fill_(-1)
+    accept_index.fill_(-1)
+    accept_num.zero_()
 
 
 # ---------------------------------------------------------------------------------------
@@ -578,13 +595,18 @@ def _tree_walk_kernel(logits_ptr, tokens_ptr, next_token_ptr, next_sibling_ptr,
                       predicts_ptr, accept_index_ptr, accept_num_ptr, last_ptr,
                       part_max_ptr, part_aux_ptr, floor_ptr, kept_ptr, coins_ptr, temperature_ptr,
                       T, V, C, GREEDY: tl.constexpr, FILTERS: tl.constexpr, KEY_BITS: tl.constexpr,
-                      BLOCK_C: tl.constexpr):
+                      BLOCK_C: tl.constexpr, BLOCK_T: tl.constexpr):
     """Per batch row: the walk of tree_sampling's references on p (or the argmax), p evaluated on demand.
 
-    Greedy also writes the bonus; sampling leaves it to the residual kernels (last_ptr)."""
+    It first writes the tree's predicts and accept_index as the references' callers fill them
+    (-1; the root's slot at accept_index[b, 0]). Greedy also writes the bonus; sampling leaves
+    it to the residual kernels (last_ptr)."""
     b = tl.program_id(0).to(tl.int64)
     nodes = b * T  # the first row and slot of tree b
-    tl.store(accept_index_ptr + nodes, nodes.to(tl.int32))
+    slots = tl.arange(0, BLOCK_T)
+    tl.store(predicts_ptr + nodes + slots, tl.full([BLOCK_T], -1, tl.int32), mask=slots < T)
+    tl.store(accept_index_ptr + nodes + slots, tl.where(slots == 0, nodes.to(tl.int32), -1), mask=slots < T)
+    tl.debug_barrier()  # those stores before the walk's own to the same entries
     row = tl.full([], 0, tl.int64)  # last accepted node
     n = tl.full([], 0, tl.int32)
     if GREEDY:
@@ -724,7 +746,7 @@ def tree_accept_triton(logits: Tensor, tokens: Tensor, next_token: Tensor, next_
         _tree_walk_kernel[(bs,)](logits, *tree, predicts, accept_index, accept_num, accept_num,
                                  part_max, part_aux, part_max, part_max, part_max, part_max,
                                  nodes, vocab, num_chunks, GREEDY=True, FILTERS=False, KEY_BITS=key_bits,
-                                 BLOCK_C=block_c)
+                                 BLOCK_C=block_c, BLOCK_T=triton.next_power_of_2(nodes))
         return
 
     floor, kept = (stats.floor, stats.kept) if filters else (part_max, part_max)  # (not read without filters)
@@ -733,12 +755,13 @@ def tree_accept_triton(logits: Tensor, tokens: Tensor, next_token: Tensor, next_
     _tree_walk_kernel[(bs,)](logits, *tree, predicts, accept_index, accept_num, last,
                              part_max, part_aux, floor, kept, coins, temperature,
                              nodes, vocab, num_chunks, GREEDY=False, FILTERS=filters, KEY_BITS=key_bits,
-                             BLOCK_C=block_c)
+                             BLOCK_C=block_c, BLOCK_T=triton.next_power_of_2(nodes))
     residual = (logits, *tree, part_max, part_aux, floor, kept, temperature, last)
     sums = torch.empty((bs, num_chunks), dtype=torch.float32, device=dev)
     meta = dict(FILTERS=filters, KEY_BITS=key_bits, CHUNK=chunk, BLOCK_C=block_c)
     _residual_sums_kernel[(bs, num_chunks)](*residual, sums, nodes, vocab, num_chunks, **meta)
-    _residual_pick_kernel[(bs,)](*residual, sums, final_coins, predicts, nodes, vocab, num_chunks, **meta)
+    _residual_pick_kernel[(bs,)](*residual, sums, final_coins, predicts, nodes, vocab, num_chunks, **meta,
+                                 num_warps=RESIDUAL_PICK_WARPS)
 
 
 class _SearchBuffers:
@@ -833,8 +856,7 @@ def _row_stats(logits: Tensor, nodes: int, *, greedy: bool, temperature: Tensor 
     search = _SearchBuffers(rows, num_chunks, chunk // block, key_bits, dev) if filters else None
     unused = stats.part_max  # stands in for the pointers a variant does not read
     # The candidates' sub-chunks (see `_chunk_stats_kernel`): SUB_CHUNK, or the whole chunk
-    # where the CANDIDATES + 1 picked (a power of two of them) would cover it. Their passes of
-    # a max run faster on 2 warps (H200: B = 32, T = 65, 631 -> 564 us for the whole stage).
+    # where the CANDIDATES + 1 picked (a power of two of them) would cover it.
     picked = triton.next_power_of_2(CANDIDATES + 1)
     sub = SUB_CHUNK if picked * SUB_CHUNK < chunk else chunk
     _chunk_stats_kernel[(rows, num_chunks)](
@@ -842,7 +864,7 @@ def _row_stats(logits: Tensor, nodes: int, *, greedy: bool, temperature: Tensor 
         stats.part_max, stats.part_aux, *((search.block_max, search.candidates, search.left_out, search.todo_count)
                                           if search else (unused,) * 4),
         nodes, vocab, num_chunks, GREEDY=greedy, FILTERS=filters, KEY_BITS=key_bits, CAND=CANDIDATES, SUB=sub,
-        PICKED=picked, CHUNK=chunk, BLOCK=block, num_warps=2 if filters else 4)
+        PICKED=picked, CHUNK=chunk, BLOCK=block, num_warps=FILTER_STATS_WARPS if filters else 4)
     if search:
         stats.floor = torch.empty(rows, dtype=torch.int64, device=dev)  # every row written by `_run_searches`
         stats.kept = torch.empty(rows, dtype=torch.float32, device=dev)
@@ -879,6 +901,7 @@ def tree_accept_keyed_reference(logits: Tensor, tokens: Tensor, next_token: Tens
     follows their argmax (the first maximum)."""
     bs, nodes, vocab = _check_keyed_args(logits, tokens, next_token, next_sibling, predicts, accept_index,
                                          accept_num, greedy_rows, seeds, positions, temperature, top_k, top_p)
+    _clear_outputs(predicts, accept_index, accept_num)
     per_node = [t.repeat_interleave(nodes) for t in (seeds, temperature, top_k, top_p)]
     scores = keyed_scores(logits.reshape(bs * nodes, vocab), per_node[0], positions.reshape(-1), *per_node[1:])
     scores = torch.where(greedy_rows[:, None, None], logits.float(), scores.view(bs, nodes, vocab))
@@ -949,7 +972,7 @@ def tree_accept_keyed_triton(logits: Tensor, tokens: Tensor, next_token: Tensor,
     _tree_walk_kernel[(bs,)](logits, tokens, next_token, next_sibling, predicts, accept_index, accept_num, accept_num,
                              score_max, score_arg, unused, unused, unused, unused,
                              nodes, vocab, num_chunks, GREEDY=True, FILTERS=False, KEY_BITS=key_bits,
-                             BLOCK_C=triton.next_power_of_2(num_chunks))
+                             BLOCK_C=triton.next_power_of_2(num_chunks), BLOCK_T=triton.next_power_of_2(nodes))
 
 
 def tree_accept_keyed(logits: Tensor, tokens: Tensor, next_token: Tensor, next_sibling: Tensor,
@@ -975,7 +998,7 @@ def tree_accept(logits: Tensor, tokens: Tensor, next_token: Tensor, next_sibling
 
     logits [B, T, V] (bf16, fp16 or fp32); tokens / next_token / next_sibling int64 [B, T]
     (node i of tree b in slot b * T + i); outputs predicts int32 [B * T], accept_index int32
-    [B, T], accept_num int32 [B], written like the tree_sampling references write them
+    [B, T], accept_num int32 [B], every entry written (see the module docstring)
     Sampling (greedy=False) needs coins float32 [B, T], final_coins float32 [B] and
     temperature float32 [B] (> 0), and with filters top_k int64 [B] (off: <= 0 or >= V) and
     top_p float32 [B] (off: >= 1); filters=False promises that every row has both off and

@@ -79,9 +79,10 @@ def run_on(device: str, impl, stage: dict[str, Tensor], **options) -> list[Tenso
     options = {k: v.to(device) if isinstance(v, Tensor) else v for k, v in options.items()}
     if options.get("greedy"):
         args.pop("coins"), args.pop("final_coins")
-    outputs = [torch.full((bs * nodes,), -1, dtype=torch.int32, device=device),
-               torch.full((bs, nodes), -1, dtype=torch.int32, device=device),
-               torch.zeros(bs, dtype=torch.int32, device=device)]
+    # Garbage in every output entry: the stage must write each one itself (callers leave them unset).
+    outputs = [torch.full((bs * nodes,), 7777, dtype=torch.int32, device=device),
+               torch.full((bs, nodes), 7777, dtype=torch.int32, device=device),
+               torch.full((bs,), 7777, dtype=torch.int32, device=device)]
     impl(args.pop("logits"), args.pop("tokens"), args.pop("next_token"), args.pop("next_sibling"), *outputs,
          **args, **options)
     return [t.cpu() for t in outputs]

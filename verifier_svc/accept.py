@@ -72,9 +72,10 @@ def accept_batch(mode: str, tokens: Tensor, next_token: Tensor, next_sibling: Te
 
     def walk(is_greedy: bool | None, extra: dict) -> Tensor:
         """One accept kernel's walk: greedy, the coin walk, or (is_greedy None) position-keyed."""
-        predicts = torch.full((b * t,), -1, dtype=torch.int32, device=logits.device)
-        accept_index = torch.full((b, t), -1, dtype=torch.int32, device=logits.device)
-        accept_num = torch.zeros(b, dtype=torch.int32, device=logits.device)
+        # (The accept stage writes every entry of its outputs: no fills needed.)
+        predicts = torch.empty(b * t, dtype=torch.int32, device=logits.device)
+        accept_index = torch.empty((b, t), dtype=torch.int32, device=logits.device)
+        accept_num = torch.empty(b, dtype=torch.int32, device=logits.device)
         if is_greedy is None:
             tree_accept_keyed(logits, tokens, next_token, next_sibling, predicts, accept_index, accept_num, **extra)
         else:
