@@ -36,6 +36,7 @@ import torch
 from torch import Tensor
 
 from common.tree import DraftTree
+from kernels.draft_topk import top_logprobs
 
 
 def _check_block_logits(block_logits: Tensor) -> None:
@@ -169,7 +170,7 @@ def select_ddtrees(block_logits: Tensor, root_tokens: Sequence[int], budgets: Se
                                np.zeros((num_sessions, 0)))
 
     logq, top_tokens = top_candidates(block_logits, ranks)
-    if np.isnan(logq[budget > 0, :, 0]).any():  # topk ranks NaN first
+    if np.isnan(logq[budget > 0, :, 0]).any():  # a row with a NaN has NaN log-probs
         raise ValueError("block_logits contain NaN (or a row that is all -inf)")
 
     rows = np.arange(num_sessions)[:, None]
@@ -245,10 +246,11 @@ def select_ddtrees(block_logits: Tensor, root_tokens: Sequence[int], budgets: Se
 
 def top_candidates(block_logits: Tensor, ranks: int) -> tuple[np.ndarray, np.ndarray]:
     """The top `ranks` log-probs (float64) and their tokens (int64) of every [S, D] row, on the host:
-    one top-k and one device->host copy (which waits for the draft forward behind it)."""
-    top = torch.topk(torch.log_softmax(block_logits.float(), dim=-1), ranks, dim=-1)
+    one top-k (`kernels.draft_topk`) and one device->host copy (which waits for the draft forward
+    behind it)."""
+    values, tokens = top_logprobs(block_logits.detach(), ranks)
     # One copy for both; float64 holds token ids exactly.
-    logq, top_tokens = torch.stack((top.values.double(), top.indices.double())).detach().cpu().numpy()
+    logq, top_tokens = torch.stack((values.double(), tokens.double())).cpu().numpy()
     return logq, top_tokens.astype(np.int64)
 
 

@@ -1,0 +1,124 @@
+"""The drafter's candidates (kernels/draft_topk.py): the one-pass Triton top-k == torch.topk over log_softmax.
+
+Without CUDA the Triton pass runs in the interpreter (tests/conftest.py); the vocabulary chunk
+is lowered so that rows span several chunks with a ragged last one.
+"""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from drafter_svc.ddtree import select_ddtrees
+from kernels import draft_topk
+from kernels.draft_topk import top_logprobs, top_logprobs_reference, top_logprobs_triton
+from kernels.tree_sampling import BACKEND_ENV
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture(autouse=True)
+def small_chunks(monkeypatch):
+    if DEVICE == "cpu":
+        monkeypatch.setattr(draft_topk, "CHUNK_V", 256)
+    monkeypatch.setattr(draft_topk, "TRITON_MIN_ROWS", 2)  # these tests' row counts take the Triton path
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("k", [1, 5, 16])
+def test_triton_equals_reference_on_continuous_logits(seed, k):
+    gen = torch.Generator().manual_seed(seed)
+    vocab = 16 * (70 + 13 * seed)  # 1120 .. 1744: several chunks, the last one ragged
+    logits = (torch.randn(3, 4, vocab, generator=gen) * (1 + seed)).to(DEVICE)
+    logits[0, 1, :] -= 30.0  # a row far below zero
+    got_logq, got_tokens = top_logprobs_triton(logits, k)
+    want_logq, want_tokens = top_logprobs_reference(logits, k)
+    assert got_logq.dtype == torch.float32 and got_tokens.dtype == torch.int64
+    assert got_logq.shape == got_tokens.shape == (3, 4, k)
+    assert torch.equal(got_tokens, want_tokens)
+    torch.testing.assert_close(got_logq, want_logq, rtol=0, atol=2e-5)
+    assert bool((got_logq[..., :-1] >= got_logq[..., 1:]).all())  # descending
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_triton_takes_the_largest_values_when_logits_tie(seed):
+    # bfloat16 logits from a few levels: many ties, also at the k-th value. Any of the tied
+    # tokens may be taken (as with torch.topk); the values taken must be the largest ones.
+    gen = torch.Generator().manual_seed(seed)
+    vocab, k = 16 * 64, 12
+    logits = torch.randint(0, 6, (2, 3, vocab), generator=gen).to(torch.bfloat16).to(DEVICE)
+    got_logq, got_tokens = top_logprobs_triton(logits, k)
+    want_logq, _ = top_logprobs_reference(logits, k)
+    torch.testing.assert_close(got_logq, want_logq, rtol=0, atol=2e-5)
+    taken = logits.gather(-1, got_tokens).float()
+    assert torch.equal(taken, logits.float().topk(k, dim=-1).values)
+    assert all(len(set(row)) == k for row in got_tokens.view(-1, k).tolist())  # distinct tokens
+
+
+def test_infinite_and_nan_rows_match_log_softmax():
+    vocab, k = 16 * 32, 4
+    logits = torch.randn(4, vocab)
+    logits[0, ::2] = float("-inf")  # half the tokens impossible
+    logits[1, :] = float("-inf")  # every token impossible: NaN log-probs (as log_softmax)
+    logits[2, 77] = float("nan")
+    logits[3, 5] = float("inf")  # one certain token: log-prob 0, the rest -inf... and NaN (inf - inf)
+    logits = logits.to(DEVICE)
+    got_logq, got_tokens = top_logprobs_triton(logits, k)
+    want_logq, want_tokens = top_logprobs_reference(logits, k)
+    assert torch.equal(got_tokens[0], want_tokens[0])
+    torch.testing.assert_close(got_logq[0], want_logq[0], rtol=0, atol=2e-5)
+    assert bool(got_logq[1:3].isnan().all()) and bool(want_logq[1:3].isnan().all())
+    assert torch.equal(got_logq[3].isnan(), want_logq[3].isnan())
+
+
+def test_dispatch_and_argument_checks(monkeypatch):
+    logits = torch.randn(2, 16 * 40)
+    monkeypatch.delenv(BACKEND_ENV, raising=False)
+    if DEVICE == "cpu":  # the reference on CPU tensors
+        calls = []
+        monkeypatch.setattr(draft_topk, "top_logprobs_triton", lambda *a: calls.append(a))
+        top_logprobs(logits, 4)
+        assert calls == []
+    monkeypatch.setenv(BACKEND_ENV, "triton")
+    # Not a multiple of SUB; k * SUB above a quarter of V; fewer rows than TRITON_MIN_ROWS.
+    for rows, vocab, k in ((2, 16 * 40 + 3, 4), (2, 16 * 40, 40), (1, 16 * 40, 4)):
+        x = torch.randn(rows, vocab)
+        values, tokens = top_logprobs(x, k)  # falls back to the reference
+        want_values, want_tokens = top_logprobs_reference(x, k)
+        assert torch.equal(values, want_values) and torch.equal(tokens, want_tokens)
+    calls = []
+    monkeypatch.setattr(draft_topk, "top_logprobs_triton", lambda *a: calls.append(a))
+    top_logprobs(logits, 4)  # two rows: at TRITON_MIN_ROWS
+    assert len(calls) == 1
+    with pytest.raises(ValueError, match="multiple of 16"):
+        top_logprobs_triton(torch.randn(2, 16 * 40 + 3), 4)
+    with pytest.raises(ValueError, match="0 < k"):
+        top_logprobs_triton(logits, 41)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_trees_are_the_same_with_either_top_k(seed, monkeypatch):
+    rng = np.random.default_rng(seed)
+    sessions, depths, vocab = 5, 6, 16 * 100  # budget 24: 24 * 16 * 4 <= vocab, so the Triton pass runs
+    logits = torch.from_numpy(rng.normal(size=(sessions, depths, vocab)) * 2).float().to(DEVICE)
+    roots, budgets = rng.integers(0, vocab, sessions).tolist(), [0, 3, 9, 16, 24]
+    monkeypatch.setenv(BACKEND_ENV, "reference")
+    want = select_ddtrees(logits, roots, budgets)
+    monkeypatch.setenv(BACKEND_ENV, "triton")
+    got = select_ddtrees(logits, roots, budgets)
+    for a, b in zip(got.trees(), want.trees()):
+        assert torch.equal(a.tokens, b.tokens) and torch.equal(a.next_token, b.next_token)
+        assert torch.equal(a.next_sibling, b.next_sibling)
+
+
+def test_bench_reports_both_paths(tmp_path):
+    from bench.draft_topk import main
+
+    out = tmp_path / "dt.json"
+    res = main(["--small", "--batches", "1", "--reps", "1", "--device", "cpu", "--out-json", str(out)])
+    (row,) = res["rows"]
+    assert row["same_values"] and row["max_logq_diff"] < 1e-5 and row["rows"] == 15
+    assert row["reference_us"] > 0 and row["triton_us"] > 0 and row["build_trees_wall_us"] > 0
+    assert json.loads(out.read_text())["rows"] == res["rows"]
