@@ -202,8 +202,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="keep the services' logs and the oracle files here (default: a temporary folder, removed)")
     p.add_argument("--deterministic", action="store_true",
                    help="the verifier with batch-invariant kernels (--deterministic), for its cost against the default")
-    p.add_argument("--prefill-graphs", action="store_true",
-                   help="the verifier with --prefill-graphs (prompt chunks prefilled through captured CUDA graphs)")
+    p.add_argument("--prefill-graphs", action=argparse.BooleanOptionalAction, default=True,
+                   help="prompts prefill through the verifier's captured CUDA graphs (its default; the verify "
+                        "graphs then include a tree bucket that holds the prompt); --no-prefill-graphs: the "
+                        "verifier with --no-prefill-graphs, prefilling eagerly")
     p.add_argument("--lockstep", action="store_true",
                    help="also run each controlled-acceptance setting with the drafter in lockstep (--pipelining off; "
                         "its rows are named SETTING-ls), to compare with the default pipelined rounds")
@@ -439,7 +441,7 @@ def common_verifier_flags(a: argparse.Namespace) -> list[str]:
              "--graph-batches", ",".join(map(str, a.graph_batches)), "--graph-trees", a.graph_trees]
     flags += ["--measure-costs", "on"] if "adaptive" in (a.budgets or ()) else []
     flags += ["--deterministic"] if a.deterministic else []
-    flags += ["--prefill-graphs"] if a.prefill_graphs else []
+    flags += [] if a.prefill_graphs else ["--no-prefill-graphs"]
     flags += ["--tensor-parallel", str(a.verifier_tp)] if a.verifier_tp > 1 else []
     return flags + (["--no-cuda-graphs"] if a.no_cuda_graphs else [])
 

@@ -30,7 +30,9 @@ class FlagParser(argparse.ArgumentParser):
         self.add_argument(name, type=type, default=os.environ.get(env, default), help=f"{help} [env {env}]",
                           **kwargs)
 
-    def switch(self, name: str, *, env: str, default: bool = False, help: str) -> None:
-        """An on/off flag whose environment variable takes 1/true/yes/on."""
-        self.add_argument(name, action="store_true", default=env_flag(os.environ.get(env, default)),
+    def switch(self, name: str, *, env: str, default: bool = False, help: str, negatable: bool = False) -> None:
+        """An on/off flag whose environment variable takes 1/true/yes/on; `negatable` adds its
+        --no- form (for switches that are on by default)."""
+        action = argparse.BooleanOptionalAction if negatable else "store_true"
+        self.add_argument(name, action=action, default=env_flag(os.environ.get(env, default)),
                           help=f"{help} [env {env}]")

@@ -87,10 +87,11 @@ def build_parser() -> argparse.ArgumentParser:
              help="batch-invariant kernels: a token's logits do not depend on the tree, the batch or its padding, "
                   "so greedy tree decoding equals greedy plain decoding bit for bit in bf16 too (the default "
                   "kernels promise that in float32; in bf16 a near-tie may flip); costs verify speed")
-    p.switch("--prefill-graphs", env="VERIFIER_PREFILL_GRAPHS", default=_DEFAULTS["prefill_graphs"],
+    p.switch("--prefill-graphs", env="VERIFIER_PREFILL_GRAPHS", default=_DEFAULTS["prefill_graphs"], negatable=True,
              help="prefill prompt chunks of up to 4 sessions per step (each chunk no longer than the largest "
                   "--graph-trees bucket) by replaying captured CUDA graphs instead of eagerly: a short prompt's "
-                  "prefill then costs its device time rather than the eager launches; more graphs to capture")
+                  "prefill then costs its device time rather than the eager launches; more graphs to capture "
+                  "(--no-prefill-graphs: eager prefills)")
     flag("--tensor-parallel", "tensor_parallel", "shard the target over this many processes, one GPU each (from "
          "--device cuda:N on), Megatron-style with an all-reduce after o_proj and down_proj; rank 0 serves",
          type=int)
