@@ -138,20 +138,25 @@ def _engine_worker(rank: int, world: int, init_file: str, target_dir: str, draft
         runner = TargetRunner(shard, LIMITS.max_sessions, LIMITS.max_seq_len, 65)
         if rank:
             torch.save(torch.tensor(follow(runner, dist.group.WORLD)), f"{out_dir}/followed.pt")
-            return
-        mirror = StepMirror(runner.device, dist.group.WORLD)
-        runner.set_mirror(mirror)
-        try:
-            costs = runner.measure_verify_costs(iters=1)  # dummy steps: every rank runs them too
-            proposer = DFlashProposer.from_pretrained(draft_dir, target_dir, "cpu", torch.float32, LIMITS.max_seq_len,
-                                                      LIMITS.max_sessions, False)
-            engine = LocalEngine(TreeVerifier(runner, LIMITS), proposer, load_tokenizer(target_dir),
-                                 shard.cfg.eos_token_ids)
-            outs = engine.generate_many(REQUESTS)
-            torch.save({"tokens": [torch.tensor(o.tokens) for o in outs], "costs": torch.tensor(len(costs))},
-                       f"{out_dir}/leader.pt")
-        finally:
-            mirror.stop()
+        else:
+            mirror = StepMirror(runner.device, dist.group.WORLD)
+            runner.set_mirror(mirror)
+            try:
+                costs = runner.measure_verify_costs(iters=1)  # dummy steps: every rank runs them too
+                proposer = DFlashProposer.from_pretrained(draft_dir, target_dir, "cpu", torch.float32,
+                                                          LIMITS.max_seq_len, LIMITS.max_sessions, False)
+                engine = LocalEngine(TreeVerifier(runner, LIMITS), proposer, load_tokenizer(target_dir),
+                                     shard.cfg.eos_token_ids)
+                outs = engine.generate_many(REQUESTS)
+                torch.save({"tokens": [torch.tensor(o.tokens) for o in outs], "costs": torch.tensor(len(costs))},
+                           f"{out_dir}/leader.pt")
+            finally:
+                mirror.stop()
+        # Both ranks past their last broadcast before either tears the group down. (Once, in a full
+        # run, rank 0 aborted with "terminate called without an active exception", cause not
+        # established; the barrier rules out a teardown while the other rank is still in a
+        # collective. On an error the spawn context stops the other rank instead.)
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
