@@ -9,8 +9,8 @@ build takes them: per B and k, the time per call of `top_logprobs_reference` and
 exceeds the device time, that is what it shows), whether both take the same logit values
 (ties may pick other tokens of the same value) and their largest log-prob difference; then
 the host wall time of `drafter_svc.ddtree.top_candidates` (the dispatch, the copy to the
-host) and of the whole batched tree build (`build_trees`, budget 16). Prints a table,
-writes JSON with --out-json.
+host) and of the whole batched tree build (`build_trees`, budget 16): medians, synchronised
+after each call. Prints a table, writes JSON with --out-json.
 """
 from __future__ import annotations
 
@@ -21,30 +21,18 @@ if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(
     sys.path[0] = os.path.dirname(sys.path[0])
 
 import argparse
-import time
 
 import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # the Triton pass runs interpreted on the CPU
 
-from bench.bench_timing import device_ms, sync, write_json
+from bench.bench_timing import device_ms, wall_ms, write_json
 from drafter_svc.ddtree import top_candidates
 from drafter_svc.drafter import DraftMode, build_trees
 from kernels.draft_topk import top_logprobs_reference, top_logprobs_triton
 
 DEPTHS = 15
-
-
-def wall_us(fn, device, reps: int) -> float:
-    """Mean wall time per call in µs, synchronising after each."""
-    fn()
-    sync(device)
-    start = time.perf_counter()
-    for _ in range(reps):
-        fn()
-        sync(device)
-    return (time.perf_counter() - start) / reps * 1e6
 
 
 def main(argv=None) -> dict:
@@ -78,10 +66,10 @@ def main(argv=None) -> dict:
                    "max_logq_diff": float((got_logq - want_logq).abs().max()),
                    "reference_us": 1e3 * device_ms(lambda: top_logprobs_reference(logits, k), device, reps),
                    "triton_us": 1e3 * device_ms(lambda: top_logprobs_triton(logits, k), device, reps),
-                   "top_candidates_wall_us": wall_us(lambda: top_candidates(logits, k), device, reps)}
+                   "top_candidates_wall_us": 1e3 * wall_ms(lambda: top_candidates(logits, k), device, reps)}
             if k == ks[0]:
                 modes = [DraftMode("tree", k)] * batch
-                row["build_trees_wall_us"] = wall_us(
+                row["build_trees_wall_us"] = 1e3 * wall_ms(
                     lambda: build_trees(modes, logits, [0] * batch, [10**6] * batch), device, reps)
             res["rows"].append(row)
             print("  " + "  ".join(f"{key}={v:.4g}" if isinstance(v, float) else f"{key}={v}"
