@@ -28,13 +28,14 @@ maxima), and one program per row sorts its chunks' candidates and finds the top-
 keeps) among them, ties included. That is exact whenever the threshold found is above every
 key left out, since the candidates then hold every key at or above it. The other rows (top-k
 beyond the candidates, or a top-p head longer than them, as on a flat distribution) take a
-radix search over the whole row, RADIX_BITS = 4 bits per level: each level is one pass over
-the (row, chunk) pairs of those rows (listed by the per-row program, shared by a fixed number
-of programs) that first picks the previous level's digit (every program reduces that level's
-per-chunk counts of its row, which is cheap) and then counts the chunk's keys per digit
-(tl.histogram), with their mass in the top-p search; a last launch picks the last digit. A
-pass reads only the blocks of logits whose maximum key (noted by the stats pass) reaches its
-level's range; with no row listed, its launch costs little. The top-k search keeps the k-th
+radix search over the whole row, RADIX_BITS = 4 bits per level, in one launch that returns at
+once where no row needs it: each level is one pass over the (row, chunk) pairs of those rows
+(listed by the per-row program, claimed a few at a time by a fixed number of programs that
+wait until every pair is done before the next level) that first picks the previous level's
+digit (every program reduces that level's per-chunk counts of its row, which is cheap) and
+then counts the chunk's keys per digit (tl.histogram), with their mass in the top-p search;
+the last digit is picked after the last level. A pass reads only the blocks of logits whose
+maximum key (noted by the stats pass) reaches its level's range. The top-k search keeps the k-th
 largest logit and its ties; the top-p search then runs over the kept logits with the goal
 top_p * (their mass) and keeps the smallest head that reaches it, ties included, as
 process_probs does.
@@ -78,11 +79,8 @@ CANDIDATES = 8
 # Sub-chunk of the stats pass's candidate selection (a power of two): the candidates are taken
 # from the CANDIDATES + 1 sub-chunks with the largest maxima (see `_chunk_stats_kernel`).
 SUB_CHUNK = 16
-# Programs of each radix search launch: they share the (row, chunk) work of the rows the
-# candidates left undecided, so a launch with none costs little; tests lower it. (H200, T = 65,
-# top-k 50 / top-p 0.9, B = 1: the stage takes 53.4 us with 512, 57.3 with 1,024; rows that every
-# level searches, as top-p alone on flat logits, take 1.6% (B = 1) to 5.8% (B = 32) longer, and
-# 22-32% with 256, 90-120% with 128.)
+# Programs of the radix search's launch: they share the (row, chunk) work of the rows the
+# candidates left undecided (see `_search_kernel`); tests lower it.
 SEARCH_PROGRAMS = 512
 # Warps of a stats-pass program with filters on: its candidate selection's passes of a max run
 # faster on few warps (H200: B = 32, T = 65, 631 -> 564 us for the whole stage on 2 against 4).
@@ -240,9 +238,9 @@ def _largest(x, COUNT: tl.constexpr, SLOTS: tl.constexpr):
 
 @triton.jit
 def _chunk_stats_kernel(logits_ptr, temperature_ptr, top_k_ptr, top_p_ptr, part_max_ptr, part_aux_ptr,
-                        block_max_ptr, cand_ptr, left_out_ptr, todo_count_ptr, T, V, C, GREEDY: tl.constexpr,
+                        block_max_ptr, cand_ptr, left_out_ptr, counters_ptr, T, V, C, GREEDY: tl.constexpr,
                         FILTERS: tl.constexpr, KEY_BITS: tl.constexpr, CAND: tl.constexpr, SUB: tl.constexpr,
-                        PICKED: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+                        PICKED: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr, COUNTERS: tl.constexpr):
     """Per (row, chunk): the maximum logit, and its first index (GREEDY) or sum exp2((x - max) * scale).
 
     FILTERS, where a filter is on, also writes the maximum key of each BLOCK of the chunk (the
@@ -251,7 +249,8 @@ def _chunk_stats_kernel(logits_ptr, temperature_ptr, top_k_ptr, top_p_ptr, part_
     Where SUB < CHUNK they are taken from the CAND + 1 sub-chunks of SUB keys with the largest
     maxima (PICKED >= CAND + 1 rows, the rest masked), read again: exact, ties included, since
     every key of another sub-chunk is at most those CAND + 1 maxima. (Program (0, 0) also
-    clears the searches' count of undecided rows, see `_filter_floor_kernel`.)"""
+    clears the searches' COUNTERS counters: their count of undecided rows, see
+    `_filter_floor_kernel`, and those of `_search_kernel`.)"""
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     offs = chunk * CHUNK + tl.arange(0, CHUNK)
@@ -267,7 +266,7 @@ def _chunk_stats_kernel(logits_ptr, temperature_ptr, top_k_ptr, top_p_ptr, part_
     tl.store(part_aux_ptr + row * C + chunk, aux)
     if FILTERS:
         if (row == 0) & (chunk == 0):
-            tl.store(todo_count_ptr, 0)
+            tl.store(counters_ptr + tl.arange(0, COUNTERS), tl.full([COUNTERS], 0, tl.int32))
         top_k_on, top_p_on = _filters_on(top_k_ptr, top_p_ptr, row // T, V)
         if top_k_on | top_p_on:
             key = _key(raw, KEY_BITS)
@@ -432,7 +431,7 @@ def _pick_digit(count_ptr, mass_ptr, prefix_ptr, above_count_ptr, above_mass_ptr
     digits = tl.arange(0, RADIX)
     at = (row * C + chunks) * RADIX + digits[None, :]
     at_or_above = digits[None, :] >= digits[:, None]  # [threshold digit, bin]
-    counts = tl.sum(tl.load(count_ptr + at, mask=chunks < C, other=0), axis=0)
+    counts = tl.sum(tl.load(count_ptr + at, mask=chunks < C, other=0, cache_modifier=".cg"), axis=0)
     count_from = tl.sum(tl.where(at_or_above, counts[None, :], 0), axis=1)
     prefix = tl.full([], 0, tl.int64)
     above_count = tl.full([], 0, tl.int32)
@@ -440,19 +439,19 @@ def _pick_digit(count_ptr, mass_ptr, prefix_ptr, above_count_ptr, above_mass_ptr
     later = level % LEVELS != 0  # not the search's first level: continue from the previous one
     if later:
         state = (level - 1) * R + row
-        prefix = tl.load(prefix_ptr + state)
-        above_count = tl.load(above_count_ptr + state)
-        above_mass = tl.load(above_mass_ptr + state)
+        prefix = tl.load(prefix_ptr + state, cache_modifier=".cg")
+        above_count = tl.load(above_count_ptr + state, cache_modifier=".cg")
+        above_mass = tl.load(above_mass_ptr + state, cache_modifier=".cg")
     # (tl.full, not tl.zeros, and no reductions the search does not use: in the interpreter,
     # the tests' CPU path, each call of a @triton.jit function such as tl.zeros or tl.sum is slow.)
     masses = tl.full([RADIX], 0.0, tl.float32)
     mass_from = tl.full([RADIX], 0.0, tl.float32)
     total = tl.full([], 0.0, tl.float32)
     if top_p:
-        masses = tl.sum(tl.load(mass_ptr + at, mask=chunks < C, other=0.0), axis=0)
+        masses = tl.sum(tl.load(mass_ptr + at, mask=chunks < C, other=0.0, cache_modifier=".cg"), axis=0)
         mass_from = tl.sum(tl.where(at_or_above, masses[None, :], 0.0), axis=1)
         if later:
-            total = tl.load(total_ptr + row)
+            total = tl.load(total_ptr + row, cache_modifier=".cg")
         else:
             total = tl.sum(masses, axis=0)
         ok = (above_count + count_from >= 1) & (above_mass + mass_from >= tl.load(top_p_ptr + b) * total)
@@ -469,12 +468,13 @@ def _pick_digit(count_ptr, mass_ptr, prefix_ptr, above_count_ptr, above_mass_ptr
 
 
 @triton.jit
-def _chunk_histogram(logits_ptr, block_max_ptr, row, chunk, V, C, prefix, floor, shift, row_max, scale,
-                     MASSES: tl.constexpr, KEY_BITS: tl.constexpr, RADIX_BITS: tl.constexpr, CHUNK: tl.constexpr,
+def _chunk_histogram(logits_ptr, block_max, row, chunk, V, prefix, floor, shift, row_max, scale,
+                     masses_on, KEY_BITS: tl.constexpr, RADIX_BITS: tl.constexpr, CHUNK: tl.constexpr,
                      BLOCK: tl.constexpr):
-    """Counts (and MASSES: sums of exp2((x - row_max) * scale)) per digit (key >> shift) % RADIX of
+    """Counts (and masses_on: sums of exp2((x - row_max) * scale)) per digit (key >> shift) % RADIX of
     the chunk's keys that equal prefix on the bits above the digit and are >= floor. Blocks whose
-    maximum key is below both are not read."""
+    maximum key (block_max [CHUNK // BLOCK], loaded once: no memory round trip per block) is
+    below both are not read."""
     RADIX: tl.constexpr = 1 << RADIX_BITS
     NB: tl.constexpr = CHUNK // BLOCK
     digits = tl.arange(0, RADIX)
@@ -482,15 +482,16 @@ def _chunk_histogram(logits_ptr, block_max_ptr, row, chunk, V, C, prefix, floor,
     masses = tl.full([RADIX], 0.0, tl.float32)
     lowest = tl.maximum(prefix, floor)
     above = shift + RADIX_BITS
+    blocks = tl.arange(0, NB)
     for i in range(NB):
-        if tl.load(block_max_ptr + (row * C + chunk) * NB + i) >= lowest:
+        if tl.max(tl.where(blocks == i, block_max, -1), axis=0) >= lowest:
             offs = chunk * CHUNK + i * BLOCK + tl.arange(0, BLOCK)
             raw = tl.load(logits_ptr + row * V + offs, mask=offs < V, other=0.0)
             key = _key(raw, KEY_BITS)
             live = (offs < V) & ((key >> above) == (prefix >> above)) & (key >= floor)
             digit = ((key >> shift) & (RADIX - 1)).to(tl.int32)
             counts += tl.histogram(digit, RADIX, mask=live)
-            if MASSES:
+            if masses_on:
                 if tl.max(live.to(tl.int32), axis=0) > 0:
                     hot = live[:, None] & (digit[:, None] == digits[None, :])
                     e = _exp_from(raw.to(tl.float32), row_max, scale)
@@ -498,82 +499,81 @@ def _chunk_histogram(logits_ptr, block_max_ptr, row, chunk, V, C, prefix, floor,
     return counts, masses
 
 
-@triton.jit(do_not_specialize=["level"])
-def _search_level_kernel(logits_ptr, temperature_ptr, top_k_ptr, top_p_ptr, part_max_ptr, block_max_ptr,
-                         count_in_ptr, mass_in_ptr, count_out_ptr, mass_out_ptr,
-                         prefix_ptr, above_count_ptr, above_mass_ptr, total_ptr, todo_ptr, todo_count_ptr,
-                         T, V, C, R, level, shift, TOP_P: tl.constexpr, KEY_BITS: tl.constexpr,
-                         RADIX_BITS: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr, BLOCK_C: tl.constexpr):
-    """One level (its shift; TOP_P: a top-p level) of the rows the candidates left undecided:
-    the programs share their (row, chunk) pairs. Per pair: pick the previous level's digit
-    (every program of the row does, from that level's partials; chunk 0 stores the state),
-    then write the chunk's counts (and masses, TOP_P) per digit of this level: of the keys
-    with the search's prefix, and at or above top-k's floor in the top-p search.
+@triton.jit
+def _search_item(logits_ptr, temperature_ptr, top_k_ptr, top_p_ptr, part_max_ptr, block_max_ptr,
+                 count_in_ptr, mass_in_ptr, count_out_ptr, mass_out_ptr,
+                 prefix_ptr, above_count_ptr, above_mass_ptr, total_ptr, todo_ptr, item,
+                 T, V, C, R, level, KEY_BITS: tl.constexpr, RADIX_BITS: tl.constexpr, CHUNK: tl.constexpr,
+                 BLOCK: tl.constexpr, BLOCK_C: tl.constexpr):
+    """One (row, chunk) pair of a level (a top-p level from level LEVELS on) of the rows the
+    candidates left undecided: pick the previous level's digit (every pair of the row does, from
+    that level's partials; chunk 0 stores the state), then write the chunk's counts (and
+    masses, top-p) per digit of this level: of the keys with the search's prefix, and at or
+    above top-k's floor in the top-p search.
 
     The previous level's keys are at or above a bound (the prefix before it, and top-k's floor
     in the top-p search): a chunk whose maximum key is below it skips the pick (except chunk 0)
-    and the histogram."""
+    and the histogram. What other programs wrote in this launch is read past L1 (".cg")."""
     LEVELS: tl.constexpr = KEY_BITS // RADIX_BITS
     RADIX: tl.constexpr = 1 << RADIX_BITS
     NB: tl.constexpr = CHUNK // BLOCK
-    for item in range(tl.program_id(0), tl.load(todo_count_ptr) * C, tl.num_programs(0)):
-        row = tl.load(todo_ptr + item // C).to(tl.int64)
-        chunk = item % C
-        b = row // T
-        pick_on, count_on = _takes_part(top_k_ptr, top_p_ptr, b, V, level, LEVELS)
-        counts = tl.full([RADIX], 0, tl.int32)
-        masses = tl.full([RADIX], 0.0, tl.float32)
-        if pick_on | count_on:
+    top_p = level >= LEVELS
+    shift = KEY_BITS - RADIX_BITS * (level % LEVELS + 1)
+    row = tl.load(todo_ptr + item // C).to(tl.int64)
+    chunk = item % C
+    b = row // T
+    pick_on, count_on = _takes_part(top_k_ptr, top_p_ptr, b, V, level, LEVELS)
+    counts = tl.full([RADIX], 0, tl.int32)
+    masses = tl.full([RADIX], 0.0, tl.float32)
+    if pick_on | count_on:
+        prefix = tl.full([], 0, tl.int64)
+        if pick_on & (level >= 2):  # (else this level starts the row's search)
+            prefix = tl.load(prefix_ptr + (level - 2) * R + row, cache_modifier=".cg")
+        floor = tl.full([], 0, tl.int64)
+        if level > LEVELS:
+            floor = tl.load(prefix_ptr + (LEVELS - 1) * R + row, cache_modifier=".cg")
+        block_max = tl.load(block_max_ptr + (row * C + chunk) * NB + tl.arange(0, NB))
+        if (chunk == 0) | (tl.max(block_max, axis=0) >= tl.maximum(prefix, floor)):
             prefix = tl.full([], 0, tl.int64)
-            if pick_on & (level >= 2):  # (else this level starts the row's search)
-                prefix = tl.load(prefix_ptr + (level - 2) * R + row)
-            floor = tl.full([], 0, tl.int64)
-            if level > LEVELS:
-                floor = tl.load(prefix_ptr + (LEVELS - 1) * R + row)
-            chunk_max = tl.max(tl.load(block_max_ptr + (row * C + chunk) * NB + tl.arange(0, NB)), axis=0)
-            if (chunk == 0) | (chunk_max >= tl.maximum(prefix, floor)):
+            if pick_on:
+                prefix, above_count, above_mass, total, _ = _pick_digit(
+                    count_in_ptr, mass_in_ptr, prefix_ptr, above_count_ptr, above_mass_ptr, total_ptr,
+                    top_k_ptr, top_p_ptr, row, b, R, C, level - 1, (shift + RADIX_BITS) % KEY_BITS, KEY_BITS,
+                    RADIX_BITS, BLOCK_C)
+                if chunk == 0:
+                    state = (level - 1) * R + row
+                    tl.store(prefix_ptr + state, prefix)
+                    tl.store(above_count_ptr + state, above_count)
+                    tl.store(above_mass_ptr + state, above_mass)
+                    if level == LEVELS + 1:
+                        tl.store(total_ptr + row, total)
+            if level == LEVELS:  # the top-p search starts at top-k's floor (0 without top-k)
+                floor = prefix
                 prefix = tl.full([], 0, tl.int64)
-                if pick_on:
-                    prefix, above_count, above_mass, total, _ = _pick_digit(
-                        count_in_ptr, mass_in_ptr, prefix_ptr, above_count_ptr, above_mass_ptr, total_ptr,
-                        top_k_ptr, top_p_ptr, row, b, R, C, level - 1, (shift + RADIX_BITS) % KEY_BITS, KEY_BITS,
-                        RADIX_BITS, BLOCK_C)
-                    if chunk == 0:
-                        state = (level - 1) * R + row
-                        tl.store(prefix_ptr + state, prefix)
-                        tl.store(above_count_ptr + state, above_count)
-                        tl.store(above_mass_ptr + state, above_mass)
-                        if level == LEVELS + 1:
-                            tl.store(total_ptr + row, total)
-                if TOP_P & (level == LEVELS):  # the top-p search starts at top-k's floor (0 without top-k)
-                    floor = prefix
-                    prefix = tl.full([], 0, tl.int64)
-                if count_on:
-                    row_max = tl.full([], 0.0, tl.float32)
-                    scale = tl.full([], 0.0, tl.float32)
-                    if TOP_P:
-                        row_max = _row_max(part_max_ptr, row, C, BLOCK_C)
-                        scale = _log2_scale(temperature_ptr, b)
-                    counts, masses = _chunk_histogram(logits_ptr, block_max_ptr, row, chunk, V, C, prefix, floor,
-                                                      shift, row_max, scale, TOP_P, KEY_BITS, RADIX_BITS, CHUNK,
-                                                      BLOCK)
-        if count_on:
-            out = (row * C + chunk) * RADIX + tl.arange(0, RADIX)
-            tl.store(count_out_ptr + out, counts)
-            if TOP_P:
-                tl.store(mass_out_ptr + out, masses)
+            if count_on:
+                row_max = tl.full([], 0.0, tl.float32)
+                scale = tl.full([], 0.0, tl.float32)
+                if top_p:
+                    row_max = _row_max(part_max_ptr, row, C, BLOCK_C)
+                    scale = _log2_scale(temperature_ptr, b)
+                counts, masses = _chunk_histogram(logits_ptr, block_max, row, chunk, V, prefix, floor, shift,
+                                                  row_max, scale, top_p, KEY_BITS, RADIX_BITS, CHUNK, BLOCK)
+    if count_on:
+        out = (row * C + chunk) * RADIX + tl.arange(0, RADIX)
+        tl.store(count_out_ptr + out, counts)
+        if top_p:
+            tl.store(mass_out_ptr + out, masses)
 
 
 @triton.jit
-def _search_result_kernel(count_ptr, mass_ptr, temperature_ptr, top_k_ptr, top_p_ptr, part_max_ptr, part_sum_ptr,
-                          prefix_ptr, above_count_ptr, above_mass_ptr, total_ptr, todo_ptr, todo_count_ptr,
-                          floor_ptr, kept_ptr, T, V, C, R, KEY_BITS: tl.constexpr, RADIX_BITS: tl.constexpr,
-                          BLOCK_C: tl.constexpr):
+def _search_result(count_ptr, mass_ptr, top_k_ptr, top_p_ptr, prefix_ptr, above_count_ptr, above_mass_ptr,
+                   total_ptr, todo_ptr, todo, floor_ptr, kept_ptr, T, V, C, R, KEY_BITS: tl.constexpr,
+                   RADIX_BITS: tl.constexpr, BLOCK_C: tl.constexpr):
     """Per row the candidates left undecided (the programs share them): pick the last level's
     digit; write the key floor and the kept mass: top-p's where it is on (its threshold, the
     mass at and above it), else top-k's (its threshold, the first top-p level's total)."""
     LEVELS: tl.constexpr = KEY_BITS // RADIX_BITS
-    for item in range(tl.program_id(0), tl.load(todo_count_ptr), tl.num_programs(0)):
+    for item in range(tl.program_id(0), todo, tl.num_programs(0)):
         row = tl.load(todo_ptr + item).to(tl.int64)
         b = row // T
         top_k_on, top_p_on = _filters_on(top_k_ptr, top_p_ptr, b, V)
@@ -582,10 +582,62 @@ def _search_result_kernel(count_ptr, mass_ptr, temperature_ptr, top_k_ptr, top_p
                 count_ptr, mass_ptr, prefix_ptr, above_count_ptr, above_mass_ptr, total_ptr, top_k_ptr, top_p_ptr,
                 row, b, R, C, 2 * LEVELS - 1, 0, KEY_BITS, RADIX_BITS, BLOCK_C)
         else:
-            floor = tl.load(prefix_ptr + (LEVELS - 1) * R + row)
-            kept = tl.load(total_ptr + row)
+            floor = tl.load(prefix_ptr + (LEVELS - 1) * R + row, cache_modifier=".cg")
+            kept = tl.load(total_ptr + row, cache_modifier=".cg")
         tl.store(floor_ptr + row, floor)
         tl.store(kept_ptr + row, kept)
+
+
+@triton.jit
+def _wait_for(done_ptr, target):
+    """Returns once the counter at done_ptr reaches target, with what was stored before each
+    of its (release) increments visible to every thread of this program."""
+    count = tl.load(done_ptr, volatile=True)
+    while count < target:
+        count = tl.load(done_ptr, volatile=True)
+    tl.atomic_add(done_ptr, 0, sem="acquire")
+    tl.debug_barrier()
+
+
+@triton.jit
+def _search_kernel(logits_ptr, temperature_ptr, top_k_ptr, top_p_ptr, part_max_ptr, block_max_ptr,
+                   count_ptr, mass_ptr, prefix_ptr, above_count_ptr, above_mass_ptr, total_ptr, todo_ptr,
+                   counters_ptr, floor_ptr, kept_ptr, T, V, C, R, KEY_BITS: tl.constexpr,
+                   RADIX_BITS: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr, BLOCK_C: tl.constexpr):
+    """The top-k, then top-p, radix searches of the rows `_filter_floor_kernel` listed, in one
+    launch that returns at once where it listed none (most steps): levels 0 .. 2 * LEVELS - 1,
+    each reading the counts the one before wrote into the other half of count_ptr / mass_ptr
+    [2, R, C, RADIX], then the last digit (`_search_result`).
+
+    counters_ptr: the number of listed rows, then per level a count of the (row, chunk) pairs
+    claimed and one of those done (all 0 at the start). A program claims a few pairs at a time
+    until none is left, then waits until all are done before the next level. It only ever waits
+    for pairs that running programs hold, so the programs need not all be resident at once."""
+    todo = tl.load(counters_ptr)
+    if todo > 0:
+        LEVELS: tl.constexpr = KEY_BITS // RADIX_BITS
+        half = R * C * (1 << RADIX_BITS)
+        pairs = todo * C
+        group = tl.maximum(pairs // (4 * tl.num_programs(0)), 1)
+        for level in range(0, 2 * LEVELS):
+            before, after = ((level + 1) % 2) * half, (level % 2) * half
+            claimed_ptr = counters_ptr + 1 + 2 * level
+            start = tl.atomic_add(claimed_ptr, group)
+            while start < pairs:
+                end = tl.minimum(start + group, pairs)
+                for item in range(start, end):
+                    _search_item(logits_ptr, temperature_ptr, top_k_ptr, top_p_ptr, part_max_ptr, block_max_ptr,
+                                 count_ptr + before, mass_ptr + before, count_ptr + after, mass_ptr + after,
+                                 prefix_ptr, above_count_ptr, above_mass_ptr, total_ptr, todo_ptr, item, T, V, C,
+                                 R, level, KEY_BITS, RADIX_BITS, CHUNK, BLOCK, BLOCK_C)
+                tl.debug_barrier()  # every thread's stores issued before the release
+                tl.atomic_add(claimed_ptr + 1, end - start, sem="release")
+                start = tl.atomic_add(claimed_ptr, group)
+            _wait_for(claimed_ptr + 1, pairs)
+        last = ((2 * LEVELS - 1) % 2) * half
+        _search_result(count_ptr + last, mass_ptr + last, top_k_ptr, top_p_ptr, prefix_ptr, above_count_ptr,
+                       above_mass_ptr, total_ptr, todo_ptr, todo, floor_ptr, kept_ptr, T, V, C, R, KEY_BITS,
+                       RADIX_BITS, BLOCK_C)
 
 
 # T is never specialised: with T == 1 the walk loop folds away and Triton 3.6 fails to
@@ -724,10 +776,10 @@ def tree_accept_triton(logits: Tensor, tokens: Tensor, next_token: Tensor, next_
     Launches: greedy 2 (chunk maxima, walk; the logits are read once); temperature only 4
     (chunk softmax partials, walk, residual chunk sums, bonus: the logits once, plus the
     last accepted row of each tree twice). Filters add one per-row launch over the candidates
-    (`_filter_floor_kernel`), then 2 * KEY_BITS / RADIX_BITS + 1 launches of the radix search
-    (see `_run_searches`): 9 for bf16/fp16 logits, 17 for float32, over only the rows the
-    candidates left undecided (none, mostly); each reads only the blocks of those rows' logits
-    that hold a key in its level's range, at most those logits once.
+    (`_filter_floor_kernel`), then one launch of the radix search (see `_run_searches`), which
+    returns at once unless the candidates left rows undecided (mostly they leave none); each of
+    its 2 * KEY_BITS / RADIX_BITS levels (8 for bf16/fp16 logits, 16 for float32) reads only the
+    blocks of those rows' logits that hold a key in its range, at most those logits once.
     """
     bs, nodes, vocab = _check_accept_args(logits, tokens, next_token, next_sibling, predicts, accept_index,
                                           accept_num, greedy, coins, final_coins, temperature, top_k, top_p,
@@ -775,12 +827,13 @@ class _SearchBuffers:
         self.candidates = torch.empty((rows, num_chunks, CANDIDATES), dtype=key_dtype, device=dev)
         self.left_out = torch.empty((rows, num_chunks), dtype=key_dtype, device=dev)
         self.exact = torch.empty(rows, dtype=torch.int32, device=dev)
-        # The rows the candidates left to the searches, and their number (cleared by the stats pass).
+        # The rows the candidates left to the searches; their number, then per level the
+        # search's counts of (row, chunk) pairs claimed and done (all cleared by the stats pass).
         self.todo = torch.empty(rows, dtype=torch.int32, device=dev)
-        self.todo_count = torch.empty(1, dtype=torch.int32, device=dev)
+        self.counters = torch.empty(triton.next_power_of_2(1 + 2 * self.levels), dtype=torch.int32, device=dev)
         self.key_bits = key_bits
         self.block_max = torch.empty((rows, num_chunks, blocks_per_chunk), dtype=torch.int64, device=dev)
-        # Per-chunk counts / masses per digit; level j writes [j % 2] while j + 1 reads them.
+        # Per-chunk counts / masses per digit; level j writes [j % 2], level j + 1 reads them.
         self.counts = torch.empty((2, rows, num_chunks, 1 << RADIX_BITS), dtype=torch.int32, device=dev)
         self.masses = torch.empty((2, rows, num_chunks, 1 << RADIX_BITS), dtype=torch.float32, device=dev)
         # The state after each level's digit (the floor kernel clears top-k's floor, the last
@@ -804,31 +857,24 @@ def _run_searches(search: _SearchBuffers, logits, temperature, top_k, top_p, par
     largest digit whose keys and those above reach the goal. The top-p search only counts keys
     >= the top-k floor: that changes nothing (the head it keeps never reaches below the floor)
     but lets its levels skip the other blocks; its first level also runs where top-p is off
-    but top-k on, for the mass top-k keeps. Launches (L = 2 * KEY_BITS / RADIX_BITS levels):
-    each `_search_level_kernel` launch picks level j - 1's digit and counts level j (j = 0 ..
-    L - 1); `_search_result_kernel` picks the last digit. They only visit the rows that
-    `_filter_floor_kernel` lists, with at most SEARCH_PROGRAMS programs (static grids).
+    but top-k on, for the mass top-k keeps. Two launches: `_filter_floor_kernel` lists the rows
+    the candidates leave undecided, and `_search_kernel`, a static grid of SEARCH_PROGRAMS
+    programs at most, searches them (L = 2 * KEY_BITS / RADIX_BITS levels: level j picks level
+    j - 1's digit and counts level j; the last digit after level L - 1), or returns at once
+    where none is listed.
     """
     rows, num_chunks = part_max.shape
-    meta = dict(KEY_BITS=search.key_bits, RADIX_BITS=RADIX_BITS, BLOCK_C=triton.next_power_of_2(num_chunks))
+    block_c = triton.next_power_of_2(num_chunks)
     filters = (temperature, top_k, top_p)
     levels = search.levels // 2  # per search
-    todo = (search.todo, search.todo_count)
     _filter_floor_kernel[(rows,)](logits, *filters, part_max, part_sum, search.candidates, search.left_out, floor,
-                                  kept, search.exact, search.prefix[levels - 1], *todo, nodes, logits.shape[2],
-                                  num_chunks, KEY_BITS=search.key_bits, CAND=CANDIDATES,
-                                  SORTED=triton.next_power_of_2(num_chunks * CANDIDATES), BLOCK_C=meta["BLOCK_C"])
-    for level in range(search.levels):
-        _search_level_kernel[(min(rows * num_chunks, SEARCH_PROGRAMS),)](
-            logits, *filters, part_max, search.block_max, search.counts[(level - 1) % 2],
-            search.masses[(level - 1) % 2], search.counts[level % 2], search.masses[level % 2], *search.state(),
-            *todo, nodes, logits.shape[2], num_chunks, rows, level,
-            search.key_bits - RADIX_BITS * (level % levels + 1), TOP_P=level >= levels, CHUNK=chunk, BLOCK=block,
-            **meta)
-    last = (search.levels - 1) % 2
-    _search_result_kernel[(min(rows, SEARCH_PROGRAMS),)](
-        search.counts[last], search.masses[last], *filters, part_max, part_sum, *search.state(), *todo, floor, kept,
-        nodes, logits.shape[2], num_chunks, rows, **meta)
+                                  kept, search.exact, search.prefix[levels - 1], search.todo, search.counters, nodes,
+                                  logits.shape[2], num_chunks, KEY_BITS=search.key_bits, CAND=CANDIDATES,
+                                  SORTED=triton.next_power_of_2(num_chunks * CANDIDATES), BLOCK_C=block_c)
+    _search_kernel[(min(rows * num_chunks, SEARCH_PROGRAMS),)](
+        logits, *filters, part_max, search.block_max, search.counts, search.masses, *search.state(), search.todo,
+        search.counters, floor, kept, nodes, logits.shape[2], num_chunks, rows, KEY_BITS=search.key_bits,
+        RADIX_BITS=RADIX_BITS, CHUNK=chunk, BLOCK=block, BLOCK_C=block_c)
 
 
 @dataclass
@@ -861,10 +907,11 @@ def _row_stats(logits: Tensor, nodes: int, *, greedy: bool, temperature: Tensor 
     sub = SUB_CHUNK if picked * SUB_CHUNK < chunk else chunk
     _chunk_stats_kernel[(rows, num_chunks)](
         logits, unused if greedy else temperature, top_k if search else unused, top_p if search else unused,
-        stats.part_max, stats.part_aux, *((search.block_max, search.candidates, search.left_out, search.todo_count)
+        stats.part_max, stats.part_aux, *((search.block_max, search.candidates, search.left_out, search.counters)
                                           if search else (unused,) * 4),
         nodes, vocab, num_chunks, GREEDY=greedy, FILTERS=filters, KEY_BITS=key_bits, CAND=CANDIDATES, SUB=sub,
-        PICKED=picked, CHUNK=chunk, BLOCK=block, num_warps=FILTER_STATS_WARPS if filters else 4)
+        PICKED=picked, CHUNK=chunk, BLOCK=block, COUNTERS=search.counters.numel() if search else 1,
+        num_warps=FILTER_STATS_WARPS if filters else 4)
     if search:
         stats.floor = torch.empty(rows, dtype=torch.int64, device=dev)  # every row written by `_run_searches`
         stats.kept = torch.empty(rows, dtype=torch.float32, device=dev)

@@ -106,8 +106,9 @@ def chunk(monkeypatch):
     """Set the vocabulary chunk (and optionally the radix bits, the radix searches' block, the
     candidates per chunk, the candidates' sub-chunk and the searches' programs) of the fused
     kernels. The small sub-chunk takes the candidates from picked sub-chunks wherever their
-    number (a power of two >= candidates + 1) times it is below the chunk; the few search
-    programs each take several (row, chunk) pairs."""
+    number (a power of two >= candidates + 1) times it is below the chunk. (The interpreter
+    runs programs one after another, so its first search program claims every (row, chunk)
+    pair and the others find none left; the GPU tests share them out.)"""
     def set_sizes(chunk_v: int, radix_bits: int = fused_accept.RADIX_BITS,
                   hist_block: int = fused_accept.HIST_BLOCK, candidates: int = fused_accept.CANDIDATES,
                   sub_chunk: int = 4, search_programs: int = 5) -> None:
