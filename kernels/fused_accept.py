@@ -70,8 +70,8 @@ from kernels.tree_sampling import (
 # Vocabulary chunk of one program in the parallel passes (a power of two). Tests lower it
 # to exercise several chunks, and a ragged last one, with a small vocabulary.
 CHUNK_V = 4096
-# Logits per inner step of a search pass, the unit it skips (and the one-hot [HIST_BLOCK,
-# RADIX] tiles of its masses); tests lower it to have several per chunk.
+# Logits per block of a chunk whose maximum key the stats pass notes: the unit the search's
+# passes skip; tests lower it to have several per chunk.
 HIST_BLOCK = 256
 RADIX_BITS = 4
 # Largest keys each chunk keeps as top-k / top-p candidates (a power of two); tests change it.
@@ -82,6 +82,8 @@ SUB_CHUNK = 16
 # Programs of the radix search's launch: they share the (row, chunk) work of the rows the
 # candidates left undecided (see `_search_kernel`); tests lower it.
 SEARCH_PROGRAMS = 512
+# Warps of a search program: each pass over a pair holds the whole chunk at once.
+SEARCH_WARPS = 8
 # Warps of a stats-pass program with filters on: its candidate selection's passes of a max run
 # faster on few warps (H200: B = 32, T = 65, 631 -> 564 us for the whole stage on 2 against 4).
 FILTER_STATS_WARPS = 2
@@ -468,34 +470,31 @@ def _pick_digit(count_ptr, mass_ptr, prefix_ptr, above_count_ptr, above_mass_ptr
 
 
 @triton.jit
-def _chunk_histogram(logits_ptr, block_max, row, chunk, V, prefix, floor, shift, row_max, scale,
+def _chunk_histogram(logits_ptr, block_max_ptr, row, chunk, V, C, prefix, floor, shift, row_max, scale,
                      masses_on, KEY_BITS: tl.constexpr, RADIX_BITS: tl.constexpr, CHUNK: tl.constexpr,
                      BLOCK: tl.constexpr):
     """Counts (and masses_on: sums of exp2((x - row_max) * scale)) per digit (key >> shift) % RADIX of
-    the chunk's keys that equal prefix on the bits above the digit and are >= floor. Blocks whose
-    maximum key (block_max [CHUNK // BLOCK], loaded once: no memory round trip per block) is
-    below both are not read."""
+    the chunk's keys that equal prefix on the bits above the digit and are >= floor. The chunk
+    is read in one masked load (one memory round trip, not one per block) that leaves out the
+    blocks whose maximum key is below both; the masses are one reduction per digit."""
     RADIX: tl.constexpr = 1 << RADIX_BITS
-    NB: tl.constexpr = CHUNK // BLOCK
     digits = tl.arange(0, RADIX)
-    counts = tl.full([RADIX], 0, tl.int32)
-    masses = tl.full([RADIX], 0.0, tl.float32)
     lowest = tl.maximum(prefix, floor)
     above = shift + RADIX_BITS
-    blocks = tl.arange(0, NB)
-    for i in range(NB):
-        if tl.max(tl.where(blocks == i, block_max, -1), axis=0) >= lowest:
-            offs = chunk * CHUNK + i * BLOCK + tl.arange(0, BLOCK)
-            raw = tl.load(logits_ptr + row * V + offs, mask=offs < V, other=0.0)
-            key = _key(raw, KEY_BITS)
-            live = (offs < V) & ((key >> above) == (prefix >> above)) & (key >= floor)
-            digit = ((key >> shift) & (RADIX - 1)).to(tl.int32)
-            counts += tl.histogram(digit, RADIX, mask=live)
-            if masses_on:
-                if tl.max(live.to(tl.int32), axis=0) > 0:
-                    hot = live[:, None] & (digit[:, None] == digits[None, :])
-                    e = _exp_from(raw.to(tl.float32), row_max, scale)
-                    masses += tl.sum(tl.where(hot, e[:, None], 0.0), axis=0)
+    index = tl.arange(0, CHUNK)
+    offs = chunk * CHUNK + index
+    block_max = tl.load(block_max_ptr + (row * C + chunk) * (CHUNK // BLOCK) + index // BLOCK)
+    needed = (offs < V) & (block_max >= lowest)
+    raw = tl.load(logits_ptr + row * V + offs, mask=needed, other=0.0)
+    key = _key(raw, KEY_BITS)
+    live = needed & ((key >> above) == (prefix >> above)) & (key >= floor)
+    digit = ((key >> shift) & (RADIX - 1)).to(tl.int32)
+    counts = tl.histogram(digit, RADIX, mask=live)
+    masses = tl.full([RADIX], 0.0, tl.float32)
+    if masses_on:
+        e = tl.where(live, _exp_from(raw.to(tl.float32), row_max, scale), 0.0)
+        for d in tl.static_range(RADIX):
+            masses = tl.where(digits == d, tl.sum(tl.where(digit == d, e, 0.0), axis=0), masses)
     return counts, masses
 
 
@@ -532,8 +531,8 @@ def _search_item(logits_ptr, temperature_ptr, top_k_ptr, top_p_ptr, part_max_ptr
         floor = tl.full([], 0, tl.int64)
         if level > LEVELS:
             floor = tl.load(prefix_ptr + (LEVELS - 1) * R + row, cache_modifier=".cg")
-        block_max = tl.load(block_max_ptr + (row * C + chunk) * NB + tl.arange(0, NB))
-        if (chunk == 0) | (tl.max(block_max, axis=0) >= tl.maximum(prefix, floor)):
+        chunk_max = tl.max(tl.load(block_max_ptr + (row * C + chunk) * NB + tl.arange(0, NB)), axis=0)
+        if (chunk == 0) | (chunk_max >= tl.maximum(prefix, floor)):
             prefix = tl.full([], 0, tl.int64)
             if pick_on:
                 prefix, above_count, above_mass, total, _ = _pick_digit(
@@ -556,8 +555,8 @@ def _search_item(logits_ptr, temperature_ptr, top_k_ptr, top_p_ptr, part_max_ptr
                 if top_p:
                     row_max = _row_max(part_max_ptr, row, C, BLOCK_C)
                     scale = _log2_scale(temperature_ptr, b)
-                counts, masses = _chunk_histogram(logits_ptr, block_max, row, chunk, V, prefix, floor, shift,
-                                                  row_max, scale, top_p, KEY_BITS, RADIX_BITS, CHUNK, BLOCK)
+                counts, masses = _chunk_histogram(logits_ptr, block_max_ptr, row, chunk, V, C, prefix, floor,
+                                                  shift, row_max, scale, top_p, KEY_BITS, RADIX_BITS, CHUNK, BLOCK)
     if count_on:
         out = (row * C + chunk) * RADIX + tl.arange(0, RADIX)
         tl.store(count_out_ptr + out, counts)
@@ -874,7 +873,7 @@ def _run_searches(search: _SearchBuffers, logits, temperature, top_k, top_p, par
     _search_kernel[(min(rows * num_chunks, SEARCH_PROGRAMS),)](
         logits, *filters, part_max, search.block_max, search.counts, search.masses, *search.state(), search.todo,
         search.counters, floor, kept, nodes, logits.shape[2], num_chunks, rows, KEY_BITS=search.key_bits,
-        RADIX_BITS=RADIX_BITS, CHUNK=chunk, BLOCK=block, BLOCK_C=block_c)
+        RADIX_BITS=RADIX_BITS, CHUNK=chunk, BLOCK=block, BLOCK_C=block_c, num_warps=SEARCH_WARPS)
 
 
 @dataclass
