@@ -7,11 +7,17 @@ PyTorch's SDPA over the gathered slot; `slot_attention_triton` leaves the cache 
 so a captured CUDA graph takes the slot as data, and cuts the keys into ranges whose partial
 softmaxes a second kernel merges, as flash-decoding does: at batch 1 one program per (KV head,
 query block) would leave most of the GPU idle.
+
+Each row's keys fall into three ranges (`key_ranges`, computed once per forward): a prefix that
+every query row sees (a session's past), read without the mask in a software-pipelined loop;
+then up to the last key any row sees (the tree or prompt chunk), read with the mask; the rest
+(a longer neighbour's keys, the padding of a graph's KV bucket) is not read at all.
 """
 from __future__ import annotations
 
 import functools
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -22,9 +28,11 @@ from torch import Tensor
 from kernels.tree_sampling import kernel_backend
 
 
-def slot_attention_reference(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, mask: Tensor) -> Tensor:
-    """SDPA over the gathered slots; same arguments and result layout as `slot_attention_triton`.
-    The mask goes in additive (0 / -inf): SDPA's fused GPU kernels take that faster than a bool one."""
+def slot_attention_reference(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, mask: Tensor,
+                             ranges: Tensor | None = None) -> Tensor:
+    """SDPA over the gathered slots; same arguments and result layout as `slot_attention_triton`
+    (`ranges` only spares that kernel reads; the mask says it all here). The mask goes in
+    additive (0 / -inf): SDPA's fused GPU kernels take that faster than a bool one."""
     length = mask.shape[-1]
     k, v = k_cache[slots, :, :length], v_cache[slots, :, :length]
     bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))[:, None]
@@ -56,15 +64,17 @@ def online_softmax_tile(q, k, v, visible, sm_scale, m_i, l_i, acc, IEEE: tl.cons
 
 
 @triton.jit
-def _slot_attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, m_ptr, l_ptr, mask_ptr, slots_ptr, sm_scale, T, L, GROUP,
-                           SPLITS, split_len,
+def _slot_attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, m_ptr, l_ptr, mask_ptr, slots_ptr, ranges_ptr, sm_scale, T, L,
+                           GROUP, SPLITS, split_len,
                            s_qb, s_qh, s_qt, s_cs, s_ch, s_cl, s_mb, s_mt, s_ob, s_os, s_ot, s_oh,
                            D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
-                           PARTIAL: tl.constexpr):
+                           PARTIAL: tl.constexpr, STAGES: tl.constexpr):
     """One program per (KV head, block of GROUP * T query rows, batch row x key split): online
-    softmax over the split's cache positions, skipping key blocks that no row of the block may
-    see. PARTIAL: write the unnormalised output and the row max / sum of the split (combined
-    by `_combine_splits_kernel`); else the normalised output."""
+    softmax over the split's cache positions. The key tiles below the row's shared prefix
+    (`key_ranges`) are read without the mask, in a loop the compiler pipelines; the tiles from
+    there to the last key any row sees read the mask and are skipped when no row of the block
+    sees them; the keys after that are not read. PARTIAL: write the unnormalised output and the
+    row max / sum of the split (combined by `_combine_splits_kernel`); else the normalised output."""
     kvh = tl.program_id(0)
     b = tl.program_id(2) // SPLITS
     split = tl.program_id(2) % SPLITS
@@ -83,7 +93,17 @@ def _slot_attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, m_ptr, l_ptr, mask_ptr, s
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
     first = split * split_len
-    for start in range(first, tl.minimum(first + split_len, L), BLOCK_N):
+    last = tl.minimum(first + split_len, L)
+    prefix = tl.load(ranges_ptr + 2 * b)
+    end = tl.load(ranges_ptr + 2 * b + 1)
+    shared_end = tl.maximum(first, tl.minimum(last, prefix // BLOCK_N * BLOCK_N))
+    every_row = tl.full([1, BLOCK_N], 1, tl.int1)
+    for start in tl.range(first, shared_end, BLOCK_N, num_stages=STAGES):
+        cols = start + tl.arange(0, BLOCK_N)
+        k = tl.load(k_base + cols[:, None] * s_cl + d[None, :])
+        v = tl.load(v_base + cols[:, None] * s_cl + d[None, :])
+        m_i, l_i, acc = online_softmax_tile(q, k, v, every_row, sm_scale, m_i, l_i, acc, IEEE)
+    for start in range(shared_end, tl.minimum(last, end), BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)
         inside = cols < L
         visible = tl.load(mask_rows[:, None] + cols[None, :], mask=valid[:, None] & inside[None, :], other=0) != 0
@@ -122,9 +142,41 @@ def _combine_splits_kernel(part_ptr, m_ptr, l_ptr, o_ptr, T, H, SPLITS, D: tl.co
     tl.store(o_ptr + row * D + d, out.to(o_ptr.dtype.element_ty))
 
 
-def _key_splits(batch_programs: int, key_blocks: int, device: torch.device) -> int:
-    """How many key splits give the GPU about two programs per SM (1 when already that busy)."""
-    return max(1, min(key_blocks, -(-2 * _multiprocessors(device) // batch_programs)))
+@dataclass(frozen=True)
+class AttentionTiles:
+    """Launch shape of `_slot_attention_kernel`: query rows and keys per tile, warps, pipeline
+    stages of the shared-prefix loop, and the programs per SM the key splits aim for."""
+    block_m: int
+    block_n: int
+    warps: int
+    stages: int
+    programs_per_sm: int = 1
+
+
+def attention_tiles(rows: int) -> AttentionTiles:
+    """The tiles for GROUP * T query rows per KV head: 64 rows (16 for decode steps) by 64 keys
+    on 4 warps, 3 stages, key splits for about one program per SM. Measured on an H200 at
+    Qwen3-8B shapes, batches 1 / 16 / 32, trees of 17 and 65, pasts 256 and 1024
+    (bench/attention.py): best or within 10% of the best of the shapes tried at every batched
+    size; blocks of 128 rows, 8 warps, or two programs per SM were slower."""
+    return AttentionTiles(16 if rows <= 16 else 64, 64, 4, 3, programs_per_sm=1)
+
+
+def key_ranges(mask: Tensor) -> Tensor:
+    """[B, 2] int32 of a bool mask [B, T, L]: per batch row, how many keys from key 0 on every
+    query row sees, and one past the last key any row sees. The kernel reads the first range
+    without the mask and stops at the second. Device ops only (no host sync), so a forward
+    computes it once for all its layers, inside a CUDA graph too."""
+    length = mask.shape[-1]
+    shared, seen = mask.all(dim=1), mask.any(dim=1)  # [B, L]
+    prefix = torch.where(shared.all(-1), length, (~shared).to(torch.int32).argmax(-1))
+    end = torch.where(seen.any(-1), length - seen.flip(-1).to(torch.int32).argmax(-1), 0)
+    return torch.stack([prefix, end], -1).to(torch.int32)
+
+
+def _key_splits(batch_programs: int, key_blocks: int, programs_per_sm: int, device: torch.device) -> int:
+    """How many key splits give the GPU about `programs_per_sm` programs per SM (1 when already that busy)."""
+    return max(1, min(key_blocks, -(-programs_per_sm * _multiprocessors(device) // batch_programs)))
 
 
 @functools.cache
@@ -133,19 +185,22 @@ def _multiprocessors(device: torch.device) -> int:
 
 
 def slot_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, mask: Tensor,
-                          float32_products: bool | None = None, splits: int | None = None) -> Tensor:
+                          ranges: Tensor | None = None, float32_products: bool | None = None,
+                          splits: int | None = None, tiles: AttentionTiles | None = None) -> Tensor:
     """Masked GQA attention that reads K/V straight from the cache slots (no gather, no mask copy).
 
     q [B, H, T, D] (rotated queries); k_cache / v_cache [slots, KVH, max_len, D] (one layer of
     KVCache.k / .v, already holding this pass's keys); slots [B]; mask bool [B, T, L] (True =
-    visible, L <= max_len). Returns [B, T, H, D], the layout o_proj wants. Same result as
+    visible, L <= max_len); ranges: `key_ranges(mask)` (computed here when None; a forward
+    passes it to every layer). Returns [B, T, H, D], the layout o_proj wants. Same result as
     SDPA over `KVCache.read` with that mask; takes no host sync, so it captures in CUDA
     graphs with the slot as data. Triton (CUDA, or the interpreter).
-    The keys are cut into `splits` ranges (default: enough programs for about two per SM)
-    whose partial softmaxes a second kernel merges, as flash-decoding does: at batch 1 one
-    program per (KV head, query block) would leave most of the GPU idle.
+    The keys are cut into `splits` ranges (default: enough programs for `tiles.programs_per_sm`
+    per SM) whose partial softmaxes a second kernel merges, as flash-decoding does: at batch 1
+    one program per (KV head, query block) would leave most of the GPU idle.
     float32_products: multiply in float32 (default: for float32 inputs only; bf16/fp16 inputs
     use the tensor cores' native products with float32 accumulation, as flash attention does).
+    tiles: the launch shape (default `attention_tiles(H / KVH * T)`).
     """
     b, h, t, d = q.shape
     kvh, length = k_cache.shape[1], mask.shape[-1]
@@ -157,11 +212,14 @@ def slot_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Te
         raise ValueError("k_cache and v_cache need the same strides, last dimension contiguous")
     if d < 16 or d & (d - 1):
         raise ValueError(f"head_dim must be a power of two >= 16, got {d}")
+    if ranges is None:
+        ranges = key_ranges(mask)
     group = h // kvh
-    block_m, block_n = (64 if group * t > 32 else 16), 64
+    tiles = tiles or attention_tiles(group * t)
+    block_m, block_n = tiles.block_m, tiles.block_n
     m_blocks = triton.cdiv(group * t, block_m)
     key_blocks = triton.cdiv(length, block_n)
-    splits = splits or _key_splits(kvh * m_blocks * b, key_blocks, q.device)
+    splits = splits or _key_splits(kvh * m_blocks * b, key_blocks, tiles.programs_per_sm, q.device)
     splits = max(1, min(splits, key_blocks))
     split_len = triton.cdiv(key_blocks, splits) * block_n
     splits = triton.cdiv(length, split_len)
@@ -176,19 +234,21 @@ def slot_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Te
         s_part = part.stride()[:4]
     mask_u8 = mask.view(torch.uint8)
     _slot_attention_kernel[(kvh, m_blocks, b * splits)](
-        q, k_cache, v_cache, part, m_stat, l_stat, mask_u8, slots, 1.0 / math.sqrt(d), t, length, group,
+        q, k_cache, v_cache, part, m_stat, l_stat, mask_u8, slots, ranges, 1.0 / math.sqrt(d), t, length, group,
         splits, split_len,
         q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         mask_u8.stride(0), mask_u8.stride(1), *s_part,
         D=d, BLOCK_M=block_m, BLOCK_N=block_n,
-        IEEE=q.dtype == torch.float32 if float32_products is None else float32_products, PARTIAL=splits > 1)
+        IEEE=q.dtype == torch.float32 if float32_products is None else float32_products, PARTIAL=splits > 1,
+        STAGES=tiles.stages, num_warps=tiles.warps)
     if splits > 1:
         _combine_splits_kernel[(b * t * h,)](part, m_stat, l_stat, out, t, h, splits, D=d,
                                              BLOCK_S=triton.next_power_of_2(splits))
     return out
 
 
-def slot_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, mask: Tensor) -> Tensor:
+def slot_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, mask: Tensor,
+                   ranges: Tensor | None = None) -> Tensor:
     """Triton on CUDA, the reference elsewhere (DDTREE_KERNELS overrides); see the module doc."""
     impl = slot_attention_triton if kernel_backend(q.device) == "triton" else slot_attention_reference
-    return impl(q, k_cache, v_cache, slots, mask)
+    return impl(q, k_cache, v_cache, slots, mask, ranges)

@@ -25,7 +25,7 @@ from common.config import TargetConfig, load_target_config
 from common.layers import MLP, AttentionProjections, RMSNorm, RotaryEmbedding, linear
 from kernels import batch_invariant
 from kernels.layer_ops import add_rms_norm, project_store, silu_mul
-from kernels.slot_attention import slot_attention, slot_attention_reference, slot_attention_triton
+from kernels.slot_attention import key_ranges, slot_attention, slot_attention_reference, slot_attention_triton
 
 # TargetModel.attention -> the attention over the cache slots (see kernels/slot_attention.py).
 _ATTENTION = {"auto": slot_attention, "triton": slot_attention_triton, "sdpa": slot_attention_reference}
@@ -137,6 +137,7 @@ class TargetModel(nn.Module):
         attend = _ATTENTION[self.attention]
         # The deterministic mode reads each row's keys in logical order (kernels/batch_invariant.py).
         keys = batch_invariant.LogicalKeys.from_mask(mask, cache_pos) if batch_invariant.enabled() else None
+        ranges = key_ranges(mask) if keys is None else None  # one per forward, for every layer's attention
         outputs = {}  # feature layer id l -> hidden_states[l + 1] (see the module docstring)
         pending = None  # the last MLP's output, added to h by the next fused add + norm
         for i, layer in enumerate(self.layers):
@@ -146,7 +147,7 @@ class TargetModel(nn.Module):
                 outputs[i - 1] = h
             q = project_store(attn, x, cos, sin, cache.k[i], cache.v[i], slots, cache_pos)
             if keys is None:
-                out = attend(q, cache.k[i], cache.v[i], slots, mask)
+                out = attend(q, cache.k[i], cache.v[i], slots, mask, ranges)
             else:
                 out = batch_invariant.logical_attention(q, cache.k[i], cache.v[i], slots, keys)
             o = linear(out.reshape(*out.shape[:2], -1), attn.o_proj.weight)

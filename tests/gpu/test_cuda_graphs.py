@@ -886,3 +886,19 @@ def test_slot_attention_compiled_matches_sdpa(splits, t):
 
     check_slot_attention("cuda", torch.bfloat16, splits, b=1, heads=32, kv_heads=8, d=128, t=t, length=1152,
                          tol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("tiles", [None, (16, 64, 4, 2), (64, 64, 4, 2), (128, 64, 8, 2), (128, 32, 8, 3)])
+@pytest.mark.parametrize("kind", ["tree", "causal"])
+@pytest.mark.parametrize("t", [1, 17, 65])
+def test_slot_attention_compiled_tiles_match_sdpa(tiles, kind, t):
+    """Compiled launch shapes, at Qwen3-8B head counts, with three sessions' pasts ending in
+    different key tiles (the shared-prefix loop, the masked loop, keys skipped after the last)."""
+    from kernels.slot_attention import AttentionTiles
+    from tests.test_slot_attention import check_slot_attention
+
+    check_slot_attention("cuda", torch.bfloat16, None, b=3, heads=32, kv_heads=8, d=128, t=t, length=1152,
+                         pasts=[100, 700, 1152 - t - 30], kind=kind, tol=2e-2,
+                         tiles=AttentionTiles(*tiles) if tiles else None)
