@@ -116,6 +116,7 @@ def install(out_dir: str, role: str) -> None:
         target.launch_verify = rec.device("g.verify", "v.launch", target.launch_verify)
         target.prefill = rec.device("g.prefill", "v.prefill", target.prefill)
         server.decode_link_request = rec.host("v.decode", server.decode_link_request)
+        scheduler.encode_link_response = rec.host("v.encode", scheduler.encode_link_response)
     else:
         import drafter_svc.ddtree as ddtree
         import drafter_svc.drafter as drafter
@@ -123,12 +124,14 @@ def install(out_dir: str, role: str) -> None:
         import drafter_svc.scheduler as scheduler
 
         sched = scheduler.DraftScheduler
-        sched._send = rec.host("d.send", sched._send)  # draft, trees, the message sent
+        sched._send_message = rec.host("d.send", sched._send_message)  # draft, trees, the message sent
         sched._receive = rec.host("d.receive", sched._receive)  # wait for the reply, apply it
         drafter.DFlashProposer.propose = rec.device("g.draft", "d.propose", drafter.DFlashProposer.propose)
         drafter.select_ddtrees = rec.host("d.select", drafter.select_ddtrees)  # top-k, its copy, the selection
         ddtree.top_candidates = rec.host("d.topk", ddtree.top_candidates)  # its top-k and copy (waits for the GPU)
         link.GrpcLink.receive = rec.host("d.wait", link.GrpcLink.receive)  # blocked on the reply, then decode
+        for name in ("start", "extend"):  # a prompt chunk's features into the draft context
+            setattr(drafter.DFlashProposer, name, rec.host(f"d.{name}", getattr(drafter.DFlashProposer, name)))
 
 
 # -- report -------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ batch size B in `--batches` and tree size N in `--trees` (and N = 0, the plain d
   length from the automatic ladder), the whole call; `graph-s`: sampled rows (the coin walk's "sample"
   graph, temperature 0.8, top-k 50, top-p 0.9); `replay`: the bare greedy graph replay
   (device time); `fwd rep`: the bare "forward" graph replay (forward only);
+* prefill (`--prefill N`): one session's N-token prompt through the verifier's eager prefill;
 * floor: (weights read per step + the B pasts' K/V) / read bandwidth measured in this run;
   `ms/sess`: graph time per session of the batch.
 
@@ -301,6 +302,9 @@ def main(argv=None) -> dict:
     p.add_argument("--reps", type=int, default=None, help="timed repetitions (default 20 on GPU, 3 on CPU)")
     p.add_argument("--no-attention", action="store_true", help="skip the attention micro-benchmark")
     p.add_argument("--no-profile", action="store_true", help="skip the kernel profile")
+    p.add_argument("--prefill", default=None,
+                   help="prompt lengths, comma-separated, whose one-session prefill (the verifier's eager "
+                        "`TargetRunner.prefill`, wall with sync) to time after the verify steps (default none)")
     p.add_argument("--out-json", help="write the results here")
     a = p.parse_args(argv)
 
@@ -394,6 +398,15 @@ def main(argv=None) -> dict:
                   f"sample eager/graph {row['eager_sample_ms']:8.2f}/{row['graph_sample_ms']:8.2f}  "
                   f"floor {floor_ms:6.2f} ms", flush=True)
     res["verify"] = rows_out
+    prefill = _ints(a.prefill, [])
+    if prefill and max(prefill) > max_seq:
+        p.error(f"--prefill {max(prefill)} does not fit --max-seq-len {max_seq}")
+    res["prefill"] = []
+    for n in prefill:  # overwrites slot 0's cache: after the verify steps
+        tokens = torch.randint(cfg.vocab_size, (n,), generator=torch.Generator().manual_seed(n))
+        ms = wall_ms(lambda: eager.prefill([0], [tokens]), device, max(3, reps // 4))
+        res["prefill"].append({"tokens": n, "ms": ms})
+        print(f"  prefill of {n} tokens (one session, eager): {ms:.2f} ms", flush=True)
 
     if cuda and not a.no_attention:
         att = []

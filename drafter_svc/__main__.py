@@ -71,6 +71,10 @@ def parse_args(argv=None) -> DrafterConfig:
            help="prompt tokens one step may prefill, over every session: a longer prompt is prefilled in "
                 "chunks over several steps, between the other sessions' rounds, so that none waits more than one "
                 f"chunk for it; 0 = no limit, each prompt in one piece (default {d.prefill_chunk})")
+    p.flag("--prefill-ahead", env="DRAFTER_PREFILL_AHEAD", default=d.prefill_ahead, type=int,
+           help="while no session decodes, how many chunks of a prompt may be sent ahead of the reply to its "
+                "earlier ones: the verifier prefills the next chunk while the last one's features come back, "
+                f"which shortens a long prompt's time to first token; 0 = one chunk at a time (default {d.prefill_ahead})")
     p.flag("--recovery-timeout", env="DRAFTER_RECOVERY_TIMEOUT_S", default=d.recovery_timeout_s, type=float,
            help="when a verifier link is lost (the verifier died or restarted), seconds each of its sessions "
                 "keeps trying to re-open on a verifier that answers, by prefilling its prompt plus the tokens emitted "
@@ -123,6 +127,8 @@ def parse_args(argv=None) -> DrafterConfig:
         fail(f"--max-queue must be >= 0, got {a.max_queue}")
     if a.prefill_chunk < 0:
         fail(f"--prefill-chunk must be >= 0 (0 = no limit), got {a.prefill_chunk}")
+    if a.prefill_ahead < 0:
+        fail(f"--prefill-ahead must be >= 0, got {a.prefill_ahead}")
     if a.shared_gpu_pipeline_sessions < 2 or a.pipeline_groups < 2:
         fail("--shared-gpu-pipeline-sessions and --pipeline-groups must be >= 2, got "
              f"{a.shared_gpu_pipeline_sessions} and {a.pipeline_groups}")
@@ -136,7 +142,7 @@ def parse_args(argv=None) -> DrafterConfig:
                          device=a.device, dtype=a.dtype, tree_budget=a.tree_budget, chain=a.chain,
                          max_new_tokens=a.max_new_tokens, max_concurrent=a.max_concurrent,
                          verifier_wait_s=a.verifier_wait, queue_timeout_s=a.queue_timeout,
-                         max_queue=a.max_queue, prefill_chunk=a.prefill_chunk,
+                         max_queue=a.max_queue, prefill_chunk=a.prefill_chunk, prefill_ahead=a.prefill_ahead,
                          recovery_timeout_s=a.recovery_timeout, grace_s=a.grace,
                          trace_console=a.trace_console, cuda_graphs=not a.no_cuda_graphs,
                          max_message_mb=a.max_message_mb, max_prompt_bytes=a.max_prompt_bytes,

@@ -135,8 +135,10 @@ class _Drafted:
 
 @dataclass
 class _InFlight:
-    """A link message awaiting its reply: the sessions it carries an open or a tree for, and spans."""
+    """A link message awaiting its reply: the sessions it carries an entry for (with each one's
+    `_Session.epoch` then: a reply to an earlier admission is stale), and spans."""
     sessions: list["_Session"]
+    epochs: dict[int, int]
     rounds: dict[int, trace.Span]
     step_span: trace.Span
     rpc_span: trace.Span
@@ -174,7 +176,8 @@ class _Session:
         self.queued = True  # counted in the queue bound until first admitted (or ended)
         self.admitted = 0.0  # perf_counter when last admitted
         self.open_on_verifier = False
-        self.in_flight = False  # an open or a tree of it is in a message awaiting its reply
+        self.in_flight = 0  # messages awaiting their reply that carry an entry of it
+        self.epoch = 0  # admissions so far: replies to messages sent before the last one are stale
         # Set once the verifier link failed under it: until then it re-opens (prompt + tokens so far).
         self.recovery_deadline: float | None = None
         self.recovery_start = 0.0
@@ -188,10 +191,11 @@ class _Session:
         self.rounds = 0
         self.tree = None  # the tree in flight
         # The prompt being prefilled since the last open (chunked prefill: `DraftScheduler.prefill_chunk`),
-        # how much of it has been sent, and the size of the chunk in flight.
+        # how much of it has been sent and answered, and the sizes of its chunks in flight, oldest first.
         self.chunk_prompt: list[int] = []
         self.prompt_sent = 0
-        self.chunk_in_flight = 0
+        self.prompt_answered = 0
+        self.chunks_in_flight: collections.deque[int] = collections.deque()
         self.prompt_done = False  # the verifier answered its last chunk (Prefilled): trees may go
         self.span = _tracer.start_span("generate", attributes={
             "prompt.tokens": len(prompt_ids), "mode": config.mode.kind, "tree.budget": config.mode.budget})
@@ -239,7 +243,7 @@ class DraftScheduler:
                  queue_timeout_s: float = 30.0, logits_hook: LogitsHook | None = None, pipelined: bool = True,
                  pipeline_min_sessions: int = 2, pipeline_groups: int = 2, recovery_timeout_s: float = 0.0,
                  planner: BudgetPlanner | None = None, adapt_sampled: bool = False, max_queue: int = 256,
-                 prefill_chunk: int = 0):
+                 prefill_chunk: int = 0, prefill_ahead: int = 1):
         self.link, self.proposer = link, proposer
         # The adaptive tree budget (None: each request's budget as given). It adapts greedy
         # sessions, and sampled ones only when `adapt_sampled` (the verifier samples keyed by
@@ -255,6 +259,13 @@ class DraftScheduler:
         # Prompt tokens one step may prefill, over every session (0: no limit): a longer prompt is
         # sent in chunks over several steps, so that no round waits more than one chunk for it.
         self.prefill_chunk = prefill_chunk
+        # While no session decodes, a prompt's next chunks may go this many messages ahead of the
+        # reply to its earlier ones (0: one chunk in flight at a time): the verifier prefills a chunk
+        # while the one before it sends its features back. Decoding sessions never wait more than
+        # one chunk per round, so there is no running ahead of them.
+        if prefill_ahead < 0:
+            raise ValueError(f"prefill_ahead must be >= 0, got {prefill_ahead}")
+        self.prefill_ahead = prefill_ahead
         # After the link fails with UNAVAILABLE, sessions re-open for this long (0: they fail).
         self.recovery_timeout_s = recovery_timeout_s
         self._retry_at = 0.0  # no opens before this (backoff after a failed link)
@@ -414,6 +425,8 @@ class DraftScheduler:
             self._finish(s)  # cancelled meanwhile
         depth = self.pipeline_groups if self._pipelining() else 1
         sent = len(self._inflight) < depth and self._send()
+        while len(self._inflight) < depth + self.prefill_ahead and self._send_chunks_ahead():
+            sent = True
         if self._inflight and (len(self._inflight) >= depth or not sent):
             self._receive()
             return True
@@ -438,6 +451,18 @@ class DraftScheduler:
             ready = ready[: -(-total // self.pipeline_groups)]
         if not entries and not ready:
             return False
+        return self._send_message(entries, chunking, ready)
+
+    def _send_chunks_ahead(self) -> bool:
+        """While no session decodes, send the next prompt chunks of sessions whose earlier chunks
+        await their reply, in a message of their own (`prefill_ahead`). False if there are none."""
+        if not self.prefill_ahead or any(s.prompt_done for s in self._running.values()):
+            return False
+        chunking, entries = self._prompt_chunks(ahead_only=True)
+        return bool(entries) and self._send_message(entries, chunking, [])
+
+    def _send_message(self, entries: list[Entry], chunking: list[_Session], ready: list[_Session]) -> bool:
+        """Draft the ready sessions' trees, add them to `entries` and send the message."""
         started = time.perf_counter()
         step_span = _tracer.start_span("draft_step", attributes={"sessions": len(ready)})
         with trace.use_span(step_span, end_on_exit=False):
@@ -446,9 +471,10 @@ class DraftScheduler:
             entries += drafted.entries
             rpc_span = _tracer.start_span("verify_rpc")
         for s in chunking + ready:
-            s.in_flight = True
-        self._inflight.append(_InFlight(chunking + ready, rounds, step_span, rpc_span, started, drafted.budget,
-                                        drafted.draft_s, drafted.build_s))
+            s.in_flight += 1
+        self._inflight.append(_InFlight(chunking + ready, {s.sid: s.epoch for s in chunking + ready}, rounds,
+                                        step_span, rpc_span, started, drafted.budget, drafted.draft_s,
+                                        drafted.build_s))
         try:
             self.link.send(entries)
         except StatusError as exc:
@@ -470,13 +496,14 @@ class DraftScheduler:
         verify_s = min(self.link.verifier_step_s, rpc_s)
         timing = (message.draft_s, message.build_s, verify_s, rpc_s - verify_s)
         for s in message.sessions:
-            s.in_flight = False
+            if s.epoch == message.epochs[s.sid]:
+                s.in_flight -= 1
         self.steps += 1
         if not any(isinstance(r.outcome, LinkLost) for r in results):
             self._backoff = 0.0  # no session lost its verifier in this step
         self._set_link(self.link.up)
         with trace.use_span(message.step_span, end_on_exit=True):
-            self._apply(results, message.rounds, timing)
+            self._apply(results, message.rounds, timing, message.epochs)
         if message.budget is not None:
             adapted = {s.sid for s in message.sessions if self._adapts(s)}
             accepted = sum(len(r.outcome.accepted_tokens) for r in results
@@ -511,7 +538,9 @@ class DraftScheduler:
         """`s` is gone on its verifier (its link was lost). With a recovery timeout and an UNAVAILABLE
         loss it goes back to the front of the queue to re-open (prompt + tokens so far,
         `_Session.open_prompt`) until its deadline, behind the backoff; otherwise it fails with `exc`."""
-        s.open_on_verifier = s.in_flight = False
+        s.open_on_verifier, s.in_flight = False, 0
+        s.chunks_in_flight.clear()
+        s.epoch += 1  # its messages still in flight, if any, are answered for nothing
         if s.result.finish_reason:
             self._finish(s)
             return
@@ -534,27 +563,35 @@ class DraftScheduler:
         self._backoff = min(max(2 * self._backoff, 0.05), 1.0)
         self._retry_at = time.monotonic() + self._backoff
 
-    def _prompt_chunks(self) -> tuple[list[_Session], list[Entry]]:
+    def _prompt_chunks(self, ahead_only: bool = False) -> tuple[list[_Session], list[Entry]]:
         """This step's prompt tokens, within `prefill_chunk` of them: the next chunk of each prompt
-        already being prefilled (oldest first), then Open entries for waiting sessions admitted
-        (each with its prompt's first chunk). Returns the sessions and their entries."""
+        already being prefilled (oldest first; while no session decodes, also of prompts whose
+        earlier chunks await their reply, up to `prefill_ahead` chunks ahead), then, unless
+        `ahead_only`, Open entries for waiting sessions admitted (each with its prompt's first
+        chunk). Returns the sessions and their entries."""
         budget = self.prefill_chunk or float("inf")
+        ahead = 0 if any(s.prompt_done for s in self._running.values()) else self.prefill_ahead
         sessions, entries = [], []
 
         def take(s: _Session) -> tuple[list[int], bool]:
             nonlocal budget
             n = int(min(len(s.chunk_prompt) - s.prompt_sent, budget))
-            chunk, s.chunk_in_flight = s.chunk_prompt[s.prompt_sent: s.prompt_sent + n], n
+            chunk = s.chunk_prompt[s.prompt_sent: s.prompt_sent + n]
+            s.chunks_in_flight.append(n)
             s.prompt_sent += n
             budget -= n
             sessions.append(s)
             return chunk, s.prompt_sent < len(s.chunk_prompt)
 
         for s in self._running.values():
-            if s.open_on_verifier and not s.prompt_done and not s.in_flight and budget > 0:
+            # Opened, or its open on the way, with chunks left to send and few enough in flight.
+            if (s.open_on_verifier or s.chunks_in_flight) and s.prompt_sent < len(s.chunk_prompt) \
+                    and len(s.chunks_in_flight) <= ahead and not s.result.finish_reason and budget > 0:
                 chunk, more = take(s)
                 entries.append(ExtendEntry(s.sid, chunk, more, traceparent_of(s.span)))
-        for s in self._admit(budget):
+        for s in ([] if ahead_only else self._admit(budget)):
+            s.epoch += 1  # replies to its messages before this admission are stale
+            s.in_flight, s.chunks_in_flight, s.prompt_answered = 0, collections.deque(), 0
             s.chunk_prompt, s.prompt_sent, s.prompt_done = s.open_prompt(), 0, False
             chunk, more = take(s)
             entries.append(OpenEntry(s.sid, chunk, s.config.sampling, traceparent_of(s.span),
@@ -645,14 +682,18 @@ class DraftScheduler:
         return _Drafted(entries, budget, draft_s, build_s)
 
     def _apply(self, results: Sequence[StepResult], rounds: dict[int, trace.Span],
-               timing: tuple[float, float, float, float]) -> None:
+               timing: tuple[float, float, float, float], epochs: dict[int, int]) -> None:
         """Hand every result to its session; `timing` (draft, build, verify, network seconds) is the step's.
-        Sessions whose verifier was lost under them (LinkLost: one replica of several) recover."""
+        A result for a session that ended, or was admitted again since (`epochs`: its epoch when the
+        message went), is dropped. Sessions whose verifier was lost under them (LinkLost: one replica
+        of several) recover."""
         lost = []
         for r in results:
             s = self._running.get(r.session_id)
             span = rounds.pop(r.session_id, None)
-            if s is None:
+            if s is None or s.epoch != epochs.get(r.session_id, s.epoch):
+                if span is not None:
+                    span.end()
                 continue
             o = r.outcome
             if isinstance(o, LinkLost):
@@ -663,6 +704,7 @@ class DraftScheduler:
                                                          and not s.result.tokens) \
                         and time.monotonic() < s.admission_deadline:
                     del self._running[s.sid]  # the verifier is full: retry the open (or re-open) later
+                    s.epoch += 1  # a prompt chunk sent ahead of this reply is answered for nothing
                     self._waiting.appendleft(s)
                 else:
                     self._fail(s, o)
@@ -687,28 +729,32 @@ class DraftScheduler:
         self._context_grows(s, e.features)
 
     def _context_grows(self, s: _Session, features) -> bool:
-        """The answered prompt chunk's features extend the session's draft context (its first chunk
-        takes a context slot). False when that failed the session."""
+        """The oldest prompt chunk in flight is answered: its features extend the session's draft
+        context (its first chunk takes a context slot). False when that failed the session."""
+        start = s.prompt_answered
+        n = s.chunks_in_flight.popleft() if s.chunks_in_flight else 0
+        s.prompt_answered += n
         if not s.drafts or s.result.finish_reason:  # no draft, or ending anyway
             return True
-        if features.shape[0] != s.chunk_in_flight:
+        if features.shape[0] != n:
             self._fail(s, StatusError("INTERNAL", f"verifier sent {features.shape[0]} feature rows for a "
-                                                  f"{s.chunk_in_flight}-token prompt chunk"))
+                                                  f"{n}-token prompt chunk"))
             return False
         try:
             if s.draft_state is None:
-                s.draft_state = self.proposer.start(s.chunk_prompt[: s.prompt_sent], features)
+                s.draft_state = self.proposer.start(s.chunk_prompt[: start + n], features)
             else:
-                self.proposer.extend(s.draft_state, s.chunk_prompt[s.prompt_sent - s.chunk_in_flight: s.prompt_sent],
-                                     features)
+                self.proposer.extend(s.draft_state, s.chunk_prompt[start: start + n], features)
         except (StatusError, ValueError) as exc:
             self._fail(s, exc if isinstance(exc, StatusError) else StatusError("INVALID_ARGUMENT", str(exc)))
             return False
         return True
 
     def _prefilled(self, s: _Session, p: Prefilled) -> None:
+        """The prompt is prefilled: the first token goes to the client at once, then the last
+        chunk's features extend the draft context (the token does not wait for that)."""
         s.open_on_verifier = True
-        if self._lacks_logprobs(s, p.logprobs, 1) or not self._context_grows(s, p.features):
+        if self._lacks_logprobs(s, p.logprobs, 1):
             return
         s.prompt_done = True
         if s.recovery_deadline is None:
@@ -719,9 +765,9 @@ class DraftScheduler:
             s.recovery_deadline = None
         s.max_seq_len, s.length, s.root = p.max_seq_len, len(s.chunk_prompt), p.token
         s.round_base = s.rounds
-        if s.draft_state is not None:
-            s.new_tokens, s.new_features = [p.token], p.features[:0]
         self._deliver(s, s.emit(s.rounds, [p.token], p.logprobs))  # round 0, or the last one before a re-open
+        if self._context_grows(s, p.features) and s.draft_state is not None:
+            s.new_tokens, s.new_features = [p.token], p.features[:0]
 
     def _verified(self, s: _Session, v: Verified, span: trace.Span | None,
                   timing: tuple[float, float, float, float]) -> None:

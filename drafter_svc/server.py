@@ -74,6 +74,9 @@ class DrafterConfig:
     # Prompt tokens one step may prefill, over every session: longer prompts go in chunks over
     # several steps, so that a long prompt stalls the others' rounds by one chunk at most (0 = no limit).
     prefill_chunk: int = 1024
+    # While no session decodes, a prompt's next chunks may go this many messages ahead of the reply
+    # to its earlier ones, so that the verifier prefills one while the last sends its features back.
+    prefill_ahead: int = 1
     recovery_timeout_s: float = 30.0  # after a lost verifier link, how long sessions try to re-open (0 = fail)
     grace_s: float = 25.0  # on SIGTERM, how long running generations may finish (compose waits 30 s)
     trace_console: bool = False
@@ -207,7 +210,7 @@ class DrafterEngine:
                                    pipeline_groups=cfg.pipeline_groups,
                                    recovery_timeout_s=cfg.recovery_timeout_s, planner=cfg.budget_planner(info),
                                    adapt_sampled=info.sampling == "keyed", max_queue=cfg.max_queue,
-                                   prefill_chunk=cfg.prefill_chunk)
+                                   prefill_chunk=cfg.prefill_chunk, prefill_ahead=cfg.prefill_ahead)
         log.info("rounds %s (--pipelining %s; verifier on %s); tree budget %s",
                  f"pipelined in {scheduler.pipeline_groups} groups from {scheduler.pipeline_min_sessions} sessions"
                  if scheduler.pipelined

@@ -182,3 +182,146 @@ def test_bad_chunks_fail_their_session_only(verifier):
     got = outcomes(verifier, [ExtendEntry(4, [3]), CloseEntry(4)])
     assert got[0].status == "FAILED_PRECONDITION"  # two entries for one session: both fail
     assert verifier.free_capacity == 2
+
+
+class _Counting(_Recording):
+    """The recording link, also counting the messages in flight (sent, not yet received)."""
+
+    def __init__(self, verifier):
+        super().__init__(verifier)
+        self.in_flight = self.most_in_flight = 0
+
+    def send(self, entries):
+        super().send(entries)
+        self.in_flight += 1
+        self.most_in_flight = max(self.most_in_flight, self.in_flight)
+
+    def receive(self):
+        self.in_flight -= 1
+        return super().receive()
+
+
+def lone_prompt(engine, link, ahead, config, chunk=16):
+    """Run PROMPTS[2] (100 tokens) alone through a scheduler over `link`; its result."""
+    scheduler = DraftScheduler(link, engine.proposer, max_sessions=4, feature_layer_ids=engine.verifier.feature_layer_ids,
+                               eos_token_ids=engine.eos_token_ids, queue_timeout_s=60.0, pipelined=False,
+                               prefill_chunk=chunk, prefill_ahead=ahead)
+    ends = {}
+    scheduler.submit(PROMPTS[2], config, lambda item: ends.__setitem__(0, item))
+    scheduler.run_until_idle()
+    return ends[0]
+
+
+@pytest.mark.parametrize("ahead", [1, 2])
+def test_chunks_go_ahead_of_their_replies_while_nothing_decodes(engine, ahead):
+    """A lone prompt's chunks go `prefill_ahead` messages ahead of the reply to the earlier ones
+    (so the verifier prefills one while the last one's features come back); the tokens, rounds
+    and chunks are those of one chunk at a time, and of the prompt in one piece."""
+    config = GenerationConfig(N, mode=DraftMode("tree", 8))
+    one_at_a_time, ahead_link = _Counting(engine.verifier), _Counting(engine.verifier)
+    want = lone_prompt(engine, one_at_a_time, 0, config)
+    got = lone_prompt(engine, ahead_link, ahead, config)
+    assert one_at_a_time.most_in_flight == 1 and ahead_link.most_in_flight == 1 + ahead
+    assert got.tokens == want.tokens == engine.generate(PROMPTS[2], config).tokens
+    assert got.acceptance_lengths == want.acceptance_lengths
+    chunks = [[len(e.prompt_ids) for e in m if isinstance(e, (OpenEntry, ExtendEntry))] for m in ahead_link.messages]
+    assert [c for m in chunks for c in m] == [16] * 6 + [4]
+    assert engine.verifier.free_capacity == 4
+
+
+def test_a_refused_open_drops_the_chunk_sent_ahead_and_retries(engine):
+    """The verifier is full when a long prompt's Open arrives: the Open is refused and the chunk
+    sent ahead of its reply fails (no such session); the session waits, opens again once a slot
+    frees, and produces the tokens it produces alone; every slot is free at the end."""
+    verifier, config = engine.verifier, GenerationConfig(N, mode=DraftMode("tree", 8))
+    others = [("other", OpenEntry(100 + i, [1, 2, 3], SamplingParams())) for i in range(4)]
+    assert all(not isinstance(r.outcome, StatusError) for r in verifier.step(others))  # every slot taken
+    link = _Counting(verifier)
+    scheduler = DraftScheduler(link, engine.proposer, max_sessions=4, feature_layer_ids=verifier.feature_layer_ids,
+                               eos_token_ids=engine.eos_token_ids, queue_timeout_s=60.0, pipelined=False,
+                               prefill_chunk=16, prefill_ahead=1)
+    ends = {}
+    scheduler.submit(PROMPTS[2], config, lambda item: ends.__setitem__(0, item))
+    for _ in range(4):  # the Open and the chunk ahead of its reply go out; both replies come back
+        scheduler.step()
+    assert link.most_in_flight == 2 and not ends
+    first = [type(e) for e in link.messages[0]] + [type(e) for e in link.messages[1]]
+    assert first == [OpenEntry, ExtendEntry]
+    assert verifier.close_owner("other") == 4
+    scheduler.run_until_idle()
+    assert ends[0].tokens == engine.generate(PROMPTS[2], config).tokens
+    assert verifier.free_capacity == 4
+
+
+def test_a_prompt_cancelled_with_chunks_ahead_ends_cleanly(engine):
+    """A lone prompt cancelled while chunks of it are in flight (after each step, two were sent
+    and the older one answered) ends with finish reason "cancelled" once their replies are in,
+    and its verifier slot is closed."""
+    link = _Counting(engine.verifier)
+    scheduler = DraftScheduler(link, engine.proposer, max_sessions=4, feature_layer_ids=engine.verifier.feature_layer_ids,
+                               queue_timeout_s=60.0, pipelined=False, prefill_chunk=16, prefill_ahead=1)
+    ends = {}
+    sid = scheduler.submit(PROMPTS[2], GenerationConfig(N, mode=DraftMode("tree", 8)),
+                           lambda item: ends.__setitem__(0, item))
+    scheduler.step()
+    scheduler.step()
+    assert link.most_in_flight == 2 and link.in_flight == 1
+    scheduler.cancel(sid)
+    scheduler.run_until_idle()
+    assert not isinstance(ends[0], StatusError) and ends[0].finish_reason == "cancelled"
+    assert link.in_flight == 0 and engine.verifier.free_capacity == 4
+
+
+def test_a_stale_reply_does_not_touch_the_session_opened_again(engine):
+    """Pipelined (two messages in flight): B's Open is refused (the verifier is full) while its
+    next chunk is already on the way; B opens again before that chunk's reply (NOT_FOUND) comes
+    back, and the reply, to the earlier admission, must be dropped rather than fail B. Both
+    sessions then produce the tokens they produce alone."""
+    verifier = engine.verifier
+    others = [("other", OpenEntry(100 + i, [1, 2, 3], SamplingParams())) for i in range(3)]
+    assert all(not isinstance(r.outcome, StatusError) for r in verifier.step(others))  # one slot left
+    link = _Counting(verifier)
+    scheduler = DraftScheduler(link, engine.proposer, max_sessions=4, feature_layer_ids=verifier.feature_layer_ids,
+                               eos_token_ids=engine.eos_token_ids, queue_timeout_s=60.0, pipelined=True,
+                               pipeline_min_sessions=2, prefill_chunk=64, prefill_ahead=1)
+    config, ends = GenerationConfig(N, mode=DraftMode("tree", 8)), {}
+    for i in (1, 2):  # A: 5 tokens, takes the slot; B: 100 tokens, refused
+        scheduler.submit(PROMPTS[i], config, lambda item, i=i: ends.__setitem__(i, item))
+    for _ in range(3):
+        scheduler.step()
+    b_entries = [[type(e).__name__ for e in m if e.session_id == 2] for m in link.messages]
+    assert b_entries[:3] == [["OpenEntry"], ["ExtendEntry"], ["OpenEntry"]]  # re-opened before the stale reply
+    scheduler.run_until_idle()
+    assert verifier.close_owner("other") == 3
+    for i in (1, 2):
+        assert not isinstance(ends[i], StatusError), ends[i]
+        assert ends[i].tokens == engine.generate(PROMPTS[i], config).tokens
+    assert verifier.free_capacity == 4
+
+
+class _ShortFeatures(LocalLink):
+    """The in-process link, dropping the last feature row of every Prefilled it hands back."""
+
+    def receive(self):
+        results = super().receive()
+        for r in results:
+            if isinstance(r.outcome, Prefilled):
+                r.outcome.features = r.outcome.features[:-1]
+        return results
+
+
+def test_bad_prompt_features_fail_the_session_after_its_first_token(engine):
+    """The first token goes to the client before the last chunk's features extend the draft
+    context; features that do not fit the chunk then fail the session with INTERNAL (after that
+    token), and its verifier slot is closed."""
+    link = _ShortFeatures(engine.verifier)
+    scheduler = DraftScheduler(link, engine.proposer, max_sessions=4, feature_layer_ids=engine.verifier.feature_layer_ids,
+                               queue_timeout_s=60.0, pipelined=False, prefill_chunk=16)
+    updates = []
+    scheduler.submit(PROMPTS[2], GenerationConfig(N, mode=DraftMode("tree", 8)), updates.append)
+    scheduler.run_until_idle()
+    want = engine.generate(PROMPTS[2], GenerationConfig(N, mode=DraftMode("tree", 8))).tokens
+    assert [u.tokens for u in updates[:-1]] == [want[:1]]
+    assert isinstance(updates[-1], StatusError) and updates[-1].status == "INTERNAL"
+    assert "feature rows" in updates[-1].message
+    assert engine.verifier.free_capacity == 4
