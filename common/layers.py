@@ -62,9 +62,24 @@ class RotaryEmbedding(nn.Module):
         return cos.to(dtype), sin.to(dtype)
 
 
+def embedding(num: int, dim: int) -> nn.Embedding:
+    """nn.Embedding; built under torch.device("meta") (`from_pretrained`: the weights are loaded
+    next) it skips its random init, whose meta op would import torch._dynamo (about a second)."""
+    if torch.empty(0).is_meta:
+        return nn.Embedding(num, dim, _weight=torch.empty(num, dim))
+    return nn.Embedding(num, dim)
+
+
 def rope_inv_freq(dim: int, theta: float, scaling: RopeScaling | None = None) -> torch.Tensor:
     """float32 [dim / 2] inverse frequencies, op for op as transformers' `modeling_rope_utils`
-    computes them for the variant, so the cos/sin tables agree bit for bit."""
+    computes them for the variant, so the cos/sin tables agree bit for bit. Computed on the CPU
+    whatever the default device (under torch.device("meta") its ops would import torch._dynamo,
+    about a second of start-up)."""
+    with torch.device("cpu"):
+        return _rope_inv_freq(dim, theta, scaling)
+
+
+def _rope_inv_freq(dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
     plain = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     if scaling is None:
         return plain

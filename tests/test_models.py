@@ -124,3 +124,22 @@ def test_mismatched_draft_is_refused(pair_copy):
     edit_config(draft, hidden_size=target_cfg.hidden_size, num_target_layers=12)
     with pytest.raises(CheckpointError, match="12-layer target"):
         check_draft_fits_target(load_draft_config(draft), target_cfg)
+
+
+def test_loading_the_models_does_not_import_the_compiler(tiny_pair):
+    """`from_pretrained` builds the modules on the meta device without running ops there (a
+    random init, the RoPE table), which would import torch._dynamo: about a second per process."""
+    import subprocess
+    import sys
+
+    target_dir, draft_dir = tiny_pair
+    code = ("import sys, torch\n"
+            "from common.feature_projection import FeatureProjection\n"
+            "from drafter_svc.draft_model import DFlashDraftModel\n"
+            "from verifier_svc.target_model import TargetModel\n"
+            f"TargetModel.from_pretrained({str(target_dir)!r}, (0, 1))\n"
+            f"DFlashDraftModel.from_pretrained({str(draft_dir)!r})\n"
+            f"FeatureProjection.from_draft({str(draft_dir)!r}, torch.device('cpu'), torch.float32)\n"
+            "print(sorted(m for m in ('torch._dynamo', 'sympy') if m in sys.modules))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
+    assert out.stdout.strip().splitlines()[-1] == "[]"

@@ -75,6 +75,9 @@ def _worker(rank: int, world: int, init_file: str, target_dir: str, out_dir: str
     try:
         shard = shard_target(TargetModel.from_pretrained(target_dir, (0, 1)), rank, world)
         torch.save(decode(TargetRunner(shard, 2, 128, 17)), f"{out_dir}/rank{rank}.pt")
+        # Both ranks past their last all-reduce before either tears the group down (see
+        # `_engine_worker`; full test runs saw a rank of this test abort in its teardown too).
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 

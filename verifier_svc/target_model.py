@@ -22,7 +22,7 @@ from torch import nn
 
 from common.checkpoint import load_tensors
 from common.config import TargetConfig, load_target_config
-from common.layers import MLP, AttentionProjections, RMSNorm, RotaryEmbedding, linear
+from common.layers import MLP, AttentionProjections, RMSNorm, RotaryEmbedding, embedding, linear
 from kernels import batch_invariant
 from kernels.layer_ops import add_rms_norm, project_store, silu_mul
 from kernels.slot_attention import key_ranges, slot_attention, slot_attention_reference, slot_attention_triton
@@ -79,7 +79,7 @@ class TargetModel(nn.Module):
         # The draft's fc + hidden_norm (`common.feature_projection.FeatureProjection`), set when the
         # verifier sends context rows instead of raw layer features; None: raw features.
         self.feature_projection: nn.Module | None = None
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
