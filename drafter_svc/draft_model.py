@@ -19,7 +19,7 @@ from common.config import DraftConfig, load_draft_config
 from common.feature_projection import project_features
 from common.layers import MLP, AttentionProjections, RMSNorm, RotaryEmbedding
 from kernels.layer_ops import add_rms_norm, project_store, silu_mul
-from kernels.slot_attention import key_ranges, slot_attention
+from kernels.slot_attention import slot_attention, slot_attention_ranges
 
 
 class DraftLayer(nn.Module):
@@ -130,7 +130,7 @@ class DFlashDraftModel(nn.Module):
         positions = context_length[:, None] + torch.arange(t, device=slots.device)[None]
         cols = torch.arange(length, device=slots.device)
         visible = (cols[None] < (context_length + t)[:, None])[:, None, :].expand(b, t, length)
-        ranges = key_ranges(visible)
+        ranges = slot_attention_ranges(visible)
 
         def attention(i: int, attn: AttentionProjections, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
             q = project_store(attn, x, cos, sin, kv[:, i, 0], kv[:, i, 1], slots, positions)

@@ -456,7 +456,7 @@ class DraftScheduler:
     def _send_chunks_ahead(self) -> bool:
         """While no session decodes, send the next prompt chunks of sessions whose earlier chunks
         await their reply, in a message of their own (`prefill_ahead`). False if there are none."""
-        if not self.prefill_ahead or any(s.prompt_done for s in self._running.values()):
+        if not self.prefill_ahead:
             return False
         chunking, entries = self._prompt_chunks(ahead_only=True)
         return bool(entries) and self._send_message(entries, chunking, [])
@@ -568,7 +568,8 @@ class DraftScheduler:
         already being prefilled (oldest first; while no session decodes, also of prompts whose
         earlier chunks await their reply, up to `prefill_ahead` chunks ahead), then, unless
         `ahead_only`, Open entries for waiting sessions admitted (each with its prompt's first
-        chunk). Returns the sessions and their entries."""
+        chunk); `ahead_only` takes only prompts with a chunk in flight. Returns the sessions and
+        their entries."""
         budget = self.prefill_chunk or float("inf")
         ahead = 0 if any(s.prompt_done for s in self._running.values()) else self.prefill_ahead
         sessions, entries = [], []
@@ -585,8 +586,9 @@ class DraftScheduler:
 
         for s in self._running.values():
             # Opened, or its open on the way, with chunks left to send and few enough in flight.
-            if (s.open_on_verifier or s.chunks_in_flight) and s.prompt_sent < len(s.chunk_prompt) \
-                    and len(s.chunks_in_flight) <= ahead and not s.result.finish_reason and budget > 0:
+            if (s.chunks_in_flight or s.open_on_verifier and not ahead_only) and budget > 0 \
+                    and s.prompt_sent < len(s.chunk_prompt) and len(s.chunks_in_flight) <= ahead \
+                    and not s.result.finish_reason:
                 chunk, more = take(s)
                 entries.append(ExtendEntry(s.sid, chunk, more, traceparent_of(s.span)))
         for s in ([] if ahead_only else self._admit(budget)):

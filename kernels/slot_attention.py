@@ -174,6 +174,12 @@ def key_ranges(mask: Tensor) -> Tensor:
     return torch.stack([prefix, end], -1).to(torch.int32)
 
 
+def slot_attention_ranges(mask: Tensor) -> Tensor | None:
+    """What `slot_attention` takes as `ranges`: `key_ranges(mask)` where it runs the Triton kernel,
+    None where it runs the reference, which needs none."""
+    return key_ranges(mask) if kernel_backend(mask.device) == "triton" else None
+
+
 def _key_splits(batch_programs: int, key_blocks: int, programs_per_sm: int, device: torch.device) -> int:
     """How many key splits give the GPU about `programs_per_sm` programs per SM (1 when already that busy)."""
     return max(1, min(key_blocks, -(-programs_per_sm * _multiprocessors(device) // batch_programs)))

@@ -25,7 +25,8 @@ from common.config import TargetConfig, load_target_config
 from common.layers import MLP, AttentionProjections, RMSNorm, RotaryEmbedding, embedding, linear
 from kernels import batch_invariant
 from kernels.layer_ops import add_rms_norm, project_store, silu_mul
-from kernels.slot_attention import key_ranges, slot_attention, slot_attention_reference, slot_attention_triton
+from kernels.slot_attention import (slot_attention, slot_attention_ranges, slot_attention_reference,
+                                    slot_attention_triton)
 
 # TargetModel.attention -> the attention over the cache slots (see kernels/slot_attention.py).
 _ATTENTION = {"auto": slot_attention, "triton": slot_attention_triton, "sdpa": slot_attention_reference}
@@ -137,7 +138,7 @@ class TargetModel(nn.Module):
         attend = _ATTENTION[self.attention]
         # The deterministic mode reads each row's keys in logical order (kernels/batch_invariant.py).
         keys = batch_invariant.LogicalKeys.from_mask(mask, cache_pos) if batch_invariant.enabled() else None
-        ranges = key_ranges(mask) if keys is None else None  # one per forward, for every layer's attention
+        ranges = slot_attention_ranges(mask) if keys is None else None  # one per forward, for every layer
         outputs = {}  # feature layer id l -> hidden_states[l + 1] (see the module docstring)
         pending = None  # the last MLP's output, added to h by the next fused add + norm
         for i, layer in enumerate(self.layers):
