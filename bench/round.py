@@ -184,8 +184,8 @@ class TimedLink(GrpcLink):
         self._stamps.update(t0=time.perf_counter(), bytes_sent=self.bytes_sent, bytes_received=self.bytes_received)
         super().send(entries)
 
-    def receive(self):
-        results = super().receive()
+    def receive(self, on_notice=None):
+        results = super().receive(on_notice)
         t3 = time.perf_counter()
         t0 = self._stamps["t0"]
         t1, t2 = self._stamps.get("sent", t0), self._stamps.get("received", t3)

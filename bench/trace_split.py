@@ -84,9 +84,9 @@ def record_tree_steps(link) -> list[tuple[int, int]]:
         send(entries)
         sent_of.append((bool(entries) and all(isinstance(e, TreeEntry) for e in entries), link.bytes_sent - before))
 
-    def receiving():
+    def receiving(on_notice=None):
         before = link.bytes_received
-        results = receive()
+        results = receive(on_notice)
         trees_only, up = sent_of.pop(0)
         if trees_only:
             records.append((up, link.bytes_received - before))

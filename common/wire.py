@@ -195,7 +195,7 @@ class EncodedReply:
 
 
 def encode_link_response(step: int, results: Sequence[StepResult], feature_dim: int,
-                         dtype: torch.dtype, step_seconds: float = 0.0) -> EncodedReply:
+                         dtype: torch.dtype, step_seconds: float = 0.0, notice: bool = False) -> EncodedReply:
     """Results in order, with the features of all of them in one tensor (rows in result order),
     and the time of the verifier step that made them; serialised.
 
@@ -203,7 +203,7 @@ def encode_link_response(step: int, results: Sequence[StepResult], feature_dim: 
     is serialised without them and their field appended after it (protobuf's wire format allows
     a message's fields in any order), instead of copying them into the message and then into its
     serialisation."""
-    msg = pb.LinkResponse(step=step, step_seconds=step_seconds)
+    msg = pb.LinkResponse(step=step, step_seconds=step_seconds, notice=notice)
     rows = []
     for r in results:
         o = r.outcome
@@ -225,6 +225,18 @@ def encode_link_response(step: int, results: Sequence[StepResult], feature_dim: 
             msg.results.add(session_id=r.session_id, error=pb.Error(code=status_code(o.status), message=o.message))
     data = b"".join([msg.SerializeToString(), *_tensor_field(_FEATURES_FIELD, _stack_rows(rows, feature_dim, dtype))])
     return EncodedReply(data, tuple((r.session_id, r.WhichOneof("kind")) for r in msg.results))
+
+
+def encode_link_notice(step: int, results: Sequence[StepResult], feature_dim: int, dtype: torch.dtype) -> bytes | None:
+    """The notice that goes ahead of message `step`'s reply: the first tokens of the `results`
+    that are Prefilled with feature rows, without those rows (LinkResponse.notice); None when
+    there are none (the reply is small, nothing to gain)."""
+    early = [StepResult(r.session_id, Prefilled(r.outcome.token, r.outcome.features[:0], r.outcome.max_seq_len,
+                                                r.outcome.logprobs))
+             for r in results if isinstance(r.outcome, Prefilled) and r.outcome.features.shape[0]]
+    if not early:
+        return None
+    return encode_link_response(step, early, feature_dim, dtype, notice=True).data
 
 
 _FEATURES_FIELD = pb.LinkResponse.DESCRIPTOR.fields_by_name["features"].number

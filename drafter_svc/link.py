@@ -6,8 +6,10 @@ oldest unanswered one (replies come in order), so the scheduler may keep two mes
 flight (pipelining); `step` is the two in a row. It checks
 what comes back before any of it reaches the draft model: one result per open and tree
 entry, in order, for the same sessions; token ids inside the vocabulary; feature rows that
-add up, of the draft's width. A broken stream raises `StatusError` (every session on it is
-lost); the next step opens a new stream. `LocalLink` is the in-process twin over a
+add up, of the draft's width. A reply that completes prompts may come after a notice of their
+first tokens (without the features, which follow in the reply): `receive` hands it to its
+`on_notice` while it waits for the reply. A broken stream raises `StatusError` (every session
+on it is lost); the next step opens a new stream. `LocalLink` is the in-process twin over a
 `TreeVerifier`, for the local engine and tests. `check_verifier` is the start-up check.
 """
 from __future__ import annotations
@@ -17,7 +19,7 @@ import math
 import queue
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import grpc
@@ -31,6 +33,8 @@ from common.tls import open_channel as open_tls_channel
 from common.wire import WireError, decode_link_response, encode_link_request, parse_link_response
 
 _END = object()
+# Takes a notice's results: Prefilled results, without their features, of the message being received.
+OnNotice = Callable[[list[StepResult]], None]
 # A verifier that comes back is dialled again within a second (gRPC's own backoff grows to 2 minutes).
 RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 1000)]
 # A reply carries megabytes of features. gRPC's default flow control sizes the stream's window
@@ -50,7 +54,10 @@ class VerifierLink(Protocol):
 
     def send(self, entries: Sequence[Entry]) -> None: ...
 
-    def receive(self) -> list[StepResult]: ...
+    def receive(self, on_notice: OnNotice | None = None) -> list[StepResult]:
+        """The results of the oldest unanswered message; first tokens that come ahead of them
+        (a notice: Prefilled results without features, checked) go to `on_notice` meanwhile."""
+        ...
 
     def step(self, entries: Sequence[Entry]) -> list[StepResult]: ...
 
@@ -126,6 +133,21 @@ def check_results(entries: Sequence[Entry], results: Sequence[StepResult]) -> No
                                               f"{e.tree.num_nodes}-node tree")
 
 
+def check_notice(entries: Sequence[Entry], results: Sequence[StepResult]) -> None:
+    """Raise StatusError(INTERNAL) unless a notice's `results` are Prefilled results without
+    features, each for a different session whose last prompt chunk is among `entries`."""
+    last_chunks = {e.session_id for e in entries if isinstance(e, (OpenEntry, ExtendEntry)) and not e.more}
+    seen = set()
+    for r in results:
+        if not isinstance(r.outcome, Prefilled) or r.outcome.features.shape[0]:
+            raise StatusError("INTERNAL", f"a notice may hold only first tokens, not a {type(r.outcome).__name__} "
+                                          f"for session {r.session_id}")
+        if r.session_id not in last_chunks or r.session_id in seen:
+            raise StatusError("INTERNAL", f"a notice for session {r.session_id}, which the message does not end "
+                                          "the prompt of (or twice)")
+        seen.add(r.session_id)
+
+
 class GrpcLink(_Lockstep):
     """A verifier behind gRPC (implements `VerifierLink`); `stub` comes from `verifier_stub`."""
 
@@ -156,13 +178,44 @@ class GrpcLink(_Lockstep):
             self._unanswered.append((self._steps, entries))
             self._requests.put(data)
 
-    def receive(self) -> list[StepResult]:
+    def receive(self, on_notice: OnNotice | None = None) -> list[StepResult]:
         with self._lock:
             if self._call is None:  # the stream broke (or was closed) after the message was sent
                 raise StatusError("UNAVAILABLE", "verifier link lost")
             if not self._unanswered:
                 raise RuntimeError("receive() without a message in flight")
             step, entries = self._unanswered.popleft()
+        noticed = False
+        while True:
+            data = self._next_reply()
+            try:
+                reply, feature_data = parse_link_response(data)  # ValueError (a WireError's base) when corrupt
+                if reply.step != step:
+                    raise WireError(f"reply to step {reply.step}, expected {step}")
+                results = decode_link_response(reply, vocab_size=self.vocab_size, feature_dim=self.feature_dim,
+                                               max_feature_rows=(len(entries) + 1) * self.max_seq_len,
+                                               feature_data=feature_data)
+                if not reply.notice:
+                    check_results(entries, results)
+                    break
+                if noticed:
+                    raise WireError(f"a second notice ahead of the reply to step {step}")
+                noticed = True
+                check_notice(entries, results)
+            except (ValueError, StatusError) as exc:
+                self.close()
+                raise StatusError("INTERNAL", f"bad reply from the verifier: {exc}") from None
+            if on_notice is not None:
+                on_notice(results)
+        seconds = reply.step_seconds  # only reported in statistics: a bad value becomes unknown
+        self.verifier_step_s = seconds if math.isfinite(seconds) and 0.0 <= seconds < 3600.0 else 0.0
+        return results
+
+    def _next_reply(self) -> bytes:
+        """The next message on the stream; raises StatusError (and drops the link) when it broke."""
+        with self._lock:
+            if self._call is None:  # closed meanwhile
+                raise StatusError("UNAVAILABLE", "verifier link lost")
             try:
                 data = next(self._replies)
             except grpc.RpcError as exc:
@@ -172,20 +225,7 @@ class GrpcLink(_Lockstep):
                 self._drop()
                 raise StatusError("UNAVAILABLE", "verifier closed the link") from None
         self.bytes_received += len(data)
-        try:
-            reply, feature_data = parse_link_response(data)  # ValueError (a WireError's base) when corrupt
-            if reply.step != step:
-                raise WireError(f"reply to step {reply.step}, expected {step}")
-            results = decode_link_response(reply, vocab_size=self.vocab_size, feature_dim=self.feature_dim,
-                                           max_feature_rows=(len(entries) + 1) * self.max_seq_len,
-                                           feature_data=feature_data)
-            check_results(entries, results)
-        except (ValueError, StatusError) as exc:
-            self.close()
-            raise StatusError("INTERNAL", f"bad reply from the verifier: {exc}") from None
-        seconds = reply.step_seconds  # only reported in statistics: a bad value becomes unknown
-        self.verifier_step_s = seconds if math.isfinite(seconds) and 0.0 <= seconds < 3600.0 else 0.0
-        return results
+        return data
 
     def probe(self) -> bool:
         try:
@@ -225,7 +265,8 @@ class LocalLink(_Lockstep):
         results = self.verifier.step([(self.OWNER, e) for e in entries])
         self._results.append(([r for r in results if r is not None], time.perf_counter() - start))
 
-    def receive(self) -> list[StepResult]:
+    def receive(self, on_notice: OnNotice | None = None) -> list[StepResult]:
+        """(In process the whole reply is there at once: no notices.)"""
         results, self.verifier_step_s = self._results.popleft()
         return results
 

@@ -34,7 +34,7 @@ import grpc
 from common.protocol import CloseEntry, Entry, LinkLost, OpenEntry, StatusError, StepResult
 from common.rpc import pb, pb_grpc
 from common.tls import ChannelTls
-from drafter_svc.link import VerifierLink, connect_error, status_error
+from drafter_svc.link import OnNotice, VerifierLink, connect_error, status_error
 
 log = logging.getLogger(__name__)
 WAIT_REPORT_S = 5.0  # while start-up waits for a verifier, a progress line this often
@@ -259,8 +259,9 @@ class ReplicaLink:
             except StatusError as exc:
                 self._lose(i, exc)
 
-    def receive(self) -> list[StepResult]:
-        """The results of the oldest message in flight, in the order of its entries."""
+    def receive(self, on_notice: OnNotice | None = None) -> list[StepResult]:
+        """The results of the oldest message in flight, in the order of its entries (each
+        replica's notices go to `on_notice` as they come)."""
         message = self._inflight.popleft()
         replies: dict[int, Iterator[StepResult]] = {}
         self.verifier_step_s = 0.0
@@ -269,7 +270,7 @@ class ReplicaLink:
                 continue
             replica = self.replicas[i]
             try:
-                replies[i] = iter(replica.link.receive())
+                replies[i] = iter(replica.link.receive(on_notice))
             except StatusError as exc:
                 message.lost[i] = self._lose(i, exc)
                 continue

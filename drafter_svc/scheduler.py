@@ -30,6 +30,7 @@ span, linked to the step; the round's traceparent rides on its tree, so the veri
 from __future__ import annotations
 
 import collections
+import functools
 import itertools
 import logging
 import queue
@@ -197,6 +198,7 @@ class _Session:
         self.prompt_answered = 0
         self.chunks_in_flight: collections.deque[int] = collections.deque()
         self.prompt_done = False  # the verifier answered its last chunk (Prefilled): trees may go
+        self.first_token: int | None = None  # delivered from a notice, its Prefilled not yet received
         self.span = _tracer.start_span("generate", attributes={
             "prompt.tokens": len(prompt_ids), "mode": config.mode.kind, "tree.budget": config.mode.budget})
 
@@ -485,7 +487,7 @@ class DraftScheduler:
         """Read the reply of the oldest message in flight and apply it."""
         message = self._inflight.popleft()
         try:
-            results = self.link.receive()
+            results = self.link.receive(on_notice=functools.partial(self._notice, message.epochs))
         except StatusError as exc:
             message.end()
             self._link_failed(exc)
@@ -593,7 +595,7 @@ class DraftScheduler:
                 entries.append(ExtendEntry(s.sid, chunk, more, traceparent_of(s.span)))
         for s in ([] if ahead_only else self._admit(budget)):
             s.epoch += 1  # replies to its messages before this admission are stale
-            s.in_flight, s.chunks_in_flight, s.prompt_answered = 0, collections.deque(), 0
+            s.in_flight, s.chunks_in_flight, s.prompt_answered, s.first_token = 0, collections.deque(), 0, None
             s.chunk_prompt, s.prompt_sent, s.prompt_done = s.open_prompt(), 0, False
             chunk, more = take(s)
             entries.append(OpenEntry(s.sid, chunk, s.config.sampling, traceparent_of(s.span),
@@ -725,6 +727,30 @@ class DraftScheduler:
         if lost:
             self._back_off()
 
+    def _notice(self, epochs: dict[int, int], results: Sequence[StepResult]) -> None:
+        """First tokens ahead of the reply that completes their prompts (a notice; the reply has
+        them again, with the prompts' features): they go to the clients now. A session that its
+        first token ends is finished when that reply comes (its entry is still in flight)."""
+        for r in results:
+            s = self._running.get(r.session_id)
+            p = r.outcome
+            if s is None or s.epoch != epochs.get(r.session_id) or s.result.finish_reason or s.first_token is not None \
+                    or (s.config.logprobs is not None and (p.logprobs is None or len(p.logprobs) != 1)):
+                continue  # stale, ending, or not as asked for: the reply tells
+            self._first_token_out(s, p.token, p.logprobs)
+
+    def _first_token_out(self, s: _Session, token: int, logprobs: list | None) -> None:
+        """Send a prompt's first token to the client (the session is not finished here)."""
+        if s.recovery_deadline is None:
+            s.result.time_to_first_token_s = time.perf_counter() - s.start
+        else:  # re-opened after a lost verifier: carry on
+            log.info("session %d re-opened after %d tokens, %.2f s after its link was lost", s.sid,
+                     len(s.result.tokens), time.monotonic() - s.recovery_start)
+            s.recovery_deadline = None
+        s.first_token = token
+        if s.deliver(s.emit(s.rounds, [token], logprobs)) is True and not s.result.finish_reason:
+            s.result.finish_reason = "stop"  # the receiver matched a stop string in its text
+
     def _extended(self, s: _Session, e: Extended) -> None:
         """A chunk of the session's prompt is prefilled, more are to come (chunked prefill)."""
         s.open_on_verifier = True
@@ -753,21 +779,23 @@ class DraftScheduler:
         return True
 
     def _prefilled(self, s: _Session, p: Prefilled) -> None:
-        """The prompt is prefilled: the first token goes to the client at once, then the last
-        chunk's features extend the draft context (the token does not wait for that)."""
+        """The prompt is prefilled: the first token goes to the client at once (unless a notice
+        brought it already), then the last chunk's features extend the draft context."""
         s.open_on_verifier = True
-        if self._lacks_logprobs(s, p.logprobs, 1):
+        early, s.first_token = s.first_token, None
+        if early is None:
+            if self._lacks_logprobs(s, p.logprobs, 1):
+                return
+            self._first_token_out(s, p.token, p.logprobs)  # round 0, or the last one before a re-open
+        elif p.token != early:
+            self._fail(s, StatusError("INTERNAL", f"verifier's first token {p.token} differs from its notice's {early}"))
+            return
+        if s.result.finish_reason:  # ended by its first token (or cancelled meanwhile)
+            self._finish(s)
             return
         s.prompt_done = True
-        if s.recovery_deadline is None:
-            s.result.time_to_first_token_s = time.perf_counter() - s.start
-        else:  # re-opened after a lost verifier: carry on
-            log.info("session %d re-opened after %d tokens, %.2f s after its link was lost", s.sid,
-                     len(s.result.tokens), time.monotonic() - s.recovery_start)
-            s.recovery_deadline = None
         s.max_seq_len, s.length, s.root = p.max_seq_len, len(s.chunk_prompt), p.token
         s.round_base = s.rounds
-        self._deliver(s, s.emit(s.rounds, [p.token], p.logprobs))  # round 0, or the last one before a re-open
         if self._context_grows(s, p.features) and s.draft_state is not None:
             s.new_tokens, s.new_features = [p.token], p.features[:0]
 

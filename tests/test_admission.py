@@ -68,7 +68,10 @@ class Link:
         self._requests.put(encode_link_request(self.steps, entries))
 
     def recv(self) -> list[StepResult]:
+        """The next reply's results (a notice of first tokens ahead of it is skipped)."""
         reply = next(self.call)
+        if reply.notice:
+            reply = next(self.call)
         return decode_link_response(reply, vocab_size=self.vocab, feature_dim=self.feature_dim,
                                     max_feature_rows=(len(reply.results) + 1) * 512)
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from common.protocol import (CloseEntry, Extended, ExtendEntry, OpenEntry, Prefilled, SamplingParams, StatusError,
-                             TreeEntry)
+                             StepResult, TreeEntry)
 from common.tree import DraftTree
 from drafter_svc.drafter import DraftMode
 from drafter_svc.generate import LocalEngine
@@ -196,9 +196,9 @@ class _Counting(_Recording):
         self.in_flight += 1
         self.most_in_flight = max(self.most_in_flight, self.in_flight)
 
-    def receive(self):
+    def receive(self, on_notice=None):
         self.in_flight -= 1
-        return super().receive()
+        return super().receive(on_notice)
 
 
 def lone_prompt(engine, link, ahead, config, chunk=16):
@@ -302,8 +302,8 @@ def test_a_stale_reply_does_not_touch_the_session_opened_again(engine):
 class _ShortFeatures(LocalLink):
     """The in-process link, dropping the last feature row of every Prefilled it hands back."""
 
-    def receive(self):
-        results = super().receive()
+    def receive(self, on_notice=None):
+        results = super().receive(on_notice)
         for r in results:
             if isinstance(r.outcome, Prefilled):
                 r.outcome.features = r.outcome.features[:-1]
@@ -324,4 +324,66 @@ def test_bad_prompt_features_fail_the_session_after_its_first_token(engine):
     assert [u.tokens for u in updates[:-1]] == [want[:1]]
     assert isinstance(updates[-1], StatusError) and updates[-1].status == "INTERNAL"
     assert "feature rows" in updates[-1].message
+    assert engine.verifier.free_capacity == 4
+
+
+class _Noticing(LocalLink):
+    """The in-process link with the gRPC link's notices: before it returns a reply, the first
+    tokens of the prompts the reply completes (with features) go to `on_notice`, the token
+    shifted by `shift`; `seen` keeps what the clients had received right after each notice."""
+
+    def __init__(self, verifier, updates: list, shift: int = 0):
+        super().__init__(verifier)
+        self.updates, self.shift, self.seen = updates, shift, []
+
+    def receive(self, on_notice=None):
+        results = super().receive()
+        notice = [StepResult(r.session_id, Prefilled(r.outcome.token + self.shift, r.outcome.features[:0],
+                                                     r.outcome.max_seq_len, r.outcome.logprobs))
+                  for r in results if isinstance(r.outcome, Prefilled) and r.outcome.features.shape[0]]
+        if notice and on_notice is not None:
+            on_notice(notice)
+            self.seen.append([getattr(u, "tokens", u) for u in self.updates])
+        return results
+
+
+def noticed_run(engine, config, shift=0, prompt=PROMPTS[2]):
+    updates = []
+    link = _Noticing(engine.verifier, updates, shift)
+    scheduler = DraftScheduler(link, engine.proposer, max_sessions=4, feature_layer_ids=engine.verifier.feature_layer_ids,
+                               eos_token_ids=engine.eos_token_ids, queue_timeout_s=60.0, pipelined=False,
+                               prefill_chunk=16)
+    scheduler.submit(prompt, config, updates.append)
+    scheduler.run_until_idle()
+    return link, updates
+
+
+def test_the_first_token_goes_out_at_its_notice(engine):
+    """The client has the first token when the notice comes, before the reply with the prompt's
+    features; the output is the same, and the token is not sent twice."""
+    config = GenerationConfig(N, mode=DraftMode("tree", 8))
+    link, updates = noticed_run(engine, config)
+    want = engine.generate(PROMPTS[2], config)
+    assert link.seen == [[want.tokens[:1]]]
+    assert [t for u in updates[:-1] for t in u.tokens] == want.tokens == updates[-1].tokens
+    assert 0 < updates[-1].time_to_first_token_s < updates[-1].elapsed_s
+    assert engine.verifier.free_capacity == 4
+
+
+def test_a_session_its_noticed_first_token_ends_is_closed_after_the_reply(engine):
+    """max_new_tokens 1: the notice's token ends the request; it is delivered once, and the
+    session ends when the reply comes (its verifier slot closed)."""
+    link, updates = noticed_run(engine, GenerationConfig(1, mode=DraftMode("tree", 8)))
+    assert link.seen == [[updates[0].tokens]] and len(updates) == 2
+    assert updates[-1].tokens == updates[0].tokens and updates[-1].finish_reason == "length"
+    assert engine.verifier.free_capacity == 4
+
+
+def test_a_reply_whose_first_token_differs_from_its_notice_fails_the_session(engine):
+    """A verifier whose reply contradicts its notice: the session fails with INTERNAL after the
+    noticed token, and its verifier slot is closed."""
+    link, updates = noticed_run(engine, GenerationConfig(N, mode=DraftMode("tree", 8)), shift=1)
+    assert len(link.seen) == 1 and len(updates) == 2
+    assert isinstance(updates[-1], StatusError) and updates[-1].status == "INTERNAL"
+    assert "differs from its notice" in updates[-1].message
     assert engine.verifier.free_capacity == 4

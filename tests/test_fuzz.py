@@ -425,7 +425,10 @@ class LinkDriver:
         message.step = self._step
         self._requests.put(message)
         reply = next(self._call)
-        assert reply.step == self._step
+        if reply.notice:  # first tokens ahead of a reply that completes prompts: the reply follows
+            assert reply.step == self._step and all(r.WhichOneof("kind") == "prefilled" for r in reply.results)
+            reply = next(self._call)
+        assert reply.step == self._step and not reply.notice
         return reply
 
     def end(self) -> None:

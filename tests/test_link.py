@@ -254,14 +254,92 @@ def test_check_results_matches_prompt_chunks():
             check_results(entries, bad)
 
 
-class _CannedStub:
-    """A `verifier_stub` whose raw Link stream answers each message with the next canned reply."""
+class _CannedCall:
+    """A raw Link stream's replies, cancellable like a gRPC call."""
 
     def __init__(self, replies):
-        self.replies = [r.data for r in replies]
+        self._replies = iter(replies)
+        self.cancelled = False
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        return next(self._replies)
+
+    def cancel(self):
+        self.cancelled = True
+
+
+class _CannedStub:
+    """A `verifier_stub` whose raw Link stream answers each message with the next canned reply
+    (an EncodedReply, or bytes: a notice)."""
+
+    def __init__(self, replies):
+        self.replies = [r if isinstance(r, bytes) else r.data for r in replies]
+        self.call = None
 
     def Link(self, requests):
-        return iter(self.replies)
+        self.call = _CannedCall(self.replies)
+        return self.call
+
+
+SAMPLING = SamplingParams()
+PROMPT_END = [OpenEntry(1, [4, 5, 6], SAMPLING, "", (1,)), ExtendEntry(2, [7, 8]), TreeEntry(3, 1, chain([3, 4])),
+              OpenEntry(4, [9, 10], SAMPLING, "", (1,), more=True)]
+PROMPT_END_RESULTS = [StepResult(1, Prefilled(11, features(3, 0), 64)), StepResult(2, Prefilled(12, features(2, 1), 64)),
+                      StepResult(3, Verified([4], 13, features(2, 2), 1)), StepResult(4, Extended(features(2, 3)))]
+
+
+def _notice(results, step=1) -> bytes:
+    return encode_link_response(step, results, WIDTH, torch.float32, notice=True).data
+
+
+def test_a_notice_of_first_tokens_reaches_on_notice_before_the_reply():
+    """The verifier's notice (the first tokens of the prompts a message completes, without
+    features) goes to `on_notice` while the link waits for the reply, which follows as usual."""
+    from drafter_svc.link import GrpcLink
+    from common.wire import encode_link_notice
+
+    notice = encode_link_notice(1, PROMPT_END_RESULTS, WIDTH, torch.float32)
+    reply = encode_link_response(1, PROMPT_END_RESULTS, WIDTH, torch.float32)
+    link = GrpcLink(_CannedStub([notice, reply]), vocab_size=VOCAB, feature_dim=WIDTH, max_seq_len=64)
+    link.send(PROMPT_END)
+    noticed = []
+    results = link.receive(on_notice=noticed.append)
+    assert [[(r.session_id, r.outcome.token, r.outcome.features.shape[0]) for r in n] for n in noticed] == \
+        [[(1, 11, 0), (2, 12, 0)]]
+    assert [r.session_id for r in results] == [1, 2, 3, 4] and results[0].outcome.features.shape[0] == 3
+    link = GrpcLink(_CannedStub([notice, reply]), vocab_size=VOCAB, feature_dim=WIDTH, max_seq_len=64)
+    link.send(PROMPT_END)  # without on_notice, the notice is checked and dropped
+    assert [r.session_id for r in link.receive()] == [1, 2, 3, 4]
+    # No notice for prompts completed without features (plain decoding): their reply is small.
+    assert encode_link_notice(1, [StepResult(1, Prefilled(1, features(0, 0), 64))], WIDTH, torch.float32) is None
+
+
+@pytest.mark.parametrize("notices, needle", [
+    ([_notice([StepResult(3, Prefilled(11, features(0, 0), 64))])], "does not end the prompt"),
+    ([_notice([StepResult(4, Prefilled(11, features(0, 0), 64))])], "does not end the prompt"),
+    ([_notice([StepResult(1, Prefilled(11, features(0, 0), 64))] * 2)], "or twice"),
+    ([_notice([StepResult(1, Prefilled(11, features(1, 0), 64))])], "only first tokens"),
+    ([_notice([StepResult(3, Verified([4], 13, features(0, 2), 1))])], "only first tokens"),
+    ([_notice([StepResult(1, Prefilled(VOCAB, features(0, 0), 64))])], "outside the vocabulary"),
+    ([_notice([StepResult(1, Prefilled(11, features(0, 0), 64))], step=2)], "reply to step 2"),
+    ([_notice([StepResult(1, Prefilled(11, features(0, 0), 64))])] * 2, "a second notice"),
+])
+def test_bad_notices_end_the_link(notices, needle):
+    """A notice for a session the message does not complete, with features, with another
+    result, a bad token, for another step, or twice, ends the link (INTERNAL): nothing of it
+    reaches a client."""
+    from drafter_svc.link import GrpcLink
+
+    stub = _CannedStub([*notices, encode_link_response(1, PROMPT_END_RESULTS, WIDTH, torch.float32)])
+    link = GrpcLink(stub, vocab_size=VOCAB, feature_dim=WIDTH, max_seq_len=64)
+    link.send(PROMPT_END)
+    noticed = []
+    with pytest.raises(StatusError, match=needle) as info:
+        link.receive(on_notice=noticed.append)
+    assert info.value.status == "INTERNAL" and stub.call.cancelled and len(noticed) <= 1
 
 
 @pytest.mark.parametrize("seconds, kept", [(0.0125, 0.0125), (float("nan"), 0.0), (-1.0, 0.0), (float("inf"), 0.0),

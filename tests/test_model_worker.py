@@ -186,6 +186,46 @@ def test_nothing_begins_behind_a_step_with_prefills(config):
         assert w.events[-3:] == [("finish", 1), ("begin", 2), ("finish", 2)]
 
 
+def test_a_prefill_steps_replies_are_encoded_while_the_next_step_runs(config, monkeypatch):
+    """The replies of a step with prefills (megabytes of prompt features) are encoded on the
+    encoder thread: the next step begins while that encoding still runs, and the notice of
+    the prompt's first token is out before the reply."""
+    from verifier_svc import scheduler
+
+    encoding, done = threading.Event(), threading.Event()
+    real = scheduler.encode_link_response
+
+    def slow(step, results, *args, **kwargs):
+        if not kwargs.get("notice") and step == 1:
+            encoding.set()
+            assert threading.current_thread().name.startswith("model-worker-encoder")
+            done.wait(30)
+        return real(step, results, *args, **kwargs)
+
+    monkeypatch.setattr(scheduler, "encode_link_response", slow)
+    with GatedWorker(config) as w:
+        jobs = [LinkStep("L", 1, [opening(1, config)]), LinkStep("L", 2, [opening(2, config)])]
+        replies = [asyncio.run_coroutine_threadsafe(_submit(w.worker, job), w.loop) for job in jobs[:1]]
+        w.release(0)
+        assert encoding.wait(10)
+        replies.append(asyncio.run_coroutine_threadsafe(_submit(w.worker, jobs[1]), w.loop))
+        w.release(1)  # the second step begins (and runs) while the first one's reply is being encoded
+        assert asyncio.run_coroutine_threadsafe(_result(jobs[0].notice), w.loop).result(10) is not None
+        assert not replies[0].done()
+        done.set()
+        got = [r.result(30) for r in replies]
+        assert [kind for reply in got for _, kind in reply.results] == ["prefilled", "prefilled"]
+        assert w.events == [("begin", 0), ("finish", 0), ("begin", 1), ("finish", 1)]
+
+
+async def _submit(worker: ModelWorker, job: LinkStep):
+    return await worker.submit(job)
+
+
+async def _result(future: asyncio.Future):
+    return await future
+
+
 def test_stop_finishes_the_running_steps_and_fails_the_rest(config):
     w = GatedWorker(config)
     with w:

@@ -50,7 +50,7 @@ class FakeLink:
         self.sent.append(list(entries))
         self.pending.append(list(entries))
 
-    def receive(self):
+    def receive(self, on_notice=None):
         entries = self.pending.popleft()
         if self.fail is not None:
             exc, self.fail = self.fail, None
@@ -267,8 +267,8 @@ class CountingLink(LocalLink):
         super().__init__(verifier)
         self.errors: collections.Counter = collections.Counter()
 
-    def receive(self):
-        results = super().receive()
+    def receive(self, on_notice=None):
+        results = super().receive(on_notice)
         self.errors.update(r.outcome.status for r in results if isinstance(r.outcome, StatusError))
         return results
 

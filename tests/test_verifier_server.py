@@ -32,6 +32,8 @@ from common.make_tiny import TinySizes
 from common.protocol import (
     CloseEntry,
     Entry,
+    Extended,
+    ExtendEntry,
     OpenEntry,
     Prefilled,
     SamplingParams,
@@ -87,6 +89,7 @@ class LinkStream:
         self._requests: queue.SimpleQueue = queue.SimpleQueue()
         self.call = stub.Link(iter(self._requests.get, None), timeout=timeout)
         self.steps = 0
+        self.notices: dict[int, pb.LinkResponse] = {}  # step -> the notice that came ahead of its reply
 
     def post(self, message: pb.LinkRequest | Sequence[Entry]) -> pb.LinkRequest:
         """Send one message without reading its reply; entries go out as the next step."""
@@ -97,7 +100,18 @@ class LinkStream:
         return message
 
     def recv(self) -> pb.LinkResponse:
-        return next(self.call)
+        """The next reply; a notice ahead of it is kept in `notices` and checked against it: the
+        same step, and for each of its sessions a Prefilled in the reply with the same token."""
+        reply = next(self.call)
+        if not reply.notice:
+            return reply
+        notice, reply = reply, next(self.call)
+        assert not reply.notice and reply.step == notice.step and notice.step not in self.notices
+        firsts = {r.session_id: r.prefilled.token for r in reply.results if r.WhichOneof("kind") == "prefilled"}
+        assert notice.results and all(r.prefilled.feature_rows == 0 and firsts[r.session_id] == r.prefilled.token
+                                      for r in notice.results)
+        self.notices[notice.step] = notice
+        return reply
 
     def send(self, message: pb.LinkRequest | Sequence[Entry]) -> pb.LinkResponse:
         """One message and its one reply (same step)."""
@@ -281,8 +295,8 @@ def free_sessions(stub) -> int:
 
 
 def opening(sid: int, layers, prompt=PROMPT, sampling: SamplingParams = GREEDY, traceparent="",
-            logprobs: int | None = None) -> OpenEntry:
-    return OpenEntry(sid, list(prompt), sampling, traceparent, tuple(layers), logprobs)
+            logprobs: int | None = None, more: bool = False) -> OpenEntry:
+    return OpenEntry(sid, list(prompt), sampling, traceparent, tuple(layers), logprobs, more)
 
 
 def root_only(root: int) -> DraftTree:
@@ -736,6 +750,25 @@ def test_open_without_feature_layers_gets_no_features(stub, layers):
         assert again[0].outcome.features.shape[0] == 1 + len(again[0].outcome.accepted_tokens)
         assert again[1].outcome.features.shape[0] == 0
         link.send([CloseEntry(1), CloseEntry(2)])
+        assert free_sessions(stub) == MAX_SESSIONS
+        link.end()
+
+
+def test_notice_of_first_tokens_goes_ahead_of_the_reply(stub, layers):
+    """A message that completes prompts with features gets a notice of their first tokens first
+    (no features), then the reply with the same tokens and the features; a chunk with more to
+    come, and a prompt without feature layers (plain decoding), get none."""
+    with LinkStream(stub) as link:
+        got = link.step([opening(1, layers), opening(2, (), PROMPT), opening(3, layers, PROMPT[:3], more=True)])
+        assert isinstance(got[2].outcome, Extended)
+        notice = link.notices[1]
+        assert notice.notice and [r.session_id for r in notice.results] == [1]
+        assert notice.results[0].prefilled.token == got[0].outcome.token and not notice.features.shape[0]
+        link.step([ExtendEntry(3, PROMPT[3:])])
+        assert [r.session_id for r in link.notices[2].results] == [3]
+        plain = link.step([CloseEntry(1), CloseEntry(3), opening(4, (), PROMPT)])
+        assert 3 not in link.notices and isinstance(plain[0].outcome, Prefilled)
+        link.send([CloseEntry(2), CloseEntry(4)])
         assert free_sessions(stub) == MAX_SESSIONS
         link.end()
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import contextlib
 import functools
 import logging
@@ -40,7 +41,7 @@ from opentelemetry import trace
 from common import metrics
 from common.protocol import CloseEntry, Entry, ExtendEntry, OpenEntry, StatusError, StepResult, TreeEntry, Verified
 from common.tracing import context_from_traceparent, tracer
-from common.wire import EncodedReply, encode_link_response
+from common.wire import EncodedReply, encode_link_notice, encode_link_response
 from verifier_svc.tree_verifier import PendingStep, TreeVerifier, VerifierError
 
 log = logging.getLogger(__name__)
@@ -55,8 +56,14 @@ class LinkStep:
     owner: Hashable
     step: int
     items: list[Entry | StepResult]
-    future: asyncio.Future | None = None
+    future: asyncio.Future | None = None  # its reply (an EncodedReply)
+    notice: asyncio.Future | None = None  # for a message that ends a prompt: the notice ahead of its reply, or None
     received_bytes: int = 0
+
+    @property
+    def ends_prompts(self) -> bool:
+        """Whether some entry is a prompt's last chunk (its reply may be preceded by a notice)."""
+        return any(isinstance(item, (OpenEntry, ExtendEntry)) and not item.more for item in self.items)
 
 
 @dataclass
@@ -190,6 +197,8 @@ class ModelWorker:
         self._waits: queue.SimpleQueue[_Running | None] = queue.SimpleQueue()  # begun steps, for the waiter
         self._waiter = (threading.Thread(target=self._wait_for_results, name=f"{name}-waiter", daemon=True)
                         if self.overlap else None)
+        # Encodes the replies of exclusive steps (`_answer`); one thread, so they keep their order.
+        self._encoder = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"{name}-encoder")
         # Spans of model steps measure device time: wait for the device before they end.
         self._sync = torch.cuda.synchronize if verifier.runner.device.type == "cuda" else None
         self.steps = 0
@@ -215,7 +224,8 @@ class ModelWorker:
         self._waits.put(None)
         for job in self._drain():
             if isinstance(job, LinkStep):
-                _resolve(job.future, error=VerifierError("UNAVAILABLE", "the verifier is shutting down"))
+                _settle(job, error=VerifierError("UNAVAILABLE", "the verifier is shutting down"))
+        self._encoder.shutdown(wait=True)
 
     @property
     def free_sessions(self) -> int:
@@ -225,11 +235,14 @@ class ModelWorker:
     # -- called on the event loop ------------------------------------------------------------
 
     def submit(self, job: LinkStep) -> asyncio.Future:
-        """Queue one link message's work; the future's result is its pb.LinkResponse."""
-        job.future = asyncio.get_running_loop().create_future()
+        """Queue one link message's work; the future's result is its reply (an EncodedReply), and
+        `job.notice`'s (for a message that ends prompts) the notice ahead of it, or None."""
+        loop = asyncio.get_running_loop()
+        job.future = loop.create_future()
+        job.notice = loop.create_future() if job.ends_prompts else None
         with self._lock:
             if self._stopped:
-                job.future.set_exception(VerifierError("UNAVAILABLE", "the verifier is shutting down"))
+                _settle(job, error=VerifierError("UNAVAILABLE", "the verifier is shutting down"))
             else:
                 self._queue.put(job)
                 metrics.track_inflight_step(job.future)
@@ -279,7 +292,7 @@ class ModelWorker:
             self._finish(running.popleft())
         for job in waiting:
             if isinstance(job, LinkStep):
-                _resolve(job.future, error=VerifierError("UNAVAILABLE", "the verifier is shutting down"))
+                _settle(job, error=VerifierError("UNAVAILABLE", "the verifier is shutting down"))
             else:
                 job.done.set()
 
@@ -400,7 +413,10 @@ class ModelWorker:
             self._fail(run.steps)
 
     def _answer(self, run: _Running, outcomes: list[StepResult | None], step_s: float) -> None:
-        """Close the sessions refused while decoding, then encode and send each message's reply."""
+        """Close the sessions refused while decoding, send the notices of the prompts completed
+        (`encode_link_notice`), then encode and send each message's reply: on this thread, or for an
+        exclusive step, whose replies carry prompt features (megabytes), on the encoder thread, so
+        that the next step (a prompt's next chunk, say) need not wait for that."""
         steps, span = run.steps, run.span
         for s in steps:  # an entry refused while decoding fails its session too
             for item in s.items:
@@ -409,27 +425,46 @@ class ModelWorker:
         self.steps += 1
         end_ns = time.time_ns()
         results = iter(outcomes)
+        answers = []
+        for s in steps:
+            out = []
+            for item in s.items:
+                result = item if isinstance(item, StepResult) else next(results)
+                if result is None:  # a close
+                    continue
+                out.append(result)
+                if isinstance(item, (OpenEntry, ExtendEntry, TreeEntry)) and item.traceparent:
+                    _session_span(item, result, span.get_span_context(), run.start_ns, end_ns)
+            if s.notice is not None:
+                try:
+                    notice = encode_link_notice(s.step, out, self.feature_dim, self.dtype)
+                except Exception:  # the reply still carries the tokens
+                    log.exception("encoding a link notice failed")
+                    notice = None
+                _resolve(s.notice, result=notice)
+            answers.append((s, out))
+        encode = functools.partial(self._encode_replies, answers, span, step_s)
+        if run.pending.exclusive:
+            self._encoder.submit(encode)
+        else:
+            encode()
+
+    def _encode_replies(self, answers: list[tuple[LinkStep, list[StepResult]]], span: trace.Span,
+                        step_s: float) -> None:
+        """Serialise each message's reply and hand it to its link; ends the step's span."""
         replies = []
         with trace.use_span(span, end_on_exit=True), _tracer.start_as_current_span("encode"):
-            for s in steps:
-                out = []
-                for item in s.items:
-                    result = item if isinstance(item, StepResult) else next(results)
-                    if result is None:  # a close
-                        continue
-                    out.append(result)
-                    if isinstance(item, (OpenEntry, ExtendEntry, TreeEntry)) and item.traceparent:
-                        _session_span(item, result, span.get_span_context(), run.start_ns, end_ns)
+            for s, out in answers:
                 try:
                     replies.append(encode_link_response(s.step, out, self.feature_dim, self.dtype, step_s))
                 except Exception:
                     log.exception("encoding a link response failed")
                     replies.append(VerifierError("INTERNAL", "internal error in the verifier; see its log"))
-        for s, reply in zip(steps, replies):
+        for (s, _), reply in zip(answers, replies):
             if isinstance(reply, VerifierError):
-                _resolve(s.future, error=reply)
+                _settle(s, error=reply)
             else:
-                _resolve(s.future, result=reply)
+                _settle(s, result=reply)
 
     def _closed(self) -> None:
         """A begun step is finished (or failed): the busy time ends with the last open one."""
@@ -440,7 +475,7 @@ class ModelWorker:
     @staticmethod
     def _fail(steps: list[LinkStep]) -> None:
         for s in steps:
-            _resolve(s.future, error=VerifierError("INTERNAL", "internal error in the verifier; see its log"))
+            _settle(s, error=VerifierError("INTERNAL", "internal error in the verifier; see its log"))
 
     @contextlib.contextmanager
     def _stage(self, run: _Running, name: str) -> Iterator[None]:
@@ -486,6 +521,12 @@ def _session_span(entry: OpenEntry | ExtendEntry | TreeEntry, result: StepResult
         span.set_status(trace.Status(trace.StatusCode.ERROR, result.outcome.message))
     span.set_attributes(attributes)
     span.end(end_time=end_ns)
+
+
+def _settle(job: LinkStep, *, result=None, error: BaseException | None = None) -> None:
+    """Complete a message's reply future, and its notice's (None) unless already sent."""
+    _resolve(job.notice)
+    _resolve(job.future, result=result, error=error)
 
 
 def _resolve(future: asyncio.Future | None, *, result=None, error: BaseException | None = None) -> None:

@@ -280,7 +280,8 @@ class _Link:
                     raise VerifierError("INVALID_ARGUMENT", f"bad link message: {exc}") from None
                 items = self.timers.heard(items)
                 job = LinkStep(self.owner, message.step, items, received_bytes=len(data))
-                await pending.put(self.worker.submit(job))
+                self.worker.submit(job)
+                await pending.put(job)
             await pending.put(None)
             await writer
         finally:
@@ -290,8 +291,11 @@ class _Link:
         return "the drafter ended the link"
 
     async def _write(self, pending: asyncio.Queue) -> None:
-        while (future := await pending.get()) is not None:
-            reply = await future
+        """Write each message's reply in order, after its notice (first tokens) when there is one."""
+        while (job := await pending.get()) is not None:
+            if job.notice is not None and (notice := await job.notice) is not None:
+                await self.context.write(notice)
+            reply = await job.future
             self.timers.answered(reply, time.monotonic())  # before the write: the next message may come at once
             await self.context.write(reply.data)
             self.messages += 1

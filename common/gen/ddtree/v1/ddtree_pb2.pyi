@@ -326,16 +326,18 @@ class SessionResult(_message.Message):
     def __init__(self, session_id: _Optional[int] = ..., prefilled: _Optional[_Union[Prefilled, _Mapping]] = ..., verified: _Optional[_Union[Verified, _Mapping]] = ..., error: _Optional[_Union[Error, _Mapping]] = ..., extended: _Optional[_Union[Extended, _Mapping]] = ...) -> None: ...
 
 class LinkResponse(_message.Message):
-    __slots__ = ("step", "results", "features", "step_seconds")
+    __slots__ = ("step", "results", "features", "step_seconds", "notice")
     STEP_FIELD_NUMBER: _ClassVar[int]
     RESULTS_FIELD_NUMBER: _ClassVar[int]
     FEATURES_FIELD_NUMBER: _ClassVar[int]
     STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    NOTICE_FIELD_NUMBER: _ClassVar[int]
     step: int
     results: _containers.RepeatedCompositeFieldContainer[SessionResult]
     features: Tensor
     step_seconds: float
-    def __init__(self, step: _Optional[int] = ..., results: _Optional[_Iterable[_Union[SessionResult, _Mapping]]] = ..., features: _Optional[_Union[Tensor, _Mapping]] = ..., step_seconds: _Optional[float] = ...) -> None: ...
+    notice: bool
+    def __init__(self, step: _Optional[int] = ..., results: _Optional[_Iterable[_Union[SessionResult, _Mapping]]] = ..., features: _Optional[_Union[Tensor, _Mapping]] = ..., step_seconds: _Optional[float] = ..., notice: _Optional[bool] = ...) -> None: ...
 
 class InfoRequest(_message.Message):
     __slots__ = ()
