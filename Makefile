@@ -25,7 +25,7 @@ demo: install
 # The same generation in one process, without the network.
 local: install
 	$(PY) -m drafter_svc.generate --target $(MODELS)/target --draft $(MODELS)/draft \
-		--prompt "$(PROMPT)" --max-new-tokens 96 --tree-budget 16
+		--prompt "$(PROMPT)" --max-new-tokens 96 --tree-budget 15
 
 test: install
 	$(PY) -m pytest -q tests

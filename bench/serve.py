@@ -175,7 +175,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-len", type=int, default=None, help="prompt tokens (default 128; 32 with --quick)")
     p.add_argument("--max-new-tokens", type=int, default=None,
                    help="new tokens per request (default 128; 32 with --quick); fewer when EOS comes first")
-    p.add_argument("--tree-budget", type=int, default=16, help="drafted nodes per tree in tree mode (default 16)")
+    p.add_argument("--tree-budget", type=int, default=15,
+                   help="drafted nodes per tree in tree mode (default 15, the drafter's)")
     p.add_argument("--taus", type=float_list, default=[3.0, 6.0],
                    help="target acceptance lengths for the oracle runs; each becomes an accept probability "
                         "(default 3,6)")

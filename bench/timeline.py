@@ -117,6 +117,7 @@ def install(out_dir: str, role: str) -> None:
         target.prefill = rec.device("g.prefill", "v.prefill", target.prefill)
         server.decode_link_request = rec.host("v.decode", server.decode_link_request)
         scheduler.encode_link_response = rec.host("v.encode", scheduler.encode_link_response)
+        scheduler.encode_link_notice = rec.host("v.notice", scheduler.encode_link_notice)  # first tokens ahead
     else:
         import drafter_svc.ddtree as ddtree
         import drafter_svc.drafter as drafter
@@ -126,6 +127,7 @@ def install(out_dir: str, role: str) -> None:
         sched = scheduler.DraftScheduler
         sched._send_message = rec.host("d.send", sched._send_message)  # draft, trees, the message sent
         sched._receive = rec.host("d.receive", sched._receive)  # wait for the reply, apply it
+        sched._notice = rec.host("d.notice", sched._notice)  # first tokens to the clients ahead of their reply
         drafter.DFlashProposer.propose = rec.device("g.draft", "d.propose", drafter.DFlashProposer.propose)
         drafter.select_ddtrees = rec.host("d.select", drafter.select_ddtrees)  # top-k, its copy, the selection
         ddtree.top_candidates = rec.host("d.topk", ddtree.top_candidates)  # its top-k and copy (waits for the GPU)

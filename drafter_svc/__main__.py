@@ -1,6 +1,6 @@
 """Run the drafter service.
 
-    python -m drafter_svc --draft DIR --target DIR --verifier HOST:PORT [--port 50050] [--tree-budget 16]
+    python -m drafter_svc --draft DIR --target DIR --verifier HOST:PORT [--port 50050] [--tree-budget 15]
 
 Loads the DFlash draft plus the target's embed_tokens, lm_head and tokenizer, checks the
 verifier serves the same target, and serves the public Generation API with gRPC health

@@ -32,7 +32,7 @@ from drafter_svc.draft_model import DFlashDraftModel, DraftKVPool
 class DraftMode:
     """How each round's tree is made: a DDTree of `budget` nodes, the argmax chain, or none (plain AR)."""
     kind: str = "tree"  # "tree" | "chain" | "ar"
-    budget: int = 16
+    budget: int = 15  # drafted nodes: with the root, 16 tokens a session (the verifier's tree buckets)
 
     def __post_init__(self):
         if self.kind not in ("tree", "chain", "ar"):

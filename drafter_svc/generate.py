@@ -1,6 +1,6 @@
 """Generate with the whole engine in one process (no network).
 
-    python -m drafter_svc.generate --target DIR --draft DIR --prompt "def f(" --tree-budget 16
+    python -m drafter_svc.generate --target DIR --draft DIR --prompt "def f(" --tree-budget 15
 
 `--ar` is plain target autoregressive decoding (the baseline), `--chain` vanilla DFlash,
 `--tree-budget B` DDTree with B drafted nodes per round. Prints the text and the stats,
@@ -123,7 +123,8 @@ def build_parser() -> FlagParser:
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (1 = off)")
     p.add_argument("--seed", type=int, default=None, help="sampling seed; the same seed gives the same output")
     mode = p.add_mutually_exclusive_group()
-    mode.add_argument("--tree-budget", type=int, default=16, help="DDTree nodes drafted per round (default 16)")
+    mode.add_argument("--tree-budget", type=int, default=DraftMode.budget,
+                      help=f"DDTree nodes drafted per round (default {DraftMode.budget})")
     mode.add_argument("--chain", action="store_true", help="vanilla DFlash: verify the draft's argmax chain")
     mode.add_argument("--ar", action="store_true", help="plain target autoregressive decoding (baseline)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="torch device")

@@ -62,7 +62,7 @@ class DrafterConfig:
     port: int = 50050
     device: str = "cpu"
     dtype: str = "auto"
-    tree_budget: int = 16
+    tree_budget: int = 15            # drafted nodes a tree (with the root, 16 tokens: a verifier tree bucket)
     chain: bool = False
     max_new_tokens: int = 128        # used when a request leaves it unset
     max_concurrent: int = 64         # sessions drafting at once (draft context slots); more wait in the queue

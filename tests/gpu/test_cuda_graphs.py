@@ -279,7 +279,7 @@ def restore(runner: TargetRunner, saved: tuple[Tensor, Tensor]) -> None:
 def test_config_buckets_and_cache_length():
     config = GraphConfig()
     config.check()
-    assert config.token_buckets() == (9, 17, 33, 65, 129)
+    assert config.token_buckets() == (8, 16, 32, 64, 128)
     assert GraphConfig(tree_buckets=(16, 0, 16)).token_buckets() == (1, 17)
     assert cache_length(2048, 129) == 2304 and cache_length(2048, 1025) == 3200
     assert cache_length(100, 0) == 128 and cache_length(128, 0) == 128
