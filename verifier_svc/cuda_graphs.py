@@ -48,6 +48,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -121,12 +122,13 @@ class VerifyRow:
 
 
 class _Fields:
-    """Named contiguous views of one flat buffer, field after field: (name, shape) pairs."""
+    """Named contiguous views of one flat buffer (a tensor, or a numpy array), field after field:
+    (name, shape) pairs."""
 
-    def __init__(self, flat: Tensor, layout: Sequence[tuple[str, tuple[int, ...]]]):
+    def __init__(self, flat: Tensor | np.ndarray, layout: Sequence[tuple[str, tuple[int, ...]]]):
         offset = 0
         for name, shape in layout:
-            setattr(self, name, flat[offset: offset + math.prod(shape)].view(shape))
+            setattr(self, name, flat[offset: offset + math.prod(shape)].reshape(shape))
             offset += math.prod(shape)
 
 
@@ -152,9 +154,12 @@ class BatchInputs:
         self.tree_mask, self._host_mask = self._staging.buffer(b, t, t, dtype=torch.bool)
         self.ints, self.floats = _Fields(int_buffer, ints), _Fields(float_buffer, floats)  # what the graphs read
         self.buffers = (int_buffer, float_buffer, self.tree_mask)  # the whole step input (tensor parallel ranks copy it)
-        self._host_ints, self._host_floats = _Fields(host_ints, ints), _Fields(host_floats, floats)
+        # `fill` writes the host twins through numpy views: a few microseconds an operation, where
+        # torch's small CPU operations cost several times that (a step's host work is on its critical path).
+        self._host_ints, self._host_floats = _Fields(host_ints.numpy(), ints), _Fields(host_floats.numpy(), floats)
+        self._host_mask = self._host_mask.numpy()
         self.arange = torch.arange(t, device=device)
-        self._eye = torch.eye(t, dtype=torch.bool)
+        self._eye = np.eye(t, dtype=bool)
         # Where a graph leaves the path rows' features: one buffer per (B, T) that every graph of
         # that shape shares, rather than one output per graph (set by VerifyGraphs).
         self.features_out: Tensor | None = None
@@ -170,44 +175,38 @@ class BatchInputs:
         self._staging.begin()
         i, f, mask = self._host_ints, self._host_floats, self._host_mask
         b, width = len(rows), masks.shape[-1]
-        sizes = torch.tensor([r.tree.num_nodes for r in rows])
-        row_of = torch.repeat_interleave(torch.arange(b), sizes)  # batch row of every node
-        col_of = torch.arange(row_of.shape[0]) - torch.repeat_interleave(sizes.cumsum(0) - sizes, sizes)
-        past = torch.tensor([r.past for r in rows])
-        i.tokens.zero_()
-        i.next_token.fill_(-1)
-        i.next_sibling.fill_(-1)
-        i.past.zero_()
-        i.top_k.zero_()
-        i.seed.zero_()
-        i.slot.fill_(scratch_slot)
-        i.positions.zero_()
-        i.tokens[row_of, col_of] = torch.cat([r.tree.tokens for r in rows])
-        i.next_token[row_of, col_of] = torch.cat([r.tree.next_token for r in rows])
-        i.next_sibling[row_of, col_of] = torch.cat([r.tree.next_sibling for r in rows])
+        sizes = np.array([r.tree.num_nodes for r in rows])
+        row_of = np.repeat(np.arange(b), sizes)  # batch row of every node
+        col_of = np.arange(row_of.size) - np.repeat(np.cumsum(sizes) - sizes, sizes)
+        past = np.array([r.past for r in rows])
+        for field, value in ((i.tokens, 0), (i.next_token, -1), (i.next_sibling, -1), (i.past, 0), (i.top_k, 0),
+                             (i.seed, 0), (i.slot, scratch_slot), (i.positions, 0)):
+            field.fill(value)
+        i.tokens[row_of, col_of] = torch.cat([r.tree.tokens for r in rows]).numpy()
+        i.next_token[row_of, col_of] = torch.cat([r.tree.next_token for r in rows]).numpy()
+        i.next_sibling[row_of, col_of] = torch.cat([r.tree.next_sibling for r in rows]).numpy()
         i.positions[:b] = past[:, None]
-        i.positions[row_of, col_of] += torch.cat([r.depths for r in rows])
+        i.positions[row_of, col_of] += torch.cat([r.depths for r in rows]).numpy()
         i.past[:b] = past
-        i.slot[:b] = torch.tensor([r.slot for r in rows])
-        mask.copy_(self._eye.expand(self.B, self.T, self.T))
-        mask[:b, :width, :width] = masks
-        f.coins.fill_(0.5)
-        f.final_coin.fill_(0.5)
-        for field in (f.temperature, f.top_p, f.greedy):
-            field.fill_(1.0)
+        i.slot[:b] = [r.slot for r in rows]
+        mask[:] = self._eye
+        mask[:b, :width, :width] = masks.numpy()
+        for field, value in ((f.coins, 0.5), (f.final_coin, 0.5), (f.temperature, 1.0), (f.top_p, 1.0),
+                             (f.greedy, 1.0)):
+            field.fill(value)
         sampled = [j for j, r in enumerate(rows) if not r.sampling.greedy]
         if sampled:
-            index = torch.tensor(sampled)
-            i.top_k[index] = torch.tensor([rows[j].sampling.top_k for j in sampled])
-            i.seed[index] = torch.tensor([rows[j].seed for j in sampled])
-            f.temperature[index] = torch.tensor([rows[j].sampling.temperature for j in sampled])
-            f.top_p[index] = torch.tensor([rows[j].sampling.top_p for j in sampled])
-            f.greedy[index] = 0.0
+            i.top_k[sampled] = [rows[j].sampling.top_k for j in sampled]
+            i.seed[sampled] = [rows[j].seed for j in sampled]
+            with np.errstate(over="ignore"):  # a finite temperature past float32's range reads as inf, as before
+                f.temperature[sampled] = [rows[j].sampling.temperature for j in sampled]
+            f.top_p[sampled] = [rows[j].sampling.top_p for j in sampled]
+            f.greedy[sampled] = 0.0
             for j in sampled:
                 if rows[j].coins is not None:
                     n = rows[j].tree.num_nodes
-                    f.coins[j, :n] = rows[j].coins[:n]
-                    f.final_coin[j] = rows[j].coins[n]
+                    f.coins[j, :n] = rows[j].coins[:n].numpy()
+                    f.final_coin[j] = float(rows[j].coins[n])
         self._staging.commit()
 
     def fill_dummy(self, scratch_slot: int) -> None:
