@@ -227,16 +227,18 @@ def encode_link_response(step: int, results: Sequence[StepResult], feature_dim: 
     return EncodedReply(data, tuple((r.session_id, r.WhichOneof("kind")) for r in msg.results))
 
 
+def notice_results(results: Sequence[StepResult]) -> list[StepResult]:
+    """What a notice holds of a reply's `results`: each Prefilled with feature rows, without them."""
+    return [StepResult(r.session_id, Prefilled(r.outcome.token, r.outcome.features[:0], r.outcome.max_seq_len,
+                                               r.outcome.logprobs))
+            for r in results if isinstance(r.outcome, Prefilled) and r.outcome.features.shape[0]]
+
+
 def encode_link_notice(step: int, results: Sequence[StepResult], feature_dim: int, dtype: torch.dtype) -> bytes | None:
-    """The notice that goes ahead of message `step`'s reply: the first tokens of the `results`
-    that are Prefilled with feature rows, without those rows (LinkResponse.notice); None when
-    there are none (the reply is small, nothing to gain)."""
-    early = [StepResult(r.session_id, Prefilled(r.outcome.token, r.outcome.features[:0], r.outcome.max_seq_len,
-                                                r.outcome.logprobs))
-             for r in results if isinstance(r.outcome, Prefilled) and r.outcome.features.shape[0]]
-    if not early:
-        return None
-    return encode_link_response(step, early, feature_dim, dtype, notice=True).data
+    """The notice that goes ahead of message `step`'s reply (LinkResponse.notice: `notice_results`);
+    None when there is nothing in it (the reply is small, nothing to gain)."""
+    early = notice_results(results)
+    return encode_link_response(step, early, feature_dim, dtype, notice=True).data if early else None
 
 
 _FEATURES_FIELD = pb.LinkResponse.DESCRIPTOR.fields_by_name["features"].number

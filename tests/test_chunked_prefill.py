@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from common.protocol import (CloseEntry, Extended, ExtendEntry, OpenEntry, Prefilled, SamplingParams, StatusError,
-                             StepResult, TreeEntry)
+                             TreeEntry)
 from common.tree import DraftTree
+from common.wire import notice_results
 from drafter_svc.drafter import DraftMode
 from drafter_svc.generate import LocalEngine
 from drafter_svc.link import LocalLink
@@ -338,9 +339,9 @@ class _Noticing(LocalLink):
 
     def receive(self, on_notice=None):
         results = super().receive()
-        notice = [StepResult(r.session_id, Prefilled(r.outcome.token + self.shift, r.outcome.features[:0],
-                                                     r.outcome.max_seq_len, r.outcome.logprobs))
-                  for r in results if isinstance(r.outcome, Prefilled) and r.outcome.features.shape[0]]
+        notice = notice_results(results)
+        for r in notice:
+            r.outcome.token += self.shift
         if notice and on_notice is not None:
             on_notice(notice)
             self.seen.append([getattr(u, "tokens", u) for u in self.updates])

@@ -197,7 +197,8 @@ class ModelWorker:
         self._waits: queue.SimpleQueue[_Running | None] = queue.SimpleQueue()  # begun steps, for the waiter
         self._waiter = (threading.Thread(target=self._wait_for_results, name=f"{name}-waiter", daemon=True)
                         if self.overlap else None)
-        # Encodes the replies of exclusive steps (`_answer`); one thread, so they keep their order.
+        # Encodes the replies of exclusive steps (`_answer`) while the next step runs; each link's
+        # writer sends its replies in message order whichever thread finished them.
         self._encoder = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"{name}-encoder")
         # Spans of model steps measure device time: wait for the device before they end.
         self._sync = torch.cuda.synchronize if verifier.runner.device.type == "cuda" else None
