@@ -7,13 +7,16 @@
     PYTHONPATH=. python bench/serve.py --models default --device cpu --quick              # CPU smoke run
     PYTHONPATH=. python bench/serve.py --models qwen3-8b --small --device cpu --quick     # toy sizes, CPU
     PYTHONPATH=. python bench/serve.py --models default --delay-ms 5                      # 5 ms each way
+    PYTHONPATH=. python bench/serve.py --models qwen3-8b --colocate                       # one process, one GPU
 
 Both services run as their own processes on loopback (free ports, ready once each prints its
 "listening on" line and answers SERVING on grpc.health.v1), and are stopped with SIGTERM
 (then killed) however the run ends. With `--delay-ms MS`, the drafters reach the verifier through
 `bench/delay_proxy.py`, a TCP proxy (its own process) that delays every chunk by MS in each
-direction: a link round trip gains 2 x MS, as between hosts (a userspace stand-in for netem). Model
-setups (`--models`):
+direction: a link round trip gains 2 x MS, as between hosts (a userspace stand-in for netem). With
+`--colocate` there is no verifier service: each drafter runs with `--verifier local`, holding the
+target in its own process (`--local-verifier-flags`: the flags the service would get), and
+v-busy is not measured. Model setups (`--models`):
 
 * `default`: the shipped trained pair (`--target`, `--draft`) through the real CLIs,
   `python -m verifier_svc` and `python -m drafter_svc`; prompts are token windows of the
@@ -69,11 +72,13 @@ if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(
 
 import argparse
 import asyncio
+import contextlib
 import ctypes
 import json
 import platform
 import random
 import re
+import shlex
 import signal
 import subprocess
 import tempfile
@@ -213,6 +218,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sequential", action="store_true",
                    help="also run each N > 1's timed requests one after another through one client, and report "
                         "the concurrent wall time over that sequential one (conc/seq) and whether the outputs match")
+    p.add_argument("--colocate", action="store_true",
+                   help="no verifier service: each drafter loads the target itself (--verifier local, given the "
+                        "verifier flags this run would give the service), one process and CUDA context for both models")
     p.add_argument("--delay-ms", type=float, default=0.0,
                    help="delay the drafter <-> verifier link this many ms each way, through bench/delay_proxy.py "
                         "(default 0: direct)")
@@ -260,6 +268,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--max-sessions {a.max_sessions} is below the largest concurrency {max(a.concurrency)}")
     if a.delay_ms < 0:
         p.error("--delay-ms must be >= 0")
+    if a.colocate and (a.delay_ms or a.verifier_tp > 1 or a.timeline):
+        p.error("--colocate has no link to delay, no verifier to shard and no verifier timeline")
     if a.accept_probs is not None and not all(0 <= x <= 1 for x in a.accept_probs):
         p.error("--accept-probs must be in [0, 1]")
     return a
@@ -435,9 +445,10 @@ class Setup:
     heldout_target: Path | None = None  # prompts from this target's held-out files; None = random ids
 
 
-def common_verifier_flags(a: argparse.Namespace) -> list[str]:
-    flags = ["--host", "127.0.0.1", "--port", "0", "--device", a.device, "--dtype", a.dtype,
-             "--max-sessions", str(a.max_sessions),
+def common_verifier_flags(a: argparse.Namespace, service: bool = True) -> list[str]:
+    """The verifier's flags; service=False: without its address (an in-process verifier's)."""
+    flags = ["--host", "127.0.0.1", "--port", "0"] if service else []
+    flags += ["--device", a.device, "--dtype", a.dtype, "--max-sessions", str(a.max_sessions),
              "--max-seq-len", str(a.max_seq_len), "--max-tree-nodes", str(a.verifier_tree_nodes),
              "--graph-batches", ",".join(map(str, a.graph_batches)), "--graph-trees", a.graph_trees]
     flags += ["--measure-costs", "on"] if "adaptive" in (a.budgets or ()) else []
@@ -594,37 +605,44 @@ def step_breakdown(before: dict[str, float], after: dict[str, float], wall: floa
     other = step - draft - build - rpc."""
     messages = after.get(STEP_PARTS["rpc"] + "_count", 0.0) - before.get(STEP_PARTS["rpc"] + "_count", 0.0)
 
-    def per_message(name: str) -> float | None:
-        return 1e3 * (after.get(name + "_sum", 0.0) - before.get(name + "_sum", 0.0)) / messages if messages else None
+    def per_message(name: str) -> float | None:  # None: nothing observed it (no verifier service)
+        if not messages or after.get(name + "_count", 0.0) == before.get(name + "_count", 0.0):
+            return None
+        return 1e3 * (after[name + "_sum"] - before.get(name + "_sum", 0.0)) / messages
 
     out: dict[str, float | None] = {f"{k}_ms": per_message(v) for k, v in STEP_PARTS.items()}
     out["messages"] = messages
     out["step_ms"] = 1e3 * wall / messages if messages else None
-    parts = [out[k] for k in ("step_ms", "draft_ms", "build_ms", "rpc_ms")]
-    out["other_ms"] = parts[0] - sum(parts[1:]) if None not in parts else None
+    parts = [out[k] for k in ("draft_ms", "build_ms", "rpc_ms")]  # the first two are None in plain decoding
+    out["other_ms"] = (out["step_ms"] - sum(p or 0.0 for p in parts)
+                       if out["step_ms"] is not None and out["rpc_ms"] is not None else None)
     return out
 
 
-async def run_load(address: str, verifier_address: str, prompts: list[list[list[int]]], budget: int, max_new: int,
+async def run_load(address: str, verifier_address: str | None, prompts: list[list[list[int]]], budget: int, max_new: int,
                    timeout_s: float, metrics_urls: list[str] = ()) -> tuple[list[Request], list[Request], float, float,
                                                                             dict]:
     """All clients' warm-up requests at once, then their timed requests: (warm-ups, timed, wall s,
-    the verifier's busy share of the timed wall time: InfoResponse.busy_s before and after, and
-    the step breakdown of the timed part from both services' /metrics)."""
-    async with grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS) as channel, \
-            grpc.aio.insecure_channel(verifier_address, options=CHANNEL_OPTIONS) as verifier_channel:
-        stub, info = pb_grpc.GenerationStub(channel), pb_grpc.VerifierStub(verifier_channel).Info
+    the verifier's busy share of the timed wall time: InfoResponse.busy_s before and after, None
+    without a verifier service, and the step breakdown of the timed part from the services' /metrics)."""
+    async with contextlib.AsyncExitStack() as stack:
+        channel = await stack.enter_async_context(grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS))
+        stub, info = pb_grpc.GenerationStub(channel), None
+        if verifier_address is not None:
+            verifier_channel = await stack.enter_async_context(
+                grpc.aio.insecure_channel(verifier_address, options=CHANNEL_OPTIONS))
+            info = pb_grpc.VerifierStub(verifier_channel).Info
         warm = await asyncio.gather(*(generate(stub, p[0], budget, min(WARMUP_TOKENS, max_new), timeout_s)
                                       for p in prompts))
         before = scrape(list(metrics_urls)) if metrics_urls else {}
-        busy = (await info(pb.InfoRequest())).busy_s
+        busy = (await info(pb.InfoRequest())).busy_s if info else 0.0
         start = time.perf_counter()
         timed = await asyncio.gather(*(client(stub, p[1:], budget, max_new, timeout_s) for p in prompts))
         wall = time.perf_counter() - start
-        busy = (await info(pb.InfoRequest())).busy_s - busy
+        busy = (await info(pb.InfoRequest())).busy_s - busy if info else None
         parts = step_breakdown(before, scrape(list(metrics_urls)), wall) if metrics_urls else {}
-    return (list(warm), [r for per_client in timed for r in per_client], wall, busy / wall if wall > 0 else 0.0,
-            parts)
+    share = None if busy is None else busy / wall if wall > 0 else 0.0
+    return list(warm), [r for per_client in timed for r in per_client], wall, share, parts
 
 
 async def run_sequential(address: str, prompts: list[list[list[int]]], budget: int, max_new: int,
@@ -745,7 +763,7 @@ def print_table(result: dict) -> None:
 # ---------------------------------------------------------------------------------------
 
 
-def run_mode(drafter: Service, verifier: Service, mode: str, setting: Setting | None, a: argparse.Namespace,
+def run_mode(drafter: Service, verifier: Service | None, mode: str, setting: Setting | None, a: argparse.Namespace,
              prompts: dict[int, list[list[list[int]]]], reference: dict | None,
              outputs: dict[tuple[int, ...], list[int]] | None, result: dict, save: Callable[[], None]) -> None:
     """Every N of one (mode, setting); AR runs fill `outputs` with each prompt's tokens."""
@@ -753,8 +771,10 @@ def run_mode(drafter: Service, verifier: Service, mode: str, setting: Setting | 
     label = mode if setting is None else f"{mode} {setting.name}"
     for n in a.concurrency:
         log(f"{label}: N={n}, {n} warm-up + {n * a.requests_per_client} timed requests")
-        urls = [f"http://127.0.0.1:{port}/metrics" for port in (drafter.metrics_port, verifier.metrics_port)]
-        warm, timed, wall, busy, parts = asyncio.run(run_load(drafter.address, verifier.address, prompts[n], budget,
+        services = [drafter] + ([verifier] if verifier is not None else [])
+        urls = [f"http://127.0.0.1:{service.metrics_port}/metrics" for service in services]
+        warm, timed, wall, busy, parts = asyncio.run(run_load(drafter.address, verifier and verifier.address,
+                                                              prompts[n], budget,
                                                               a.max_new_tokens, a.request_timeout, urls))
         if outputs is not None:
             outputs.update({tuple(r.prompt): r.tokens for r in warm + timed if not r.error})
@@ -792,13 +812,17 @@ def run_setup(name: str, a: argparse.Namespace, work: Path, result: dict, save: 
                    "settings": [asdict(x) for x in settings], "runs": []})
     services: list[Service] = []
     try:
-        port = free_port()
-        verifier = Service("verifier", setup.verifier_argv + ["--metrics-port", str(port)], work / f"{name}-verifier.log",
-                           port)
-        services.append(verifier)
-        verifier.start(a.startup_timeout)
-        result["startup_s"]["verifier"] = verifier.startup_s
-        link = verifier
+        verifier = link = None
+        if a.colocate:  # each drafter holds the target
+            result["commands"]["verifier"] = []
+        else:
+            port = free_port()
+            verifier = Service("verifier", setup.verifier_argv + ["--metrics-port", str(port)],
+                               work / f"{name}-verifier.log", port)
+            services.append(verifier)
+            verifier.start(a.startup_timeout)
+            result["startup_s"]["verifier"] = verifier.startup_s
+            link = verifier
         if a.delay_ms > 0:  # the drafters' link goes through the delay proxy; Info and health stay direct
             argv = [sys.executable, "bench/delay_proxy.py", "--target", verifier.address, "--delay-ms", str(a.delay_ms)]
             result["commands"]["delay_proxy"] = argv
@@ -807,7 +831,9 @@ def run_setup(name: str, a: argparse.Namespace, work: Path, result: dict, save: 
             link.start(a.startup_timeout)
 
         def start_drafter(tag: str, oracle: Path | None, lockstep: bool = False, adaptive: bool = False) -> Service:
-            argv = setup.drafter_argv + ["--verifier", link.address]
+            argv = setup.drafter_argv + (["--verifier", "local", "--local-verifier-flags",
+                                          shlex.join(common_verifier_flags(a, service=False))] if a.colocate
+                                         else ["--verifier", link.address])
             argv += ["--bench-oracle", str(oracle)] if oracle else []
             argv += ["--pipelining", "off" if lockstep else "on"] if a.lockstep else []
             argv += ["--adaptive-budget", "on" if adaptive else "off"] if a.budgets is not None else []

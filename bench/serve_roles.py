@@ -28,6 +28,9 @@ steps; tree-mode outputs then leave the AR continuation that the `--bench-oracle
 and the oracle stops helping (seen on an H200: tau ~ 1.05, no request equal to AR). The
 compute is that of any weights of these shapes.
 
+A drafter given `--verifier local` builds the verifier role's random target (seed 0) in its own
+process, with the same projection of the features.
+
 `--small` gives toy dimensions (3-layer target, vocab 4096, 2-layer draft, block 8) that
 run on a CPU. Do not pass --target or --draft: the role sets them to a label.
 """
@@ -145,12 +148,27 @@ def run_drafter(small: bool, seed: int, argv: list[str]) -> None:
     proposer_cls = server.DFlashProposer
 
     def from_pretrained(cls, draft_dir, target_dir, device="cpu", dtype=torch.float32, max_seq_len=2048, slots=8,
-                        cuda_graphs=True, graph_config=None, projected_features=False):
+                        cuda_graphs=True, graph_config=None, projected_features=False, target_weights=None):
+        # The draft's embedding and head are its own random ones, also beside an in-process target
+        # (`target_weights`, which the product shares instead), so that both setups draft alike.
         model, embed, head = random_draft(small, torch.device(device), dtype, seed)
         return proposer_cls(model, embed, head, max_seq_len, slots, cuda_graphs, graph_config, projected_features)
 
     proposer_cls.from_pretrained = classmethod(from_pretrained)
+    if _verifier_flag(argv) == "local":  # the target in this process: the verifier role's (seed 0)
+        _patch_verifier_loaders(target_label(small, 0))
     cli.main(["--target", RANDOM_LABEL, "--draft", RANDOM_LABEL, *argv])
+
+
+def _verifier_flag(argv: list[str]) -> str:
+    """The drafter's --verifier (or VERIFIER_ADDR) in `argv`."""
+    value = os.environ.get("VERIFIER_ADDR", "")
+    for i, arg in enumerate(argv):
+        if arg == "--verifier" and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif arg.startswith("--verifier="):
+            value = arg.split("=", 1)[1]
+    return value
 
 
 def main(argv: list[str] | None = None) -> None:

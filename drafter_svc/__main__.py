@@ -1,15 +1,19 @@
 """Run the drafter service.
 
     python -m drafter_svc --draft DIR --target DIR --verifier HOST:PORT [--port 50050] [--tree-budget 15]
+    python -m drafter_svc --draft DIR --target DIR --verifier local [--local-verifier-flags "..."]
 
 Loads the DFlash draft plus the target's embed_tokens, lm_head and tokenizer, checks the
 verifier serves the same target, and serves the public Generation API with gRPC health
-and reflection; with --http-port, also the OpenAI-compatible HTTP API and /metrics. Every flag falls back to the environment variable named in its help.
+and reflection; with --http-port, also the OpenAI-compatible HTTP API and /metrics. With
+`--verifier local` it loads the whole target too and verifies in this process (one GPU for
+both models). Every flag falls back to the environment variable named in its help.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
+import shlex
 import signal
 
 import torch
@@ -21,7 +25,9 @@ from common.logs import add_logging_flags, setup_logging
 from common.protocol import StatusError
 from common.tls import ChannelTls, ServerTls, TlsError
 from common.tracing import exporting, setup_tracing, shutdown_tracing
-from drafter_svc.server import DrafterConfig, DrafterEngine, serve
+from drafter_svc.server import LOCAL, DrafterConfig, DrafterEngine, serve
+from verifier_svc import __main__ as verifier_cli
+from verifier_svc.server import VerifierConfig
 
 log = logging.getLogger("drafter_svc")
 DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -36,8 +42,16 @@ def parse_args(argv=None) -> DrafterConfig:
     p.flag("--verifier", env="VERIFIER_ADDR", default=d.verifier,
            help="verifier address HOST:PORT, or several replicas HOST:PORT,HOST:PORT,... (a host name that resolves "
                 "to several addresses is one replica per address): new sessions go to the least loaded one that "
-                "answers, and the sessions of one that dies re-open on another (--recovery-timeout) "
+                "answers, and the sessions of one that dies re-open on another (--recovery-timeout); or 'local': "
+                "load the target in this process, on --device, linked in memory (one GPU for both models: one "
+                "CUDA context instead of two time-slicing the GPU, no gRPC; the draft and the verify run on "
+                "streams of their own, so pipelined rounds overlap them) "
                 f"(default {d.verifier})")
+    p.flag("--local-verifier-flags", env="DRAFTER_LOCAL_VERIFIER_FLAGS", default="",
+           help="with --verifier local: the in-process verifier's settings, as `python -m verifier_svc` flags in one "
+                "string, e.g. '--max-seq-len 4096 --graph-batches 1,8,32' (their VERIFIER_* environment fallbacks "
+                "apply too); --target, --draft, --device, --dtype and --max-sessions default to this drafter's "
+                "--target, --draft, --device, --dtype and --max-concurrent")
     p.flag("--host", env="DRAFTER_HOST", default=d.host, help=f"listen address (default {d.host})")
     p.flag("--port", env="DRAFTER_PORT", default=d.port, type=int, help=f"listen port, 0 = any free port (default {d.port})")
     p.flag("--device", env="DRAFTER_DEVICE", default="cuda" if torch.cuda.is_available() else "cpu",
@@ -138,7 +152,11 @@ def parse_args(argv=None) -> DrafterConfig:
         fail("--max-message-mb and --max-prompt-bytes must be >= 1")
     if not 0 <= a.http_port <= 65535:
         fail(f"--http-port must be in [0, 65535], got {a.http_port}")
-    return DrafterConfig(draft_dir=a.draft, target_dir=a.target, verifier=a.verifier, host=a.host, port=a.port,
+    if a.local_verifier_flags and a.verifier != LOCAL:
+        fail("--local-verifier-flags is for --verifier local")
+    local = local_verifier_config(a) if a.verifier == LOCAL else None
+    return DrafterConfig(draft_dir=a.draft, target_dir=a.target, verifier=a.verifier, local_verifier=local,
+                         host=a.host, port=a.port,
                          device=a.device, dtype=a.dtype, tree_budget=a.tree_budget, chain=a.chain,
                          max_new_tokens=a.max_new_tokens, max_concurrent=a.max_concurrent,
                          verifier_wait_s=a.verifier_wait, queue_timeout_s=a.queue_timeout,
@@ -151,6 +169,18 @@ def parse_args(argv=None) -> DrafterConfig:
                          adaptive_budget=a.adaptive_budget, bench_oracle=a.bench_oracle,
                          tls=tls, verifier_tls=verifier_tls, api_key=api_key, http_port=a.http_port,
                          served_model_name=a.served_model_name, log_level=a.log_level, log_format=a.log_format)
+
+
+def local_verifier_config(a) -> VerifierConfig:
+    """The in-process verifier's settings: this drafter's target, draft, device, dtype and
+    concurrency, then --local-verifier-flags (the verifier service's own parser and checks)."""
+    try:
+        flags = shlex.split(a.local_verifier_flags)
+    except ValueError as exc:
+        fail(f"--local-verifier-flags: {exc}")
+    dtype = [] if a.dtype == "auto" else ["--dtype", a.dtype]
+    return verifier_cli.parse_config(["--target", a.target, "--draft", a.draft, "--device", a.device, *dtype,
+                                      "--max-sessions", str(a.max_concurrent), *flags])
 
 
 def add_security_flags(p: FlagParser, d: DrafterConfig) -> None:

@@ -8,6 +8,7 @@ eagerly.
 """
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +18,7 @@ import torch
 
 from common.checkpoint import load_tensors
 from common.config import check_draft_fits_target, load_target_config
+from common.devices import device_id
 from common.feature_projection import projection_fingerprint
 from common.protocol import StatusError
 from common.staging import rows_of, to_device
@@ -63,6 +65,10 @@ class BlockProposer(Protocol):
                 new_features: Sequence[torch.Tensor]) -> torch.Tensor: ...
 
     def finish(self, state: object) -> None: ...
+
+    def on_stream(self) -> contextlib.AbstractContextManager:
+        """Makes the device stream its work runs on current (a no-op where there is none)."""
+        ...
 
 
 def build_trees(modes: Sequence[DraftMode], block_logits: torch.Tensor, roots: Sequence[int],
@@ -132,18 +138,28 @@ class DFlashProposer:
         self.pool = DraftKVPool(draft, slots + 1, context_capacity(max_seq_len, self.block_size))
         self.scratch_slot = self.pool.acquire()  # held for good: padding rows of the graphs write there
         use_graphs = cuda_graphs and self.device.type == "cuda"
+        # Its device work (the scheduler's steps: context, draft step, top-k) runs on a stream of its
+        # own, high priority: beside an in-process verifier's forward it is the short, urgent work.
+        self.stream = torch.cuda.Stream(self.device, priority=-1) if self.device.type == "cuda" else None
         self.graphs = (DraftGraphs(draft, embed_tokens, lm_head, self.pool, self.scratch_slot,
                                    graph_config or DraftGraphConfig(), projected=projected_features)
                        if use_graphs else None)
+        if self.stream is not None:  # behind the set-up work queued so far (weights, the pool's zeros)
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
 
     @classmethod
     def from_pretrained(cls, draft_dir: str | Path, target_dir: str | Path, device="cpu",
                         dtype=torch.float32, max_seq_len: int = 2048, slots: int = 8, cuda_graphs: bool = True,
-                        graph_config: DraftGraphConfig | None = None,
-                        projected_features: bool = False) -> "DFlashProposer":
+                        graph_config: DraftGraphConfig | None = None, projected_features: bool = False,
+                        target_weights: tuple[torch.Tensor, torch.Tensor] | None = None) -> "DFlashProposer":
+        """`target_weights`: the target's (embed_tokens, lm_head) when this process holds them
+        already (an in-process verifier), shared instead of loaded again when on `device` in `dtype`."""
         target_cfg = load_target_config(target_dir)
         draft = DFlashDraftModel.from_pretrained(draft_dir, device=device, dtype=dtype)
         check_draft_fits_target(draft.cfg, target_cfg)
+        if target_weights is not None and all(device_id(t.device) == device_id(device) and t.dtype == dtype
+                                              for t in target_weights):
+            return cls(draft, *target_weights, max_seq_len, slots, cuda_graphs, graph_config, projected_features)
         names = ["embed_tokens.weight"] + ([] if target_cfg.tie_word_embeddings else ["lm_head.weight"])
         tensors = load_tensors(target_dir, names, strip_prefix="model.", dtype=dtype)
         embed = tensors["embed_tokens.weight"].to(device)
@@ -206,3 +222,6 @@ class DFlashProposer:
     def finish(self, state: DraftState) -> None:
         """The session is over: give its slot back."""
         self.pool.release(state.slot)
+
+    def on_stream(self) -> contextlib.AbstractContextManager:
+        return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()

@@ -15,14 +15,17 @@ on it is lost); the next step opens a new stream. `LocalLink` is the in-process 
 from __future__ import annotations
 
 import collections
+import contextlib
 import math
 import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 import grpc
+import torch
 
 from common.config import DraftConfig, TargetConfig
 from common.protocol import (CloseEntry, Entry, Extended, ExtendEntry, OpenEntry, Prefilled, StatusError, StepResult,
@@ -250,31 +253,72 @@ class GrpcLink(_Lockstep):
 
 
 class LocalLink(_Lockstep):
-    """The in-process verifier: calls a `TreeVerifier` directly (implements `VerifierLink`);
-    a message is verified when sent, its results kept until received."""
+    """The in-process verifier: calls a `TreeVerifier` directly (implements `VerifierLink`).
+
+    `send` begins the message's step (its checks, and its verify queued on the device) and
+    `receive` finishes the oldest step, so a pipelining scheduler drafts one group while the
+    other's verify runs. A step that may not overlap one in flight (it touches the same
+    sessions, or that one is `exclusive`: see `TreeVerifier.begin`) first finishes the steps in
+    flight. With a `stream` (CUDA), the verifier's device work goes on it, beside the draft
+    model's. In process the whole reply is there at once: no notices."""
 
     OWNER = "local"
 
-    def __init__(self, verifier):
+    def __init__(self, verifier, stream=None):
         self.verifier = verifier
-        self._results: collections.deque[tuple[list[StepResult], float]] = collections.deque()
+        self.stream = stream
+        self._steps: collections.deque[_LocalStep] = collections.deque()
         self.verifier_step_s = 0.0
 
+    @property
+    def in_flight(self) -> int:
+        """Messages sent and not yet received."""
+        return len(self._steps)
+
+    def _on_stream(self):
+        return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
+
     def send(self, entries: Sequence[Entry]) -> None:
+        items = [(self.OWNER, e) for e in entries]
+        keys = frozenset((self.OWNER, e.session_id) for e in entries)
+        if any(step.results is None and (step.pending.exclusive or not step.pending.keys.isdisjoint(keys))
+               for step in self._steps):
+            for step in self._steps:
+                self._finish(step)
         start = time.perf_counter()
-        results = self.verifier.step([(self.OWNER, e) for e in entries])
-        self._results.append(([r for r in results if r is not None], time.perf_counter() - start))
+        with self._on_stream():
+            pending = self.verifier.begin(items)
+        self._steps.append(_LocalStep(pending, time.perf_counter() - start))
 
     def receive(self, on_notice: OnNotice | None = None) -> list[StepResult]:
-        """(In process the whole reply is there at once: no notices.)"""
-        results, self.verifier_step_s = self._results.popleft()
-        return results
+        step = self._steps.popleft()
+        self._finish(step)
+        self.verifier_step_s = step.seconds
+        return step.results
+
+    def _finish(self, step: _LocalStep) -> None:
+        if step.results is None:
+            start = time.perf_counter()
+            with self._on_stream():
+                step.results = [r for r in self.verifier.finish(step.pending) if r is not None]
+            step.seconds += time.perf_counter() - start
 
     def probe(self) -> bool:
         return True
 
     def close(self) -> None:
+        for step in self._steps:  # the steps in flight end on the verifier as they would have
+            self._finish(step)
+        self._steps.clear()
         self.verifier.close_owner(self.OWNER)
+
+
+@dataclass
+class _LocalStep:
+    """A `LocalLink` message: its step begun (`pending`), its results once finished, host seconds so far."""
+    pending: object
+    seconds: float
+    results: list[StepResult] | None = None
 
 
 def check_verifier(info: pb.InfoResponse, target: TargetConfig, draft: DraftConfig | None) -> None:

@@ -27,6 +27,7 @@ from collections.abc import Callable
 from typing import AsyncIterator
 
 import grpc
+import torch
 from grpc_health.v1 import health_pb2
 
 from common.auth import ApiKeyInterceptor
@@ -44,12 +45,14 @@ from drafter_svc.budget import BudgetPlanner
 from drafter_svc.chat import ChatPrompt, ChatTemplate, load_chat_template
 from drafter_svc.drafter import DFlashProposer, DraftMode
 from drafter_svc.oracle import ControlledAcceptance
-from drafter_svc.link import GrpcLink, check_verifier, open_channel, verifier_stub
+from drafter_svc.link import GrpcLink, LocalLink, check_verifier, open_channel, verifier_stub
 from drafter_svc.replicas import Replica, ReplicaLink, State, check_replica, verifier_addresses, wait_for_verifier
 from drafter_svc.scheduler import DraftScheduler, GenerationConfig, GenerationResult, QueueFull, RoundUpdate
 from drafter_svc.text_stream import TextStream
+from verifier_svc.server import VerifierConfig, load_verifier, verifier_info
 
 log = logging.getLogger("drafter_svc")
+LOCAL = "local"  # --verifier local: the target in this process (`_local_link`)
 
 
 @dataclass(frozen=True)
@@ -57,7 +60,10 @@ class DrafterConfig:
     """Every drafter setting, with its default; the CLI and env vars fill it."""
     draft_dir: str = ""
     target_dir: str = ""
-    verifier: str = "localhost:50051"
+    verifier: str = "localhost:50051"  # HOST:PORT[,HOST:PORT...], or "local": the target in this process
+    # --verifier local: the in-process verifier's settings (the verifier service's flags); None =
+    # its defaults for --target and --draft, on --device, with --max-concurrent sessions.
+    local_verifier: VerifierConfig | None = None
     host: str = "0.0.0.0"
     port: int = 50050
     device: str = "cpu"
@@ -148,6 +154,75 @@ class _Request:
     stop: list[str]
 
 
+def _remote_link(cfg: DrafterConfig, torch_dtype, target_cfg, draft_cfg
+                 ) -> tuple[ReplicaLink, pb.InfoResponse, DFlashProposer, list[grpc.Channel]]:
+    """Wait for a verifier replica that serves our target, load the draft with one context slot per
+    session the replicas admit, and link every replica (the others join as they answer)."""
+    addresses = verifier_addresses(cfg.verifier, cfg.verifier_tls)
+    channels = [open_channel(a.address, a.tls) for a in addresses]
+    stubs = [verifier_stub(channel) for channel in channels]
+    try:
+        # The first replica to answer (and serve our target) sets what the others must match.
+        first, info, refused = wait_for_verifier([a.address for a in addresses], stubs, cfg.verifier_wait_s,
+                                                 lambda answer: check_verifier(answer, target_cfg, draft_cfg))
+        # One context slot per session that can be drafting at once: the verifiers admit no more
+        # (replicas are taken to be alike).
+        slots = max(1, min(info.max_sessions * (len(addresses) - len(refused)), cfg.max_concurrent))
+        proposer = _load_proposer(cfg, torch_dtype, info, slots)
+    except BaseException:
+        for channel in channels:
+            channel.close()
+        raise
+
+    def check(answer: pb.InfoResponse) -> None:  # a replica that (re)answers must serve as the first does
+        check_verifier(answer, target_cfg, draft_cfg)
+        check_replica(info, answer)
+
+    link = ReplicaLink([Replica(a.address, GrpcLink(stub, vocab_size=info.vocab_size,
+                                                    feature_dim=proposer.feature_dim, max_seq_len=info.max_seq_len),
+                                functools.partial(stub.Info, pb.InfoRequest(), timeout=2.0),
+                                State.UP if i == first else State.REFUSED if i in refused else State.NEW,
+                                info.max_sessions if i == first else 0)
+                        for i, (a, stub) in enumerate(zip(addresses, stubs))], check)
+    return link, info, proposer, channels
+
+
+def _load_proposer(cfg: DrafterConfig, torch_dtype, info: pb.InfoResponse, slots: int,
+                   target_weights=None) -> DFlashProposer:
+    """The draft with `slots` context slots, taking context rows when the verifier projects the
+    features (InfoResponse.feature_projection), which it must do with this draft's weights."""
+    proposer = DFlashProposer.from_pretrained(cfg.draft_dir, cfg.target_dir, cfg.device, torch_dtype,
+                                              info.max_seq_len, slots, cfg.cuda_graphs,
+                                              projected_features=bool(info.feature_projection),
+                                              target_weights=target_weights)
+    if info.feature_projection and info.feature_projection != proposer.projection_fingerprint():
+        raise StatusError("FAILED_PRECONDITION", (
+            f"the verifier projects features with another draft's fc + hidden_norm (fingerprint "
+            f"{info.feature_projection}, this draft's {proposer.projection_fingerprint()}): start it with "
+            f"--draft pointing at this draft, or with --raw-features"))
+    return proposer
+
+
+def _local_link(cfg: DrafterConfig, torch_dtype, draft_cfg) -> tuple[LocalLink, pb.InfoResponse, DFlashProposer]:
+    """`--verifier local`: the target in this process, on the draft's device (`cfg.local_verifier`,
+    the verifier service's settings), linked in memory: one CUDA context, no gRPC, no codec. Its
+    steps run on the scheduler's thread; on CUDA its device work goes on a stream of its own,
+    so that pipelined rounds draft one group while the other's verify runs."""
+    vcfg = cfg.local_verifier or VerifierConfig(
+        target_dir=cfg.target_dir, feature_layer_ids=draft_cfg.target_layer_ids, projection_dir=cfg.draft_dir,
+        device=cfg.device, dtype=cfg.dtype, max_sessions=cfg.max_concurrent)
+    verifier = load_verifier(vcfg)
+    info = verifier_info(verifier, vcfg)
+    model = verifier.runner.model
+    proposer = _load_proposer(cfg, torch_dtype, info, max(1, min(info.max_sessions, cfg.max_concurrent)),
+                              (model.embed_tokens.weight, model.lm_head.weight))
+    device, stream = verifier.runner.device, None
+    if device.type == "cuda":
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))  # behind the set-up (cache, graphs, costs)
+    return LocalLink(verifier, stream), info, proposer
+
+
 class DrafterEngine:
     """Draft model, tokenizer, verifier link and the scheduler shared by all requests."""
 
@@ -162,45 +237,18 @@ class DrafterEngine:
     @classmethod
     def start(cls, cfg: DrafterConfig, torch_dtype) -> "DrafterEngine":
         """Load the draft, wait for a verifier replica, check it serves our target, start the scheduler
-        over every replica (`drafter_svc.replicas`: the others join as they answer)."""
+        over every replica (`drafter_svc.replicas`: the others join as they answer); with
+        `--verifier local`, load the target here instead (`_local_link`)."""
         target_cfg = load_target_config(cfg.target_dir)
         draft_cfg = load_draft_config(cfg.draft_dir)
         tokenizer = load_tokenizer(cfg.target_dir)
         chat_template = load_chat_template(cfg.target_dir)
-        addresses = verifier_addresses(cfg.verifier, cfg.verifier_tls)
-        channels = [open_channel(a.address, a.tls) for a in addresses]
-        stubs = [verifier_stub(channel) for channel in channels]
-        try:
-            # The first replica to answer (and serve our target) sets what the others must match.
-            first, info, refused = wait_for_verifier([a.address for a in addresses], stubs, cfg.verifier_wait_s,
-                                                     lambda answer: check_verifier(answer, target_cfg, draft_cfg))
-            # One context slot per session that can be drafting at once: the verifiers admit no more
-            # (replicas are taken to be alike).
-            slots = max(1, min(info.max_sessions * (len(addresses) - len(refused)), cfg.max_concurrent))
-            # A verifier that projects the features (InfoResponse.feature_projection) sends context rows.
-            proposer = DFlashProposer.from_pretrained(cfg.draft_dir, cfg.target_dir, cfg.device, torch_dtype,
-                                                      info.max_seq_len, slots, cfg.cuda_graphs,
-                                                      projected_features=bool(info.feature_projection))
-            if info.feature_projection and info.feature_projection != proposer.projection_fingerprint():
-                raise StatusError("FAILED_PRECONDITION", (
-                    f"the verifier projects features with another draft's fc + hidden_norm (fingerprint "
-                    f"{info.feature_projection}, this draft's {proposer.projection_fingerprint()}): start it with "
-                    f"--draft pointing at this draft, or with --raw-features"))
-        except BaseException:
-            for channel in channels:
-                channel.close()
-            raise
-
-        def check(answer: pb.InfoResponse) -> None:  # a replica that (re)answers must serve as the first does
-            check_verifier(answer, target_cfg, draft_cfg)
-            check_replica(info, answer)
-
-        link = ReplicaLink([Replica(a.address, GrpcLink(stub, vocab_size=info.vocab_size,
-                                                        feature_dim=proposer.feature_dim, max_seq_len=info.max_seq_len),
-                                    functools.partial(stub.Info, pb.InfoRequest(), timeout=2.0),
-                                    State.UP if i == first else State.REFUSED if i in refused else State.NEW,
-                                    info.max_sessions if i == first else 0)
-                            for i, (a, stub) in enumerate(zip(addresses, stubs))], check)
+        if cfg.verifier == LOCAL:
+            link, info, proposer = _local_link(cfg, torch_dtype, draft_cfg)
+            channels = []
+        else:
+            link, info, proposer, channels = _remote_link(cfg, torch_dtype, target_cfg, draft_cfg)
+        slots = proposer.pool.num_slots - 1
         hook = ControlledAcceptance.load(cfg.bench_oracle) if cfg.bench_oracle else None
         scheduler = DraftScheduler(link, proposer, max_sessions=slots,
                                    feature_layer_ids=draft_cfg.target_layer_ids,
@@ -211,10 +259,11 @@ class DrafterEngine:
                                    recovery_timeout_s=cfg.recovery_timeout_s, planner=cfg.budget_planner(info),
                                    adapt_sampled=info.sampling == "keyed", max_queue=cfg.max_queue,
                                    prefill_chunk=cfg.prefill_chunk, prefill_ahead=cfg.prefill_ahead)
-        log.info("rounds %s (--pipelining %s; verifier on %s); tree budget %s",
+        log.info("rounds %s (--pipelining %s; verifier %son %s); tree budget %s",
                  f"pipelined in {scheduler.pipeline_groups} groups from {scheduler.pipeline_min_sessions} sessions"
                  if scheduler.pipelined
-                 else "in lockstep", cfg.pipelining, info.device_id or "?",
+                 else "in lockstep", cfg.pipelining, "in this process " if cfg.verifier == LOCAL else "",
+                 info.device_id or "?",
                  "adaptive (requests' budgets are caps)" if scheduler.planner else "as each request sets it")
         scheduler.start()
         return cls(cfg, scheduler, tokenizer, channels, info, chat_template)

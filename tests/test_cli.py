@@ -146,3 +146,30 @@ def test_admission_limits_from_the_environment(monkeypatch):
     monkeypatch.setenv("DRAFTER_MAX_QUEUE", "7")
     assert verifier_cli.parse_config(["--target", "t", "--device", "cpu"]).open_timeout_s == 2.5
     assert drafter_cli.parse_args(["--draft", "d", "--target", "t"]).max_queue == 7
+
+
+def test_local_verifier_takes_the_verifier_flags(qwen3_pair, monkeypatch, capsys):
+    """--verifier local: the in-process verifier gets the drafter's target, draft, device and
+    --max-concurrent, then --local-verifier-flags through the verifier's own parser (its checks,
+    its VERIFIER_* fallbacks); bad ones end start-up with one line."""
+    import drafter_svc.__main__ as drafter_cli
+    from common.config import load_draft_config
+
+    target, draft = map(str, qwen3_pair)
+    base = ["--draft", draft, "--target", target, "--device", "cpu", "--max-concurrent", "6", "--verifier", "local"]
+    local = drafter_cli.parse_args(base).local_verifier
+    assert (local.target_dir, local.projection_dir, local.device, local.max_sessions) == (target, draft, "cpu", 6)
+    assert local.feature_layer_ids == load_draft_config(draft).target_layer_ids
+    monkeypatch.setenv("VERIFIER_MAX_TREE_NODES", "33")
+    local = drafter_cli.parse_args(base + ["--local-verifier-flags",
+                                          "--max-seq-len 256 --graph-batches 1,2 --raw-features"]).local_verifier
+    assert (local.max_seq_len, local.graph_batches, local.projection_dir, local.max_tree_nodes) == (256, (1, 2), "", 33)
+    assert drafter_cli.parse_args(["--draft", draft, "--target", target]).local_verifier is None
+    capsys.readouterr()
+    for bad in (base + ["--local-verifier-flags", "--max-seq-len 1"], base + ["--local-verifier-flags", "--nope"],
+                base + ["--local-verifier-flags", '"unclosed'],
+                ["--draft", draft, "--target", target, "--local-verifier-flags", "--max-seq-len 256"]):
+        with pytest.raises(SystemExit) as caught:
+            drafter_cli.parse_args(bad)
+        err = capsys.readouterr().err
+        assert caught.value.code != 0 and err.strip() and "Traceback" not in err

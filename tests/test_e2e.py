@@ -3,6 +3,7 @@ concurrent requests do not interfere, errors carry the right status, slots never
 and one request is one trace across both services."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -26,6 +27,7 @@ from common.rpc import CHANNEL_OPTIONS, GENERATION_SERVICE, pb, pb_grpc
 from common.tracing import setup_tracing
 from drafter_svc.drafter import DraftMode
 from drafter_svc.generate import LocalEngine
+from drafter_svc.link import LocalLink
 from drafter_svc.server import DrafterConfig, DrafterEngine
 from drafter_svc.server import serve as serve_drafter
 from drafter_svc.scheduler import GenerationConfig
@@ -112,6 +114,20 @@ def run(client, req, timeout=60):
             tokens.extend(reply.delta.token_ids)
             text.append(reply.delta.text)
     return tokens, "".join(text), final
+
+
+@contextlib.contextmanager
+def served(engine):
+    """A Generation stub to `engine`, served on loopback for the block."""
+    with ServerThread(lambda: serve_drafter(engine, "127.0.0.1", 0)) as running, \
+            grpc.insecure_channel(f"127.0.0.1:{running.port}", options=CHANNEL_OPTIONS) as channel:
+        yield pb_grpc.GenerationStub(channel)
+
+
+def concurrently(stub, reqs):
+    """Every request at once: `run`'s (tokens, text, final) of each."""
+    with ThreadPoolExecutor(len(reqs)) as pool:
+        return list(pool.map(lambda r: run(stub, r), reqs))
 
 
 def local_run(local, prompt, n=16, budget=8, sampling=SamplingParams()):
@@ -343,14 +359,35 @@ def test_pipelined_drafter_changes_no_output(qwen3_pair, client, verifier, verif
     alone = [run(client, r)[0] for r in reqs]
     engine = drafter_engine(qwen3_pair, verifier.port, pipelining="on")
     assert engine.scheduler.pipelined
-    with ServerThread(lambda: serve_drafter(engine, "127.0.0.1", 0)) as pipelined, \
-            grpc.insecure_channel(f"127.0.0.1:{pipelined.port}", options=CHANNEL_OPTIONS) as channel:
-        stub = pb_grpc.GenerationStub(channel)
+    with served(engine) as stub:
         for _ in range(2):
-            with ThreadPoolExecutor(len(reqs)) as pool:
-                together = list(pool.map(lambda r: run(stub, r)[0], reqs))
-            assert together == alone
+            assert [tokens for tokens, _, _ in concurrently(stub, reqs)] == alone
     wait_full(verifier_stub)
+
+
+def test_local_verifier_drafter_equals_the_services(qwen3_pair, client, verifier_stub):
+    """A drafter with --verifier local (the target in its own process, linked in memory, rounds in
+    lockstep) gives concurrent requests, greedy and seeded, the networked services' tokens, and
+    closes every session it opened on its verifier."""
+    reqs = [request(PROMPTS[i % 3] + [i], n=12 + i, budget=(0, 4, 8, 16)[i % 4], temperature=(0.0, 0.9)[i % 2],
+                    top_k=20, seed=70 + i) for i in range(MAX_SESSIONS)]
+    alone = [run(client, r)[0] for r in reqs]
+    cfg = DrafterConfig(draft_dir=str(qwen3_pair[1]), target_dir=str(qwen3_pair[0]), verifier="local",
+                        local_verifier=verifier_config(qwen3_pair), host="127.0.0.1", port=0, tree_budget=8,
+                        max_new_tokens=16, pipelining="on")
+    engine = DrafterEngine.start(cfg, torch.float32)
+    link = engine.scheduler.link
+    assert isinstance(link, LocalLink) and engine.scheduler.pipelined and engine.channels == []
+    assert engine.info.max_sessions == MAX_SESSIONS and engine.info.feature_projection
+    target = link.verifier.runner.model  # the draft shares the target's embedding and head
+    assert engine.scheduler.proposer.lm_head is target.lm_head.weight
+    assert engine.scheduler.proposer.embed_tokens is target.embed_tokens.weight
+    with served(engine) as stub:
+        assert [tokens for tokens, _, _ in concurrently(stub, reqs)] == alone
+        deadline = time.monotonic() + 10
+        while link.verifier.num_sessions and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert link.verifier.num_sessions == 0
 
 
 def test_chunked_prefill_over_grpc_changes_no_output(qwen3_pair, client, verifier, verifier_stub):
@@ -361,11 +398,8 @@ def test_chunked_prefill_over_grpc_changes_no_output(qwen3_pair, client, verifie
                     top_k=20, seed=70 + i) for i in range(MAX_SESSIONS)]
     alone = [run(client, r) for r in reqs]
     engine = drafter_engine(qwen3_pair, verifier.port, prefill_chunk=8)
-    with ServerThread(lambda: serve_drafter(engine, "127.0.0.1", 0)) as chunked, \
-            grpc.insecure_channel(f"127.0.0.1:{chunked.port}", options=CHANNEL_OPTIONS) as channel:
-        stub = pb_grpc.GenerationStub(channel)
-        with ThreadPoolExecutor(len(reqs)) as pool:
-            together = list(pool.map(lambda r: run(stub, r), reqs))
+    with served(engine) as stub:
+        together = concurrently(stub, reqs)
     for (tokens, _, final), (want, _, want_final) in zip(together, alone):
         assert tokens == want and list(final.stats.acceptance_lengths) == list(want_final.stats.acceptance_lengths)
     wait_full(verifier_stub)
@@ -597,11 +631,8 @@ def test_adaptive_budget_changes_no_output(qwen3_pair, client, verifier_stub):
         planner.explore_every = 2  # the tiny random pair accepts little: make it try trees too
         chosen, choose = [], planner.choose
         planner.choose = lambda *args, **kw: chosen.append(choose(*args, **kw)) or chosen[-1]
-        with ServerThread(lambda: serve_drafter(engine, "127.0.0.1", 0)) as adaptive, \
-                grpc.insecure_channel(f"127.0.0.1:{adaptive.port}", options=CHANNEL_OPTIONS) as channel:
-            stub = pb_grpc.GenerationStub(channel)
-            with ThreadPoolExecutor(len(reqs)) as pool:
-                together = list(pool.map(lambda r: run(stub, r)[0], reqs))
+        with served(engine) as stub:
+            together = [tokens for tokens, _, _ in concurrently(stub, reqs)]
     assert together == alone
     assert len({c.budget for c in chosen}) >= 2, [c.budget for c in chosen]
     wait_full(verifier_stub)

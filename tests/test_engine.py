@@ -133,7 +133,7 @@ def test_pipelined_rounds_change_no_output(engine, groups):
 
         def send(self, entries):
             super().send(entries)
-            self.most = max(self.most, len(self._results))
+            self.most = max(self.most, self.in_flight)
 
     requests = [(PROMPTS[i % len(PROMPTS)] + [i], GenerationConfig(N - 2 * (i % 4), mode=mode))
                 for i, mode in enumerate(MODES + MODES[2:])]
@@ -163,7 +163,7 @@ def test_pipelining_starts_from_its_session_count(engine, min_sessions, most):
 
         def send(self, entries):
             super().send(entries)
-            self.most = max(self.most, len(self._results))
+            self.most = max(self.most, self.in_flight)
 
     requests = [(PROMPTS[i % len(PROMPTS)] + [i], GenerationConfig(N, mode=DraftMode("tree", 8))) for i in range(4)]
     lockstep = engine.generate_many(requests)
@@ -189,8 +189,7 @@ def test_sessions_recover_from_a_lost_verifier_link(engine):
         def send(self, entries):
             self.sends += 1
             if self.sends in (4, 9):
-                self.verifier.close_owner(self.OWNER)  # what a dead link does: its sessions and replies are gone
-                self._results.clear()
+                self.close()  # what a dead link does: its sessions and replies are gone
                 raise StatusError("UNAVAILABLE", "verifier went away")
             super().send(entries)
 

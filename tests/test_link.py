@@ -354,3 +354,48 @@ def test_the_verifiers_step_time_is_kept_only_when_plausible(seconds, kept):
     link.send([TreeEntry(1, 1, chain([3, 4]))])
     results = link.receive()
     assert results[0].outcome.next_token == 5 and link.verifier_step_s == kept
+
+
+class _RecordingVerifier:
+    """A TreeVerifier stand-in that logs its begin / finish calls; session ids from 100 up make a
+    step `exclusive` (as a prefill does)."""
+
+    def __init__(self):
+        self.log: list[tuple[str, list[int]]] = []
+
+    def begin(self, items):
+        ids = [e.session_id for _, e in items]
+        self.log.append(("begin", ids))
+        return _Pending(frozenset((owner, e.session_id) for owner, e in items), any(i >= 100 for i in ids), ids)
+
+    def finish(self, pending):
+        self.log.append(("finish", pending.ids))
+        return [StepResult(i, Extended(torch.zeros(0, WIDTH))) for i in pending.ids]
+
+    def close_owner(self, owner):
+        self.log.append(("close", []))
+
+
+_Pending = collections.namedtuple("_Pending", "keys exclusive ids")
+
+
+def test_local_link_overlaps_only_the_steps_that_may_overlap():
+    """`LocalLink.send` begins a step while others are in flight when it touches none of their
+    sessions and none of them is exclusive; otherwise it first finishes them, in order. Replies
+    come back in message order, and close finishes what is in flight."""
+    from drafter_svc.link import LocalLink
+
+    verifier = _RecordingVerifier()
+    link = LocalLink(verifier)
+    link.send([CloseEntry(1)])
+    link.send([CloseEntry(2)])
+    assert verifier.log == [("begin", [1]), ("begin", [2])] and link.in_flight == 2
+    link.send([CloseEntry(1), CloseEntry(3)])  # session 1 is in flight: both earlier steps finish first
+    assert verifier.log[2:] == [("finish", [1]), ("finish", [2]), ("begin", [1, 3])]
+    assert [[r.session_id for r in link.receive()] for _ in range(3)] == [[1], [2], [1, 3]]
+    link.send([CloseEntry(100)])  # exclusive: what comes next waits for it
+    link.send([CloseEntry(4)])
+    assert verifier.log[-3:] == [("begin", [100]), ("finish", [100]), ("begin", [4])]
+    assert [r.session_id for r in link.receive()] == [100]
+    link.close()
+    assert verifier.log[-2:] == [("finish", [4]), ("close", [])] and link.in_flight == 0

@@ -254,8 +254,7 @@ class DyingLink(LocalLink):
     def send(self, entries):
         self.sends += 1
         if self.sends == self.die_at:
-            self.verifier.close_owner(self.OWNER)
-            self._results.clear()
+            self.close()  # its sessions and replies gone
             raise StatusError("UNAVAILABLE", "verifier went away")
         super().send(entries)
 

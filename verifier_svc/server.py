@@ -310,23 +310,29 @@ class _Link:
             self.worker.close_sessions(self.owner, unstarted + idle)
 
 
+def verifier_info(verifier: TreeVerifier, config: VerifierConfig) -> pb.InfoResponse:
+    """What a verifier tells drafters about itself (InfoResponse), less its live load
+    (free_sessions, busy_s): for the Info RPC, and for a drafter's in-process verifier."""
+    model = verifier.runner.model
+    cfg = model.full_cfg  # the whole target's, also under tensor parallelism
+    return pb.InfoResponse(
+        architecture=cfg.architecture, vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
+        num_layers=cfg.num_layers, dtype=str(model.embed_tokens.weight.dtype).removeprefix("torch."),
+        config_fingerprint=cfg.fingerprint(), feature_layer_ids=model.feature_layer_ids,
+        feature_projection=model.feature_projection.fingerprint() if model.feature_projection is not None else "",
+        device_id=device_id(model.embed_tokens.weight.device),
+        max_seq_len=config.max_seq_len, max_sessions=config.max_sessions,
+        max_tree_nodes=config.max_tree_nodes,
+        verify_costs=[pb.VerifyCost(batch=b, tokens=t, seconds=seconds)
+                      for (b, t), seconds in sorted(verifier.verify_costs.items())],
+        sampling=config.sampling, deterministic=config.deterministic,
+    )
+
+
 class VerifierServicer(pb_grpc.VerifierServicer):
     def __init__(self, worker: ModelWorker, config: VerifierConfig):
         self.worker, self.config = worker, config
-        model = worker.verifier.runner.model
-        cfg = model.full_cfg  # the whole target's, also under tensor parallelism
-        self._info = pb.InfoResponse(
-            architecture=cfg.architecture, vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
-            num_layers=cfg.num_layers, dtype=str(model.embed_tokens.weight.dtype).removeprefix("torch."),
-            config_fingerprint=cfg.fingerprint(), feature_layer_ids=model.feature_layer_ids,
-            feature_projection=model.feature_projection.fingerprint() if model.feature_projection is not None else "",
-            device_id=device_id(model.embed_tokens.weight.device),
-            max_seq_len=config.max_seq_len, max_sessions=config.max_sessions,
-            max_tree_nodes=config.max_tree_nodes,
-            verify_costs=[pb.VerifyCost(batch=b, tokens=t, seconds=seconds)
-                          for (b, t), seconds in sorted(worker.verifier.verify_costs.items())],
-            sampling=config.sampling, deterministic=config.deterministic,
-        )
+        self._info = verifier_info(worker.verifier, config)
         self._links = 0
 
     async def Info(self, request: bytes, context: grpc.aio.ServicerContext) -> pb.InfoResponse:
