@@ -15,8 +15,8 @@ Both services run as their own processes on loopback (free ports, ready once eac
 `bench/delay_proxy.py`, a TCP proxy (its own process) that delays every chunk by MS in each
 direction: a link round trip gains 2 x MS, as between hosts (a userspace stand-in for netem). With
 `--colocate` there is no verifier service: each drafter runs with `--verifier local`, holding the
-target in its own process (`--local-verifier-flags`: the flags the service would get), and
-v-busy is not measured. Model setups (`--models`):
+target in its own process (`--local-verifier-flags`: the flags the service would get), rounds
+go in lockstep, and v-busy is not measured. Model setups (`--models`):
 
 * `default`: the shipped trained pair (`--target`, `--draft`) through the real CLIs,
   `python -m verifier_svc` and `python -m drafter_svc`; prompts are token windows of the
@@ -268,8 +268,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--max-sessions {a.max_sessions} is below the largest concurrency {max(a.concurrency)}")
     if a.delay_ms < 0:
         p.error("--delay-ms must be >= 0")
-    if a.colocate and (a.delay_ms or a.verifier_tp > 1 or a.timeline):
-        p.error("--colocate has no link to delay, no verifier to shard and no verifier timeline")
+    if a.colocate and (a.delay_ms or a.verifier_tp > 1 or a.timeline or a.lockstep):
+        p.error("--colocate has no link to delay, no verifier to shard, no verifier timeline and only lockstep rounds")
     if a.accept_probs is not None and not all(0 <= x <= 1 for x in a.accept_probs):
         p.error("--accept-probs must be in [0, 1]")
     return a

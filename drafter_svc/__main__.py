@@ -44,8 +44,7 @@ def parse_args(argv=None) -> DrafterConfig:
                 "to several addresses is one replica per address): new sessions go to the least loaded one that "
                 "answers, and the sessions of one that dies re-open on another (--recovery-timeout); or 'local': "
                 "load the target in this process, on --device, linked in memory (one GPU for both models: one "
-                "CUDA context instead of two time-slicing the GPU, no gRPC; the draft and the verify run on "
-                "streams of their own, so pipelined rounds overlap them) "
+                "CUDA context instead of two time-slicing the GPU, no gRPC; rounds in lockstep) "
                 f"(default {d.verifier})")
     p.flag("--local-verifier-flags", env="DRAFTER_LOCAL_VERIFIER_FLAGS", default="",
            help="with --verifier local: the in-process verifier's settings, as `python -m verifier_svc` flags in one "
@@ -154,6 +153,8 @@ def parse_args(argv=None) -> DrafterConfig:
         fail(f"--http-port must be in [0, 65535], got {a.http_port}")
     if a.local_verifier_flags and a.verifier != LOCAL:
         fail("--local-verifier-flags is for --verifier local")
+    if a.verifier == LOCAL and a.pipelining == "on":
+        fail("--pipelining on needs a verifier service: with --verifier local rounds go in lockstep")
     local = local_verifier_config(a) if a.verifier == LOCAL else None
     return DrafterConfig(draft_dir=a.draft, target_dir=a.target, verifier=a.verifier, local_verifier=local,
                          host=a.host, port=a.port,

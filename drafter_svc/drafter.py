@@ -8,7 +8,6 @@ eagerly.
 """
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -65,10 +64,6 @@ class BlockProposer(Protocol):
                 new_features: Sequence[torch.Tensor]) -> torch.Tensor: ...
 
     def finish(self, state: object) -> None: ...
-
-    def on_stream(self) -> contextlib.AbstractContextManager:
-        """Makes the device stream its work runs on current (a no-op where there is none)."""
-        ...
 
 
 def build_trees(modes: Sequence[DraftMode], block_logits: torch.Tensor, roots: Sequence[int],
@@ -138,14 +133,9 @@ class DFlashProposer:
         self.pool = DraftKVPool(draft, slots + 1, context_capacity(max_seq_len, self.block_size))
         self.scratch_slot = self.pool.acquire()  # held for good: padding rows of the graphs write there
         use_graphs = cuda_graphs and self.device.type == "cuda"
-        # Its device work (the scheduler's steps: context, draft step, top-k) runs on a stream of its
-        # own, high priority: beside an in-process verifier's forward it is the short, urgent work.
-        self.stream = torch.cuda.Stream(self.device, priority=-1) if self.device.type == "cuda" else None
         self.graphs = (DraftGraphs(draft, embed_tokens, lm_head, self.pool, self.scratch_slot,
                                    graph_config or DraftGraphConfig(), projected=projected_features)
                        if use_graphs else None)
-        if self.stream is not None:  # behind the set-up work queued so far (weights, the pool's zeros)
-            self.stream.wait_stream(torch.cuda.current_stream(self.device))
 
     @classmethod
     def from_pretrained(cls, draft_dir: str | Path, target_dir: str | Path, device="cpu",
@@ -222,6 +212,3 @@ class DFlashProposer:
     def finish(self, state: DraftState) -> None:
         """The session is over: give its slot back."""
         self.pool.release(state.slot)
-
-    def on_stream(self) -> contextlib.AbstractContextManager:
-        return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()

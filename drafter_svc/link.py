@@ -15,7 +15,6 @@ on it is lost); the next step opens a new stream. `LocalLink` is the in-process 
 from __future__ import annotations
 
 import collections
-import contextlib
 import math
 import queue
 import threading
@@ -25,7 +24,6 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import grpc
-import torch
 
 from common.config import DraftConfig, TargetConfig
 from common.protocol import (CloseEntry, Entry, Extended, ExtendEntry, OpenEntry, Prefilled, StatusError, StepResult,
@@ -256,17 +254,15 @@ class LocalLink(_Lockstep):
     """The in-process verifier: calls a `TreeVerifier` directly (implements `VerifierLink`).
 
     `send` begins the message's step (its checks, and its verify queued on the device) and
-    `receive` finishes the oldest step, so a pipelining scheduler drafts one group while the
-    other's verify runs. A step that may not overlap one in flight (it touches the same
-    sessions, or that one is `exclusive`: see `TreeVerifier.begin`) first finishes the steps in
-    flight. With a `stream` (CUDA), the verifier's device work goes on it, beside the draft
-    model's. In process the whole reply is there at once: no notices."""
+    `receive` finishes the oldest step, as the verifier's model worker overlaps a pipelining
+    link's steps. A step that may not overlap one in flight (it touches the same sessions, or
+    that one is `exclusive`: see `TreeVerifier.begin`) first finishes the steps in flight. In
+    process the whole reply is there at once: no notices."""
 
     OWNER = "local"
 
-    def __init__(self, verifier, stream=None):
+    def __init__(self, verifier):
         self.verifier = verifier
-        self.stream = stream
         self._steps: collections.deque[_LocalStep] = collections.deque()
         self.verifier_step_s = 0.0
 
@@ -274,9 +270,6 @@ class LocalLink(_Lockstep):
     def in_flight(self) -> int:
         """Messages sent and not yet received."""
         return len(self._steps)
-
-    def _on_stream(self):
-        return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
 
     def send(self, entries: Sequence[Entry]) -> None:
         items = [(self.OWNER, e) for e in entries]
@@ -286,8 +279,7 @@ class LocalLink(_Lockstep):
             for step in self._steps:
                 self._finish(step)
         start = time.perf_counter()
-        with self._on_stream():
-            pending = self.verifier.begin(items)
+        pending = self.verifier.begin(items)
         self._steps.append(_LocalStep(pending, time.perf_counter() - start))
 
     def receive(self, on_notice: OnNotice | None = None) -> list[StepResult]:
@@ -299,8 +291,7 @@ class LocalLink(_Lockstep):
     def _finish(self, step: _LocalStep) -> None:
         if step.results is None:
             start = time.perf_counter()
-            with self._on_stream():
-                step.results = [r for r in self.verifier.finish(step.pending) if r is not None]
+            step.results = [r for r in self.verifier.finish(step.pending) if r is not None]
             step.seconds += time.perf_counter() - start
 
     def probe(self) -> bool:

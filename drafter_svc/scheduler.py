@@ -30,7 +30,6 @@ span, linked to the step; the round's traceparent rides on its tree, so the veri
 from __future__ import annotations
 
 import collections
-import contextlib
 import functools
 import itertools
 import logging
@@ -423,12 +422,6 @@ class DraftScheduler:
         messages are in flight (two by default, each with about half of the running sessions),
         so the draft of one group overlaps the others' verification, its round trip included.
         """
-        # The draft model's device work goes on its own stream (`BlockProposer.on_stream`), beside an
-        # in-process verifier's (`LocalLink`): one group's draft then runs while another's verify does.
-        with self.proposer.on_stream() if self.proposer is not None else contextlib.nullcontext():
-            return self._step()
-
-    def _step(self) -> bool:
         self._take_commands()
         for s in [s for s in self._running.values() if s.result.finish_reason and not s.in_flight]:
             self._finish(s)  # cancelled meanwhile

@@ -27,7 +27,6 @@ from collections.abc import Callable
 from typing import AsyncIterator
 
 import grpc
-import torch
 from grpc_health.v1 import health_pb2
 
 from common.auth import ApiKeyInterceptor
@@ -132,9 +131,14 @@ class DrafterConfig:
 
     def pipelined(self, verifier_device_id: str) -> bool:
         """Whether to pipeline rounds (from `pipeline_min_sessions` sessions on), given the
-        verifier's InfoResponse.device_id."""
+        verifier's InfoResponse.device_id. Never with an in-process verifier: on one H200 at 8B
+        dimensions its pipelined rounds were no faster than lockstep ones (bench/RESULTS.md)."""
         if self.pipelining not in ("auto", "on", "off"):
             raise ValueError(f"pipelining must be auto, on or off, got {self.pipelining!r}")
+        if self.verifier == LOCAL:
+            if self.pipelining == "on":
+                raise ValueError("--pipelining on needs a verifier service: with --verifier local rounds go in lockstep")
+            return False
         if self.pipelining != "auto":
             return self.pipelining == "on"
         return self.device.startswith("cuda")
@@ -206,8 +210,7 @@ def _load_proposer(cfg: DrafterConfig, torch_dtype, info: pb.InfoResponse, slots
 def _local_link(cfg: DrafterConfig, torch_dtype, draft_cfg) -> tuple[LocalLink, pb.InfoResponse, DFlashProposer]:
     """`--verifier local`: the target in this process, on the draft's device (`cfg.local_verifier`,
     the verifier service's settings), linked in memory: one CUDA context, no gRPC, no codec. Its
-    steps run on the scheduler's thread; on CUDA its device work goes on a stream of its own,
-    so that pipelined rounds draft one group while the other's verify runs."""
+    steps run on the scheduler's thread, in lockstep rounds (`DrafterConfig.pipelined`)."""
     vcfg = cfg.local_verifier or VerifierConfig(
         target_dir=cfg.target_dir, feature_layer_ids=draft_cfg.target_layer_ids, projection_dir=cfg.draft_dir,
         device=cfg.device, dtype=cfg.dtype, max_sessions=cfg.max_concurrent)
@@ -216,11 +219,7 @@ def _local_link(cfg: DrafterConfig, torch_dtype, draft_cfg) -> tuple[LocalLink, 
     model = verifier.runner.model
     proposer = _load_proposer(cfg, torch_dtype, info, max(1, min(info.max_sessions, cfg.max_concurrent)),
                               (model.embed_tokens.weight, model.lm_head.weight))
-    device, stream = verifier.runner.device, None
-    if device.type == "cuda":
-        stream = torch.cuda.Stream(device)
-        stream.wait_stream(torch.cuda.current_stream(device))  # behind the set-up (cache, graphs, costs)
-    return LocalLink(verifier, stream), info, proposer
+    return LocalLink(verifier), info, proposer
 
 
 class DrafterEngine:

@@ -1,8 +1,6 @@
 """Plain references the tests compare the engine against."""
 from __future__ import annotations
 
-import contextlib
-
 import heapq
 import math
 from dataclasses import dataclass
@@ -134,9 +132,6 @@ class OracleProposer:
 
     def propose(self, states, roots, new_tokens, new_features):
         return torch.stack([self._block_logits(s, t) for s, t in zip(states, new_tokens)])
-
-    def on_stream(self):
-        return contextlib.nullcontext()
 
     def _block_logits(self, state, new_tokens):
         state.extend(new_tokens)

@@ -167,7 +167,7 @@ def test_local_verifier_takes_the_verifier_flags(qwen3_pair, monkeypatch, capsys
     assert drafter_cli.parse_args(["--draft", draft, "--target", target]).local_verifier is None
     capsys.readouterr()
     for bad in (base + ["--local-verifier-flags", "--max-seq-len 1"], base + ["--local-verifier-flags", "--nope"],
-                base + ["--local-verifier-flags", '"unclosed'],
+                base + ["--local-verifier-flags", '"unclosed'], base + ["--pipelining", "on"],
                 ["--draft", draft, "--target", target, "--local-verifier-flags", "--max-seq-len 256"]):
         with pytest.raises(SystemExit) as caught:
             drafter_cli.parse_args(bad)

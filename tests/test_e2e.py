@@ -4,6 +4,7 @@ and one request is one trace across both services."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import socket
@@ -368,16 +369,18 @@ def test_pipelined_drafter_changes_no_output(qwen3_pair, client, verifier, verif
 def test_local_verifier_drafter_equals_the_services(qwen3_pair, client, verifier_stub):
     """A drafter with --verifier local (the target in its own process, linked in memory, rounds in
     lockstep) gives concurrent requests, greedy and seeded, the networked services' tokens, and
-    closes every session it opened on its verifier."""
+    closes every session it opened on its verifier; it refuses --pipelining on."""
     reqs = [request(PROMPTS[i % 3] + [i], n=12 + i, budget=(0, 4, 8, 16)[i % 4], temperature=(0.0, 0.9)[i % 2],
                     top_k=20, seed=70 + i) for i in range(MAX_SESSIONS)]
     alone = [run(client, r)[0] for r in reqs]
     cfg = DrafterConfig(draft_dir=str(qwen3_pair[1]), target_dir=str(qwen3_pair[0]), verifier="local",
                         local_verifier=verifier_config(qwen3_pair), host="127.0.0.1", port=0, tree_budget=8,
-                        max_new_tokens=16, pipelining="on")
+                        max_new_tokens=16)
+    with pytest.raises(ValueError, match="lockstep"):
+        dataclasses.replace(cfg, pipelining="on").pipelined("cpu")
     engine = DrafterEngine.start(cfg, torch.float32)
     link = engine.scheduler.link
-    assert isinstance(link, LocalLink) and engine.scheduler.pipelined and engine.channels == []
+    assert isinstance(link, LocalLink) and not engine.scheduler.pipelined and engine.channels == []
     assert engine.info.max_sessions == MAX_SESSIONS and engine.info.feature_projection
     target = link.verifier.runner.model  # the draft shares the target's embedding and head
     assert engine.scheduler.proposer.lm_head is target.lm_head.weight
