@@ -16,14 +16,20 @@ from torch import nn
 from common.config import RopeScaling
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x @ weight^T (a bias-free Linear): F.linear, or in the deterministic mode the
+def linear(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight^T (a bias-free Linear; into `out` if given): F.linear, on a GPU at few rows the
+    weight-streaming GEMM (`kernels.skinny_gemm`), or in the deterministic mode the
     batch-invariant GEMM (`kernels.batch_invariant`), whose rows do not depend on each other."""
-    from kernels import batch_invariant  # here: the kernels package imports this module
+    from kernels import batch_invariant, skinny_gemm  # here: the kernels package imports this module
 
     if batch_invariant.enabled():
-        return batch_invariant.linear(x, weight)
-    return F.linear(x, weight)
+        return batch_invariant.linear(x, weight, out=out)
+    if skinny_gemm.applies(x, weight):
+        return skinny_gemm.skinny_linear(x, weight, out=out)
+    if out is None:
+        return F.linear(x, weight)
+    torch.mm(x.reshape(-1, x.shape[-1]), weight.t(), out=out.view(-1, out.shape[-1]))
+    return out
 
 
 class RMSNorm(nn.Module):

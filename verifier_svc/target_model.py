@@ -164,12 +164,5 @@ class TargetModel(nn.Module):
             feats = self.feature_projection(feats)
         if logit_rows is not None:
             x = x[:, logit_rows]
-        if logits_out is None:
-            return ForwardOutput(logits=linear(x, self.lm_head.weight), features=feats)
-        # The same GEMM as lm_head's, into a buffer that outlives a CUDA graph's private memory.
-        if batch_invariant.enabled():
-            batch_invariant.linear(x, self.lm_head.weight, out=logits_out)
-        else:
-            torch.mm(x.reshape(-1, x.shape[-1]), self.lm_head.weight.t(),
-                     out=logits_out.view(-1, logits_out.shape[-1]))
-        return ForwardOutput(logits=logits_out, features=feats)
+        # With `logits_out`: into a buffer that outlives a CUDA graph's private memory.
+        return ForwardOutput(logits=linear(x, self.lm_head.weight, out=logits_out), features=feats)
