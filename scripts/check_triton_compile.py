@@ -52,6 +52,7 @@ def exercise(label) -> None:
 
     from kernels.fused_accept import tree_accept_triton
     from kernels.layer_ops import add_rms_norm_triton, qk_norm_rope_store_triton, silu_mul_triton
+    from kernels.skinny_gemm import skinny_config, skinny_linear
     from kernels.slot_attention import slot_attention_triton
 
     i32, i64 = torch.int32, torch.int64
@@ -73,6 +74,11 @@ def exercise(label) -> None:
                     label(f"tree_accept_triton {stage} {name} T={t} V={vocab}")
                     tree_accept_triton(logits, *tree, *outputs, **options)
 
+        for t in (1, 16, 32):
+            for n, k in ((6144, 4096), (4096, 12288), (151936, 4096), (1000, 200)):
+                if skinny_config(t, n, k) is not None:
+                    label(f"skinny_linear {name} T={t} N={n} K={k}")
+                    skinny_linear(torch.zeros(t, k, dtype=dtype), torch.zeros(n, k, dtype=dtype))
         for t in (1, 65):
             label(f"add_rms_norm_triton {name} T={t}")
             h, weight = torch.zeros(1, t, 4096, dtype=dtype), torch.ones(4096, dtype=dtype)
