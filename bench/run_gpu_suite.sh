@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # The GPU tests and the GPU benchmarks in one go, each step's log and JSON into OUTDIR.
 #
-#   bash bench/run_gpu_suite.sh OUTDIR [tests] [verify] [attention] [kernels] [draft] [topk] [round] [transport] [serve]
+#   bash bench/run_gpu_suite.sh OUTDIR [tests] [verify] [gemm] [attention] [kernels] [draft] [topk] [round] [transport] [serve]
 #
 # With no steps named, runs them all (about 22 minutes on an H200). Needs the project's
 # dependencies importable by python3; PYTHONPATH gets the repository root added.
 set -u
 out=${1:?usage: bash bench/run_gpu_suite.sh OUTDIR [steps...]}
 shift
-steps=${*:-tests verify attention kernels draft topk round transport serve}
+steps=${*:-tests verify gemm attention kernels draft topk round transport serve}
 mkdir -p "$out"
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 status=0
@@ -16,6 +16,7 @@ for step in $steps; do
     case $step in
         tests) cmd=(python3 -m pytest -q -rsxX -p no:cacheprovider --tb=short tests/gpu) ;;
         verify) cmd=(python3 bench/verify.py --out-json "$out/verify.json") ;;
+        gemm) cmd=(python3 bench/gemm.py --out-json "$out/gemm.json") ;;
         attention) cmd=(python3 bench/attention.py --batches 1,16,32 --trees 0,16,64 --out-json "$out/attention.json") ;;
         kernels) cmd=(python3 bench/kernels.py --batches 1,4,16,32 --trees 16,64,128 --out-json "$out/kernels.json") ;;
         draft) cmd=(python3 bench/draft_step.py --out-json "$out/draft.json") ;;
