@@ -255,9 +255,9 @@ class LocalLink(_Lockstep):
 
     `send` begins the message's step (its checks, and its verify queued on the device) and
     `receive` finishes the oldest step, as the verifier's model worker overlaps a pipelining
-    link's steps. A step that may not overlap one in flight (it touches the same sessions, or
-    that one is `exclusive`: see `TreeVerifier.begin`) first finishes the steps in flight. In
-    process the whole reply is there at once: no notices."""
+    link's steps. A step that one in flight does not admit (`PendingStep.admits`: it touches the
+    same sessions, or that one is `exclusive`) first finishes the steps in flight. In process the
+    whole reply is there at once: no notices."""
 
     OWNER = "local"
 
@@ -274,8 +274,7 @@ class LocalLink(_Lockstep):
     def send(self, entries: Sequence[Entry]) -> None:
         items = [(self.OWNER, e) for e in entries]
         keys = frozenset((self.OWNER, e.session_id) for e in entries)
-        if any(step.results is None and (step.pending.exclusive or not step.pending.keys.isdisjoint(keys))
-               for step in self._steps):
+        if any(step.results is None and not step.pending.admits(keys) for step in self._steps):
             for step in self._steps:
                 self._finish(step)
         start = time.perf_counter()

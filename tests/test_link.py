@@ -357,26 +357,30 @@ def test_the_verifiers_step_time_is_kept_only_when_plausible(seconds, kept):
 
 
 class _RecordingVerifier:
-    """A TreeVerifier stand-in that logs its begin / finish calls; session ids from 100 up make a
-    step `exclusive` (as a prefill does)."""
+    """A TreeVerifier stand-in that logs its begin / finish calls; its steps are real
+    `PendingStep`s, and session ids from 100 up make one `exclusive` (as a prompt chunk does)."""
 
     def __init__(self):
         self.log: list[tuple[str, list[int]]] = []
+        self.ids: dict[int, list[int]] = {}
 
     def begin(self, items):
+        from verifier_svc.tree_verifier import PendingStep
+
         ids = [e.session_id for _, e in items]
         self.log.append(("begin", ids))
-        return _Pending(frozenset((owner, e.session_id) for owner, e in items), any(i >= 100 for i in ids), ids)
+        pending = PendingStep(keys=frozenset((owner, e.session_id) for owner, e in items), size=len(items),
+                              chunks=[(0, None, None)] if any(i >= 100 for i in ids) else [])
+        self.ids[id(pending)] = ids
+        return pending
 
     def finish(self, pending):
-        self.log.append(("finish", pending.ids))
-        return [StepResult(i, Extended(torch.zeros(0, WIDTH))) for i in pending.ids]
+        ids = self.ids.pop(id(pending))
+        self.log.append(("finish", ids))
+        return [StepResult(i, Extended(torch.zeros(0, WIDTH))) for i in ids]
 
     def close_owner(self, owner):
         self.log.append(("close", []))
-
-
-_Pending = collections.namedtuple("_Pending", "keys exclusive ids")
 
 
 def test_local_link_overlaps_only_the_steps_that_may_overlap():

@@ -322,9 +322,9 @@ class ModelWorker:
 
     @staticmethod
     def _may_begin(job: LinkStep, running: collections.deque[_Running]) -> bool:
-        """Whether a message touches none of the running steps' sessions."""
+        """Whether every running step admits a message (`PendingStep.admits`)."""
         keys = {(job.owner, item.session_id) for item in job.items}
-        return not any(keys & r.pending.keys for r in running)
+        return all(r.pending.admits(keys) for r in running)
 
     def _next_step(self, waiting: list[LinkStep | _Close], running: collections.deque[_Running]
                    ) -> tuple[list[LinkStep], list[LinkStep | _Close]]:

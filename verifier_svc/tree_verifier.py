@@ -97,6 +97,10 @@ class PendingStep:
         `finish`) would queue behind that step's forward, or its logits would be overwritten."""
         return bool(self.chunks) or (self._launched is not None and self._launched.exclusive)
 
+    def admits(self, keys: frozenset[Key] | set[Key]) -> bool:
+        """Whether a step touching the sessions `keys` may begin before this one is finished."""
+        return not self.exclusive and self.keys.isdisjoint(keys)
+
     def ready(self) -> bool:
         """Whether `finish` would find the verify's results on the host without waiting."""
         return self._launched is None or self._launched.ready()
@@ -149,7 +153,7 @@ class TreeVerifier:
     def begin(self, entries: Sequence[tuple[Hashable, Entry]], *, stage: Stage = no_stage) -> PendingStep:
         """The first half of `step`: the closes, the trees' checks, and the batched verify queued
         on the device without waiting for it. Until `finish`, another step may begin only if it
-        touches none of this one's sessions and this one is not `exclusive`."""
+        touches none of this one's sessions and this one is not `exclusive` (`PendingStep.admits`)."""
         pending = PendingStep(keys=frozenset((owner, e.session_id) for owner, e in entries), size=len(entries))
         counts = collections.Counter((owner, e.session_id) for owner, e in entries)
         trees: list[tuple[int, Key, TreeEntry]] = []  # (position among the entries, key, entry)
