@@ -24,8 +24,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = Non
 
     if batch_invariant.enabled():
         return batch_invariant.linear(x, weight, out=out)
-    if skinny_gemm.applies(x, weight):
-        return skinny_gemm.skinny_linear(x, weight, out=out)
+    tiles = skinny_gemm.tiles_for(x, weight)
+    if tiles is not None:
+        return skinny_gemm.skinny_linear(x, weight, out=out, tiles=tiles)
     if out is None:
         return F.linear(x, weight)
     torch.mm(x.reshape(-1, x.shape[-1]), weight.t(), out=out.view(-1, out.shape[-1]))

@@ -12,6 +12,7 @@ both models). Every flag falls back to the environment variable named in its hel
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import shlex
 import signal
@@ -25,9 +26,7 @@ from common.logs import add_logging_flags, setup_logging
 from common.protocol import StatusError
 from common.tls import ChannelTls, ServerTls, TlsError
 from common.tracing import exporting, setup_tracing, shutdown_tracing
-from drafter_svc.server import LOCAL, DrafterConfig, DrafterEngine, serve
-from verifier_svc import __main__ as verifier_cli
-from verifier_svc.server import VerifierConfig
+from drafter_svc.server import LOCAL, DrafterConfig, DrafterEngine, local_verifier_config, serve
 
 log = logging.getLogger("drafter_svc")
 DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -155,9 +154,7 @@ def parse_args(argv=None) -> DrafterConfig:
         fail("--local-verifier-flags is for --verifier local")
     if a.verifier == LOCAL and a.pipelining == "on":
         fail("--pipelining on needs a verifier service: with --verifier local rounds go in lockstep")
-    local = local_verifier_config(a) if a.verifier == LOCAL else None
-    return DrafterConfig(draft_dir=a.draft, target_dir=a.target, verifier=a.verifier, local_verifier=local,
-                         host=a.host, port=a.port,
+    cfg = DrafterConfig(draft_dir=a.draft, target_dir=a.target, verifier=a.verifier, host=a.host, port=a.port,
                          device=a.device, dtype=a.dtype, tree_budget=a.tree_budget, chain=a.chain,
                          max_new_tokens=a.max_new_tokens, max_concurrent=a.max_concurrent,
                          verifier_wait_s=a.verifier_wait, queue_timeout_s=a.queue_timeout,
@@ -170,18 +167,13 @@ def parse_args(argv=None) -> DrafterConfig:
                          adaptive_budget=a.adaptive_budget, bench_oracle=a.bench_oracle,
                          tls=tls, verifier_tls=verifier_tls, api_key=api_key, http_port=a.http_port,
                          served_model_name=a.served_model_name, log_level=a.log_level, log_format=a.log_format)
-
-
-def local_verifier_config(a) -> VerifierConfig:
-    """The in-process verifier's settings: this drafter's target, draft, device, dtype and
-    concurrency, then --local-verifier-flags (the verifier service's own parser and checks)."""
+    if a.verifier != LOCAL:
+        return cfg
     try:
         flags = shlex.split(a.local_verifier_flags)
     except ValueError as exc:
         fail(f"--local-verifier-flags: {exc}")
-    dtype = [] if a.dtype == "auto" else ["--dtype", a.dtype]
-    return verifier_cli.parse_config(["--target", a.target, "--draft", a.draft, "--device", a.device, *dtype,
-                                      "--max-sessions", str(a.max_concurrent), *flags])
+    return dataclasses.replace(cfg, local_verifier=local_verifier_config(cfg, flags))
 
 
 def add_security_flags(p: FlagParser, d: DrafterConfig) -> None:

@@ -20,7 +20,6 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Protocol
 
 import grpc
@@ -251,64 +250,38 @@ class GrpcLink(_Lockstep):
 
 
 class LocalLink(_Lockstep):
-    """The in-process verifier: calls a `TreeVerifier` directly (implements `VerifierLink`).
-
-    `send` begins the message's step (its checks, and its verify queued on the device) and
-    `receive` finishes the oldest step, as the verifier's model worker overlaps a pipelining
-    link's steps. A step that one in flight does not admit (`PendingStep.admits`: it touches the
-    same sessions, or that one is `exclusive`) first finishes the steps in flight. In process the
-    whole reply is there at once: no notices."""
+    """The in-process verifier: calls a `TreeVerifier` directly (implements `VerifierLink`);
+    a message is verified when sent, its results kept until received (in process the whole
+    reply is there at once: no notices)."""
 
     OWNER = "local"
 
     def __init__(self, verifier):
         self.verifier = verifier
-        self._steps: collections.deque[_LocalStep] = collections.deque()
+        self._results: collections.deque[tuple[list[StepResult], float]] = collections.deque()
         self.verifier_step_s = 0.0
 
     @property
     def in_flight(self) -> int:
         """Messages sent and not yet received."""
-        return len(self._steps)
+        return len(self._results)
 
     def send(self, entries: Sequence[Entry]) -> None:
-        items = [(self.OWNER, e) for e in entries]
-        keys = frozenset((self.OWNER, e.session_id) for e in entries)
-        if any(step.results is None and not step.pending.admits(keys) for step in self._steps):
-            for step in self._steps:
-                self._finish(step)
         start = time.perf_counter()
-        pending = self.verifier.begin(items)
-        self._steps.append(_LocalStep(pending, time.perf_counter() - start))
+        results = self.verifier.step([(self.OWNER, e) for e in entries])
+        self._results.append(([r for r in results if r is not None], time.perf_counter() - start))
 
     def receive(self, on_notice: OnNotice | None = None) -> list[StepResult]:
-        step = self._steps.popleft()
-        self._finish(step)
-        self.verifier_step_s = step.seconds
-        return step.results
-
-    def _finish(self, step: _LocalStep) -> None:
-        if step.results is None:
-            start = time.perf_counter()
-            step.results = [r for r in self.verifier.finish(step.pending) if r is not None]
-            step.seconds += time.perf_counter() - start
+        results, self.verifier_step_s = self._results.popleft()
+        return results
 
     def probe(self) -> bool:
         return True
 
     def close(self) -> None:
-        for step in self._steps:  # the steps in flight end on the verifier as they would have
-            self._finish(step)
-        self._steps.clear()
+        """The verifier closes this link's sessions; replies not yet received are dropped."""
+        self._results.clear()
         self.verifier.close_owner(self.OWNER)
-
-
-@dataclass
-class _LocalStep:
-    """A `LocalLink` message: its step begun (`pending`), its results once finished, host seconds so far."""
-    pending: object
-    seconds: float
-    results: list[StepResult] | None = None
 
 
 def check_verifier(info: pb.InfoResponse, target: TargetConfig, draft: DraftConfig | None) -> None:

@@ -23,7 +23,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import AsyncIterator
 
 import grpc
@@ -48,6 +48,7 @@ from drafter_svc.link import GrpcLink, LocalLink, check_verifier, open_channel, 
 from drafter_svc.replicas import Replica, ReplicaLink, State, check_replica, verifier_addresses, wait_for_verifier
 from drafter_svc.scheduler import DraftScheduler, GenerationConfig, GenerationResult, QueueFull, RoundUpdate
 from drafter_svc.text_stream import TextStream
+from verifier_svc import __main__ as verifier_cli
 from verifier_svc.server import VerifierConfig, load_verifier, verifier_info
 
 log = logging.getLogger("drafter_svc")
@@ -207,13 +208,20 @@ def _load_proposer(cfg: DrafterConfig, torch_dtype, info: pb.InfoResponse, slots
     return proposer
 
 
-def _local_link(cfg: DrafterConfig, torch_dtype, draft_cfg) -> tuple[LocalLink, pb.InfoResponse, DFlashProposer]:
+def local_verifier_config(cfg: DrafterConfig, flags: Sequence[str] = ()) -> VerifierConfig:
+    """The in-process verifier's settings: the drafter's target, draft, device, dtype and
+    concurrency, then `flags` (`python -m verifier_svc` flags: the service's own parser, checks
+    and VERIFIER_* fallbacks; a bad one exits with one line)."""
+    dtype = [] if cfg.dtype == "auto" else ["--dtype", cfg.dtype]
+    return verifier_cli.parse_config(["--target", cfg.target_dir, "--draft", cfg.draft_dir, "--device", cfg.device,
+                                      *dtype, "--max-sessions", str(cfg.max_concurrent), *flags])
+
+
+def _local_link(cfg: DrafterConfig, torch_dtype) -> tuple[LocalLink, pb.InfoResponse, DFlashProposer]:
     """`--verifier local`: the target in this process, on the draft's device (`cfg.local_verifier`,
     the verifier service's settings), linked in memory: one CUDA context, no gRPC, no codec. Its
     steps run on the scheduler's thread, in lockstep rounds (`DrafterConfig.pipelined`)."""
-    vcfg = cfg.local_verifier or VerifierConfig(
-        target_dir=cfg.target_dir, feature_layer_ids=draft_cfg.target_layer_ids, projection_dir=cfg.draft_dir,
-        device=cfg.device, dtype=cfg.dtype, max_sessions=cfg.max_concurrent)
+    vcfg = cfg.local_verifier or local_verifier_config(cfg)
     verifier = load_verifier(vcfg)
     info = verifier_info(verifier, vcfg)
     model = verifier.runner.model
@@ -243,7 +251,7 @@ class DrafterEngine:
         tokenizer = load_tokenizer(cfg.target_dir)
         chat_template = load_chat_template(cfg.target_dir)
         if cfg.verifier == LOCAL:
-            link, info, proposer = _local_link(cfg, torch_dtype, draft_cfg)
+            link, info, proposer = _local_link(cfg, torch_dtype)
             channels = []
         else:
             link, info, proposer, channels = _remote_link(cfg, torch_dtype, target_cfg, draft_cfg)

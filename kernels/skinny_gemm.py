@@ -61,14 +61,14 @@ def skinny_config(m: int, n: int, k: int) -> dict | None:
     return None
 
 
-def applies(x: Tensor, weight: Tensor) -> bool:
-    """Whether `skinny_linear` takes this GEMM: CUDA (unless DDTREE_KERNELS=reference), half
-    precision, few rows, a tile config."""
+def tiles_for(x: Tensor, weight: Tensor) -> dict | None:
+    """The tiles `skinny_linear` takes this GEMM with, or None where it does not: CUDA (unless
+    DDTREE_KERNELS=reference), half precision, few rows, a tile config."""
     if not (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype
             and weight.dim() == 2 and weight.stride(-1) == 1 and kernel_backend(x.device) == "triton"):
-        return False
+        return None
     m = x.numel() // max(x.shape[-1], 1)
-    return 0 < m and skinny_config(m, weight.shape[0], weight.shape[1]) is not None
+    return skinny_config(m, weight.shape[0], weight.shape[1]) if m else None
 
 
 def skinny_linear(x: Tensor, weight: Tensor, out: Tensor | None = None, tiles: dict | None = None) -> Tensor:
