@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # The GPU tests and the GPU benchmarks in one go, each step's log and JSON into OUTDIR.
 #
-#   bash bench/run_gpu_suite.sh OUTDIR [tests] [verify] [gemm] [attention] [kernels] [draft] [topk] [round] [transport] [serve]
+#   bash bench/run_gpu_suite.sh OUTDIR [tests] [verify] [gemm] [attention] [kernels] [draft] [topk] [select] [round] [transport] [serve]
 #
 # With no steps named, runs them all (about 22 minutes on an H200). Needs the project's
 # dependencies importable by python3; PYTHONPATH gets the repository root added.
 set -u
 out=${1:?usage: bash bench/run_gpu_suite.sh OUTDIR [steps...]}
 shift
-steps=${*:-tests verify gemm attention kernels draft topk round transport serve}
+steps=${*:-tests verify gemm attention kernels draft topk select round transport serve}
 mkdir -p "$out"
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 status=0
@@ -21,6 +21,7 @@ for step in $steps; do
         kernels) cmd=(python3 bench/kernels.py --batches 1,4,16,32 --trees 16,64,128 --out-json "$out/kernels.json") ;;
         draft) cmd=(python3 bench/draft_step.py --out-json "$out/draft.json") ;;
         topk) cmd=(python3 bench/draft_topk.py --out-json "$out/draft_topk.json") ;;
+        select) cmd=(python3 bench/tree_select.py --device cuda --vocab 151936 --budget 15 --out-json "$out/tree_select.json") ;;
         round) cmd=(python3 bench/round.py --sessions 1,8,32 --out-json "$out/round.json") ;;
         transport) cmd=(python3 bench/transport.py --out-json "$out/transport.json") ;;
         serve) cmd=(python3 bench/serve.py --models qwen3-8b,default --concurrency 1,4,8,16,32,64 --max-new-tokens 128

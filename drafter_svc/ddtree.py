@@ -35,8 +35,13 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from common.staging import to_device
 from common.tree import DraftTree
+from kernels.ddtree_select import MAX_WIDTH, select_on_device
 from kernels.draft_topk import top_logprobs
+from kernels.tree_sampling import kernel_backend
+
+NAN_LOGITS = "block_logits contain NaN (or a row that is all -inf)"
 
 
 def _check_block_logits(block_logits: Tensor) -> None:
@@ -147,9 +152,11 @@ def select_ddtrees(block_logits: Tensor, root_tokens: Sequence[int], budgets: Se
     """The nodes of S sessions' best-first DDTrees, at most `budgets[s]` drafted nodes each.
 
     Per depth the candidates are the top min(budget, V) tokens of log_softmax. One top-k of
-    the largest budget and one device->host copy serve all sessions: a tree of b nodes never
-    uses a rank >= b, since a node's elder siblings come before it. Siblings come out in
-    descending cumulative log-prob; budget 0 gives the root only.
+    the largest budget serves all sessions: a tree of b nodes never uses a rank >= b, since a
+    node's elder siblings come before it. Siblings come out in descending cumulative log-prob;
+    budget 0 gives the root only. Where `kernel_backend` says Triton (CUDA logits) and the
+    largest budget is at most `kernels.ddtree_select.MAX_WIDTH`, the selection runs on the
+    device and only the trees are copied back; otherwise the candidates are, and numpy selects.
     """
     if block_logits.dim() != 3:
         raise ValueError(f"block_logits must be [sessions, depth, vocab], got shape {tuple(block_logits.shape)}")
@@ -169,9 +176,12 @@ def select_ddtrees(block_logits: Tensor, root_tokens: Sequence[int], budgets: Se
         return DDTreeSelection(roots[:, None], np.full((num_sessions, 1), -1), np.ones(num_sessions, dtype=np.int64),
                                np.zeros((num_sessions, 0)))
 
-    logq, top_tokens = top_candidates(block_logits, ranks)
+    values, tokens = top_logprobs(block_logits.detach(), ranks)
+    if kernel_backend(block_logits.device) == "triton" and width <= MAX_WIDTH:
+        return _select_on_device(values, tokens, roots, budget)
+    logq, top_tokens = _to_host(values, tokens)
     if np.isnan(logq[budget > 0, :, 0]).any():  # a row with a NaN has NaN log-probs
-        raise ValueError("block_logits contain NaN (or a row that is all -inf)")
+        raise ValueError(NAN_LOGITS)
 
     rows = np.arange(num_sessions)[:, None]
     over_budget = np.arange(width) >= budget[:, None]
@@ -248,10 +258,23 @@ def top_candidates(block_logits: Tensor, ranks: int) -> tuple[np.ndarray, np.nda
     """The top `ranks` log-probs (float64) and their tokens (int64) of every [S, D] row, on the host:
     one top-k (`kernels.draft_topk`) and one device->host copy (which waits for the draft forward
     behind it)."""
-    values, tokens = top_logprobs(block_logits.detach(), ranks)
-    # One copy for both; float64 holds token ids exactly.
-    logq, top_tokens = torch.stack((values.double(), tokens.double())).cpu().numpy()
+    return _to_host(*top_logprobs(block_logits.detach(), ranks))
+
+
+def _to_host(values: Tensor, tokens: Tensor) -> tuple[np.ndarray, np.ndarray]:
+    """Top-k log-probs (as float64) and their tokens (int64) on the host, in one device->host copy."""
+    logq, top_tokens = torch.stack((values.double(), tokens.double())).cpu().numpy()  # float64 holds ids exactly
     return logq, top_tokens.astype(np.int64)
+
+
+def _select_on_device(values: Tensor, tokens: Tensor, roots: np.ndarray, budget: np.ndarray) -> DDTreeSelection:
+    """The selection by `kernels.ddtree_select` next to the candidates: only the trees come back."""
+    device = values.device
+    selected, parents, num_nodes, scores = select_on_device(values, tokens, to_device(roots, device),
+                                                            to_device(budget, device))
+    if (num_nodes < 0).any():  # a row with a NaN has NaN log-probs
+        raise ValueError(NAN_LOGITS)
+    return DDTreeSelection(selected.numpy(), parents.numpy(), num_nodes.numpy(), scores.numpy())
 
 
 def _trees(tokens: np.ndarray, parents: np.ndarray, num_nodes: np.ndarray) -> list[DraftTree]:

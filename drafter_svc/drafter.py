@@ -27,6 +27,8 @@ from drafter_svc.ddtree import build_chains, select_ddtrees
 from drafter_svc.draft_graphs import (DraftGraphConfig, DraftGraphs, DraftInputs, DraftRow, context_capacity, draft_step,
                                       feature_dim)
 from drafter_svc.draft_model import DFlashDraftModel, DraftKVPool
+from kernels.ddtree_select import warm_up as warm_up_selection
+from kernels.tree_sampling import kernel_backend
 
 
 @dataclass(frozen=True)
@@ -132,6 +134,8 @@ class DFlashProposer:
         self.device = embed_tokens.device
         self.pool = DraftKVPool(draft, slots + 1, context_capacity(max_seq_len, self.block_size))
         self.scratch_slot = self.pool.acquire()  # held for good: padding rows of the graphs write there
+        if kernel_backend(self.device) == "triton":
+            warm_up_selection(self.device)
         use_graphs = cuda_graphs and self.device.type == "cuda"
         self.graphs = (DraftGraphs(draft, embed_tokens, lm_head, self.pool, self.scratch_slot,
                                    graph_config or DraftGraphConfig(), projected=projected_features)

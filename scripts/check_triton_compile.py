@@ -50,12 +50,17 @@ def exercise(label) -> None:
     """Call every Triton wrapper in the shapes the server uses; label(text) names the next calls."""
     import torch
 
+    from kernels.ddtree_select import select_on_device
     from kernels.fused_accept import tree_accept_triton
     from kernels.layer_ops import add_rms_norm_triton, qk_norm_rope_store_triton, silu_mul_triton
     from kernels.skinny_gemm import skinny_config, skinny_linear
     from kernels.slot_attention import slot_attention_triton
 
     i32, i64 = torch.int32, torch.int64
+    for sessions, width in ((1, 15), (32, 15), (32, 64), (8, 200)):
+        label(f"select_on_device S={sessions} W={width}")
+        select_on_device(torch.zeros(sessions, 15, width), torch.zeros(sessions, 15, width, dtype=i64),
+                         torch.zeros(sessions, dtype=i64), torch.full((sessions,), width, dtype=i64))
     for dtype in (torch.bfloat16, torch.float32):
         name = str(dtype).removeprefix("torch.")
         for t in (1, 9, 65):
