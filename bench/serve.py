@@ -268,8 +268,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--max-sessions {a.max_sessions} is below the largest concurrency {max(a.concurrency)}")
     if a.delay_ms < 0:
         p.error("--delay-ms must be >= 0")
-    if a.colocate and (a.delay_ms or a.verifier_tp > 1 or a.timeline or a.lockstep):
-        p.error("--colocate has no link to delay, no verifier to shard, no verifier timeline and only lockstep rounds")
+    if a.colocate and (a.delay_ms or a.verifier_tp > 1 or a.lockstep):
+        p.error("--colocate has no link to delay, no verifier to shard and only lockstep rounds")
     if a.accept_probs is not None and not all(0 <= x <= 1 for x in a.accept_probs):
         p.error("--accept-probs must be in [0, 1]")
     return a

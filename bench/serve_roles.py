@@ -183,7 +183,7 @@ def main(argv: list[str] | None = None) -> None:
     if a.timeline:
         from bench.timeline import install
 
-        install(a.timeline, a.role)
+        install(a.timeline, "colocated" if a.role == "drafter" and _verifier_flag(rest) == "local" else a.role)
     if a.role == "verifier":
         run_verifier(a.small, 0 if a.seed is None else a.seed, rest)
     else:

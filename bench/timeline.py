@@ -3,14 +3,14 @@
     PYTHONPATH=. python bench/timeline.py DIR [--window 0.3,0.7] [--excerpt-ms 60] [--out-json F]
 
 `bench/serve.py --timeline DIR` starts both roles (`bench/serve_roles.py --timeline DIR`) with
-`install` applied: a few methods of each service are wrapped to append, per process, lines
-`[name, start_ns, end_ns]` to DIR/<pid>.jsonl, on CLOCK_MONOTONIC, which processes on one host
-share. Host spans ("v." the verifier, "d." the drafter) time the calls themselves; device
-intervals ("g.") come from CUDA events recorded before and after the call that queues the work
-(the verify step, a prefill, the draft step) and converted to that clock, so a device
-interval starts when the stream reaches the work (after what was queued before it) and ends
-when it is done. Two processes on one GPU time-slice it: "both outstanding" is the time
-each had device work queued at once.
+`install` applied (with `--colocate`, the drafter role, its verifier in process, records both):
+a few methods of each service are wrapped to append, per process, lines `[name, start_ns, end_ns]`
+to DIR/<pid>.jsonl, on CLOCK_MONOTONIC, which processes on one host share. Host spans ("v." the
+verifier, "d." the drafter) time the calls themselves; device intervals ("g.") come from CUDA
+events recorded before and after the call that queues the work (the verify step, a prefill,
+the draft step) and converted to that clock, so a device interval starts when the stream
+reaches the work (after what was queued before it) and ends when it is done. Two processes on
+one GPU time-slice it: "both outstanding" is the time each had device work queued at once.
 
 This script summarises the drafter that ran last and the verifier: per name, how often and
 how long; the device's busy fraction (each service's and their union) over a window of the
@@ -103,48 +103,75 @@ class Recorder:
 
 
 def install(out_dir: str, role: str) -> None:
-    """Wrap the service's methods (call before the service starts)."""
+    """Wrap the service's methods (call before the service starts). Role "colocated": a drafter
+    with its verifier in process (`--verifier local`), one file holding both services' rows."""
     rec = Recorder(out_dir, role)
-    if role == "verifier":
-        import verifier_svc.scheduler as scheduler
-        import verifier_svc.server as server
-        import verifier_svc.target_runner as runner
+    if role in ("verifier", "colocated"):
+        _install_verifier(rec, served=role == "verifier")
+    if role in ("drafter", "colocated"):
+        _install_drafter(rec)
 
-        worker, target = scheduler.ModelWorker, runner.TargetRunner
-        worker._begin = rec.host("v.begin", worker._begin)  # tree checks, inputs, the verify queued
-        worker._finish = rec.host("v.finish", worker._finish)  # wait for results, commit, answer
-        target.launch_verify = rec.device("g.verify", "v.launch", target.launch_verify)
-        target.prefill = rec.device("g.prefill", "v.prefill", target.prefill)
-        server.decode_link_request = rec.host("v.decode", server.decode_link_request)
-        scheduler.encode_link_response = rec.host("v.encode", scheduler.encode_link_response)
-        scheduler.encode_link_notice = rec.host("v.notice", scheduler.encode_link_notice)  # first tokens ahead
-    else:
-        import drafter_svc.ddtree as ddtree
-        import drafter_svc.drafter as drafter
+
+def _install_verifier(rec: Recorder, served: bool) -> None:
+    import verifier_svc.target_runner as runner
+
+    target = runner.TargetRunner
+    target.launch_verify = rec.device("g.verify", "v.launch", target.launch_verify)
+    target.prefill = rec.device("g.prefill", "v.prefill", target.prefill)
+    if not served:  # in process: the drafter's link calls the verifier's step directly
         import drafter_svc.link as link
-        import drafter_svc.scheduler as scheduler
 
-        sched = scheduler.DraftScheduler
-        sched._send_message = rec.host("d.send", sched._send_message)  # draft, trees, the message sent
-        sched._receive = rec.host("d.receive", sched._receive)  # wait for the reply, apply it
-        sched._notice = rec.host("d.notice", sched._notice)  # first tokens to the clients ahead of their reply
-        drafter.DFlashProposer.propose = rec.device("g.draft", "d.propose", drafter.DFlashProposer.propose)
-        drafter.select_ddtrees = rec.host("d.select", drafter.select_ddtrees)  # top-k, its copy, the selection
-        ddtree.top_candidates = rec.host("d.topk", ddtree.top_candidates)  # its top-k and copy (waits for the GPU)
-        link.GrpcLink.receive = rec.host("d.wait", link.GrpcLink.receive)  # blocked on the reply, then decode
-        for name in ("start", "extend"):  # a prompt chunk's features into the draft context
-            setattr(drafter.DFlashProposer, name, rec.host(f"d.{name}", getattr(drafter.DFlashProposer, name)))
+        link.LocalLink.send = rec.host("v.step", link.LocalLink.send)
+        return
+    import verifier_svc.scheduler as scheduler
+    import verifier_svc.server as server
+
+    worker = scheduler.ModelWorker
+    worker._begin = rec.host("v.begin", worker._begin)  # tree checks, inputs, the verify queued
+    worker._finish = rec.host("v.finish", worker._finish)  # wait for results, commit, answer
+    server.decode_link_request = rec.host("v.decode", server.decode_link_request)
+    scheduler.encode_link_response = rec.host("v.encode", scheduler.encode_link_response)
+    scheduler.encode_link_notice = rec.host("v.notice", scheduler.encode_link_notice)  # first tokens ahead
+
+
+def _install_drafter(rec: Recorder) -> None:
+    import drafter_svc.ddtree as ddtree
+    import drafter_svc.drafter as drafter
+    import drafter_svc.link as link
+    import drafter_svc.scheduler as scheduler
+
+    sched = scheduler.DraftScheduler
+    sched._send_message = rec.host("d.send", sched._send_message)  # draft, trees, the message sent
+    sched._receive = rec.host("d.receive", sched._receive)  # wait for the reply, apply it
+    sched._notice = rec.host("d.notice", sched._notice)  # first tokens to the clients ahead of their reply
+    drafter.DFlashProposer.propose = rec.device("g.draft", "d.propose", drafter.DFlashProposer.propose)
+    drafter.select_ddtrees = rec.host("d.select", drafter.select_ddtrees)  # top-k, its copy, the selection
+    ddtree.top_candidates = rec.host("d.topk", ddtree.top_candidates)  # its top-k and copy (waits for the GPU)
+    # On a GPU: the selection on the device, and the copy of the trees (waits for the draft and top-k).
+    ddtree._select_on_device = rec.host("d.select_dev", ddtree._select_on_device)
+    link.GrpcLink.receive = rec.host("d.wait", link.GrpcLink.receive)  # blocked on the reply, then decode
+    for name in ("start", "extend"):  # a prompt chunk's features into the draft context
+        setattr(drafter.DFlashProposer, name, rec.host(f"d.{name}", getattr(drafter.DFlashProposer, name)))
 
 
 # -- report -------------------------------------------------------------------------------
 
 
+VERIFIER_ROWS = ("v.", "g.verify", "g.prefill")  # a colocated file's rows of its verifier
+
+
 def _load(directory: str) -> dict[str, tuple[str, list]]:
+    """path -> (role, rows); a colocated file gives a drafter (path) and a verifier (path + "#verifier")."""
     runs = {}
     for path in sorted(glob.glob(os.path.join(directory, "*.jsonl"))):
         rows = [json.loads(line) for line in open(path) if line.strip()]
         if len(rows) > 1 and rows[0][0] == "role":
-            runs[path] = (rows[0][1], rows[1:])
+            role, rows = rows[0][1], rows[1:]
+            if role == "colocated":
+                runs[path + "#verifier"] = ("verifier", [r for r in rows if r[0].startswith(VERIFIER_ROWS)])
+                runs[path] = ("drafter", [r for r in rows if not r[0].startswith(VERIFIER_ROWS)])
+            else:
+                runs[path] = (role, rows)
     return runs
 
 
@@ -179,10 +206,14 @@ def _total(spans: list[Interval]) -> int:
 def report(directory: str, window: tuple[float, float] = (0.3, 0.7), excerpt_ms: float = 60.0) -> dict:
     runs = _load(directory)
     drafters = [(max(e[2] for e in rows), path) for path, (role, rows) in runs.items() if role == "drafter"]
-    verifiers = [path for path, (role, _) in runs.items() if role == "verifier"]
-    if not drafters or not verifiers:
+    if not drafters:
         raise SystemExit(f"error: {directory} holds no drafter and verifier timeline")
     drafter = max(drafters)[1]
+    # The verifier service's, or the one in the drafter's own process (colocated).
+    verifiers = ([drafter + "#verifier"] if drafter + "#verifier" in runs
+                 else [path for path, (role, _) in runs.items() if role == "verifier" and "#" not in path])
+    if not verifiers:
+        raise SystemExit(f"error: {directory} holds no drafter and verifier timeline")
     sends = sorted(e[1] for e in runs[drafter][1] if e[0] == "d.send")
     if len(sends) < 2:
         raise SystemExit(f"error: the drafter in {drafter} sent fewer than two messages")

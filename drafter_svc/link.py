@@ -250,37 +250,57 @@ class GrpcLink(_Lockstep):
 
 
 class LocalLink(_Lockstep):
-    """The in-process verifier: calls a `TreeVerifier` directly (implements `VerifierLink`);
-    a message is verified when sent, its results kept until received (in process the whole
-    reply is there at once: no notices)."""
+    """The in-process verifier: calls a `TreeVerifier` directly (implements `VerifierLink`).
+    Sending a message begins its step (checks, the verify queued on the device), receiving it
+    finishes the step (waits for the device, commits, prefills): between the two the sender's
+    host is free while the device verifies. A message that may not begin beside an unfinished
+    one (`PendingStep.admits`) finishes that one first. In process the whole reply is there at
+    once: no notices."""
 
     OWNER = "local"
 
     def __init__(self, verifier):
         self.verifier = verifier
-        self._results: collections.deque[tuple[list[StepResult], float]] = collections.deque()
+        # Per message sent and not yet received: its step (PendingStep) or its results, and the
+        # seconds its step has taken so far.
+        self._sent: collections.deque[list] = collections.deque()
         self.verifier_step_s = 0.0
 
     @property
     def in_flight(self) -> int:
         """Messages sent and not yet received."""
-        return len(self._results)
+        return len(self._sent)
 
     def send(self, entries: Sequence[Entry]) -> None:
+        keys = {(self.OWNER, e.session_id) for e in entries}
+        if any(not isinstance(step, list) and not step.admits(keys) for step, _ in self._sent):
+            for message in self._sent:
+                self._finish(message)
         start = time.perf_counter()
-        results = self.verifier.step([(self.OWNER, e) for e in entries])
-        self._results.append(([r for r in results if r is not None], time.perf_counter() - start))
+        step = self.verifier.begin([(self.OWNER, e) for e in entries])
+        self._sent.append([step, time.perf_counter() - start])
+
+    def _finish(self, message: list) -> None:
+        step, _ = message
+        if not isinstance(step, list):
+            start = time.perf_counter()
+            message[0] = [r for r in self.verifier.finish(step) if r is not None]
+            message[1] += time.perf_counter() - start
 
     def receive(self, on_notice: OnNotice | None = None) -> list[StepResult]:
-        results, self.verifier_step_s = self._results.popleft()
+        self._finish(self._sent[0])
+        (results, self.verifier_step_s) = self._sent.popleft()
         return results
 
     def probe(self) -> bool:
         return True
 
     def close(self) -> None:
-        """The verifier closes this link's sessions; replies not yet received are dropped."""
-        self._results.clear()
+        """The verifier closes this link's sessions; replies not yet received are dropped (their
+        steps finished first: the device work they queued completes, their KV slots are freed)."""
+        for message in self._sent:
+            self._finish(message)
+        self._sent.clear()
         self.verifier.close_owner(self.OWNER)
 
 

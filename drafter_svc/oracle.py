@@ -42,10 +42,10 @@ class ControlledAcceptance:
 
     def __call__(self, prompts: Sequence[list[int]], emitted: Sequence[list[int]], depths: int
                  ) -> Callable[[torch.Tensor], None] | None:
-        """Decide the edits of the coming draft step's block logits [S, depths, V] for sessions with
-        a known continuation, before its forward is queued (so no host work sits between the
-        forward and the tree build's top-k on the device); returns what applies them (two
-        scatters for the whole batch), or None when there is nothing to edit."""
+        """Decide the edits of a draft step's block logits [S, depths, V] for sessions with a known
+        continuation (the scheduler asks once the step is queued, so this runs while the device
+        drafts); returns what applies them (two scatters for the whole batch, queued behind the
+        step), or None when there is nothing to edit."""
         hits, misses = [], []  # (session, depth, token)
         for i, (prompt, out) in enumerate(zip(prompts, emitted)):
             truth = self.continuations.get(tuple(prompt))

@@ -13,6 +13,12 @@ delivers (a callback per session, called on the scheduler's thread). Each step:
 6. hands each session its new tokens, and finishes those that reached a stop token, their
    length limit or the verifier's capacity.
 
+A running session's tokens wait in an outbox until the next step's message is sent, and go to
+the clients while the verifier works on it: their host work (and the request handlers' on
+other threads, which want the interpreter lock) then hides behind the verify (`_flush_outbox`).
+A session's last round, first token and result go at once, after anything of it still waiting,
+and so do all rounds of a session whose receiver may end it (`watches_text`).
+
 Requests beyond the free slots wait in a queue of at most `max_queue`; one arriving when it
 is full is refused at once (`QueueFull`: RESOURCE_EXHAUSTED with a retry hint). An open the
 verifier refuses for capacity (RESOURCE_EXHAUSTED) goes back to the queue and is retried
@@ -116,12 +122,13 @@ class GenerationResult:
 
 # What a session's callback receives: updates, then exactly one GenerationResult or StatusError.
 # A callback that returns True for an update ends the session after it ("stop": a stop string
-# matched), so that no further round is drafted for it.
+# matched); submitted with `watches_text`, its updates are delivered as they come, so that no
+# further round is drafted for it.
 Delivery = RoundUpdate | GenerationResult | StatusError
 
 # Benchmarks only (`drafter_svc.oracle`): given the drafted sessions' prompts, the tokens they
-# have emitted so far and the block's depths D, before the draft step, what edits its block
-# logits [S, D, V] in place after it (None: nothing to edit).
+# have emitted so far and the block's depths D, what edits the draft step's block logits
+# [S, D, V] in place (None: nothing to edit). Called once the step is queued on the device.
 LogitsHook = Callable[[Sequence[list[int]], Sequence[list[int]], int], Callable[[Tensor], None] | None]
 
 
@@ -168,9 +175,10 @@ class _Session:
     """One request as the scheduler tracks it."""
 
     def __init__(self, sid: int, prompt_ids: list[int], config: GenerationConfig, stop_ids: frozenset[int],
-                 deliver: Callable[[Delivery], None], admission_deadline: float):
+                 deliver: Callable[[Delivery], None], admission_deadline: float, watches_text: bool = False):
         self.sid, self.prompt_ids, self.config, self.stop_ids = sid, prompt_ids, config, stop_ids
         self.deliver = deliver
+        self.watches_text = watches_text  # its callback may end it (stop strings): no outbox
         self.admission_deadline = admission_deadline
         self.result = GenerationResult(logprobs=[] if config.logprobs is not None else None)
         self.start = time.perf_counter()
@@ -191,6 +199,7 @@ class _Session:
         self.new_features = None
         self.rounds = 0
         self.tree = None  # the tree in flight
+        self.undelivered = 0  # its updates waiting in the scheduler's outbox
         # The prompt being prefilled since the last open (chunked prefill: `DraftScheduler.prefill_chunk`),
         # how much of it has been sent and answered, and the sizes of its chunks in flight, oldest first.
         self.chunk_prompt: list[int] = []
@@ -292,14 +301,17 @@ class DraftScheduler:
         self._running: dict[int, _Session] = {}  # open or opening on the verifier
         self._ending: list[int] = []  # ended sessions still open on the verifier: Close in the next step
         self._inflight: collections.deque[_InFlight] = collections.deque()  # oldest first
+        self._outbox: list[tuple[_Session, RoundUpdate]] = []  # deliveries waiting for the next draft step
         self._thread: threading.Thread | None = None
         self._stopped = threading.Event()
         self.steps = 0
 
     # -- called from any thread --------------------------------------------------------------
 
-    def submit(self, prompt_ids: list[int], config: GenerationConfig, deliver: Callable[[Delivery], None]) -> int:
-        """Queue a request; returns its session id. `deliver` is called on the scheduler's thread."""
+    def submit(self, prompt_ids: list[int], config: GenerationConfig, deliver: Callable[[Delivery], None],
+               watches_text: bool = False) -> int:
+        """Queue a request; returns its session id. `deliver` is called on the scheduler's thread;
+        `watches_text`: it may return True to end the session (see `Delivery`)."""
         config.check()
         if config.mode.kind != "ar" and self.proposer is None:
             raise ValueError(f"draft mode {config.mode.kind!r} needs a draft model")
@@ -311,7 +323,7 @@ class DraftScheduler:
         sid = next(self._ids)
         stop_ids = frozenset(config.stop_token_ids) | self.eos_token_ids
         session = _Session(sid, list(prompt_ids), config, stop_ids, deliver,
-                           time.monotonic() + self.queue_timeout_s)
+                           time.monotonic() + self.queue_timeout_s, watches_text)
         self._commands.put(("submit", session))
         return sid
 
@@ -361,6 +373,7 @@ class DraftScheduler:
         delay = 0.0
         while not self._stopped.is_set():
             if not (self._waiting or self._running or self._ending or self._inflight):
+                self._flush_outbox()
                 if not self._take_commands(block=True, timeout=self.probe_interval_s):  # idle: is it still there?
                     self._set_link(self.link.probe())
                 continue
@@ -373,6 +386,7 @@ class DraftScheduler:
             if progressed:
                 delay = 0.0
             else:  # only refused opens: wait for the verifier to free capacity
+                self._flush_outbox()
                 delay = min(max(2 * delay, 0.005), 0.25)
                 self._take_commands(block=True, timeout=delay)
 
@@ -381,8 +395,10 @@ class DraftScheduler:
         while True:
             self._take_commands()
             if not (self._waiting or self._running or self._ending or self._inflight):
+                self._flush_outbox()
                 return
             if not self.step():
+                self._flush_outbox()
                 time.sleep(0.01)
 
     def _take_commands(self, block: bool = False, timeout: float | None = None) -> bool:
@@ -481,6 +497,7 @@ class DraftScheduler:
             self.link.send(entries)
         except StatusError as exc:
             self._link_failed(exc)
+        self._flush_outbox()  # while the verifier works on the message
         return True
 
     def _receive(self) -> None:
@@ -658,10 +675,11 @@ class DraftScheduler:
             sessions = [drafting[i] for i in busy]
             start = time.perf_counter()
             with _tracer.start_as_current_span("draft"):
-                edit = (self.logits_hook([s.prompt_ids for s in sessions], [s.result.tokens for s in sessions],
-                                         self.proposer.block_size - 1) if self.logits_hook is not None else None)
                 block = self.proposer.propose([s.draft_state for s in sessions], [s.root for s in sessions],
                                               [s.new_tokens for s in sessions], [s.new_features for s in sessions])
+                # The benchmark's edit: decided while the device drafts.
+                edit = (self.logits_hook([s.prompt_ids for s in sessions], [s.result.tokens for s in sessions],
+                                         self.proposer.block_size - 1) if self.logits_hook is not None else None)
                 if edit is not None:
                     edit(block)
             for s in sessions:
@@ -741,6 +759,8 @@ class DraftScheduler:
 
     def _first_token_out(self, s: _Session, token: int, logprobs: list | None) -> None:
         """Send a prompt's first token to the client (the session is not finished here)."""
+        if s.undelivered:
+            self._flush_outbox()
         if s.recovery_deadline is None:
             s.result.time_to_first_token_s = time.perf_counter() - s.start
         else:  # re-opened after a lost verifier: carry on
@@ -829,10 +849,27 @@ class DraftScheduler:
         return True
 
     def _deliver(self, s: _Session, update: RoundUpdate) -> None:
+        """A verified round's tokens: into the outbox while the session goes on, at once (then its
+        result, if this round ended it) when this round ended it or its receiver watches the text."""
+        if not (s.result.finish_reason or s.watches_text):
+            self._outbox.append((s, update))
+            s.undelivered += 1
+            return
+        if s.undelivered:
+            self._flush_outbox()
         if s.deliver(update) is True and not s.result.finish_reason:
             s.result.finish_reason = "stop"  # the receiver matched a stop string in its text
         if s.result.finish_reason:
             self._finish(s)
+
+    def _flush_outbox(self) -> None:
+        """Deliver the waiting updates; a session whose receiver matched a stop string in them ends
+        ("stop") once its step in flight, if any, is answered."""
+        outbox, self._outbox = self._outbox, []
+        for s, update in outbox:
+            s.undelivered -= 1
+            if s.deliver(update) is True and not s.result.finish_reason:
+                s.result.finish_reason = "stop"  # the receiver matched a stop string in its text
 
     # -- endings ----------------------------------------------------------------------------
 
@@ -852,6 +889,8 @@ class DraftScheduler:
 
     def _finish(self, s: _Session) -> None:
         """Deliver the result of a session that ended normally (or was cancelled)."""
+        if s.undelivered:
+            self._flush_outbox()
         self._end(s)
         s.span.set_attributes({"completion.tokens": len(s.result.tokens), "rounds": s.result.rounds,
                                "mean_acceptance": s.result.mean_acceptance, "finish_reason": s.result.finish_reason})
@@ -860,6 +899,8 @@ class DraftScheduler:
 
     def _fail(self, s: _Session, error: StatusError) -> None:
         """Deliver an error; a session the verifier still holds is closed there."""
+        if s.undelivered:
+            self._flush_outbox()
         self._end(s)
         s.span.record_exception(error)
         s.span.set_status(trace.Status(trace.StatusCode.ERROR, error.message))

@@ -503,7 +503,7 @@ class GenerationService:
             deliver = functools.partial(self._mailbox.put, updates)
             if req.stop:  # ends the session in the round that completes a stop string
                 deliver = _StopWatch(TextStream(self.engine.tokenizer, req.stop), deliver)
-            sid = scheduler.submit(req.prompt_ids, req.config, deliver)
+            sid = scheduler.submit(req.prompt_ids, req.config, deliver, watches_text=bool(req.stop))
         except ValueError as exc:
             raise StatusError("INVALID_ARGUMENT", str(exc)) from None
         metrics.ACTIVE_SESSIONS.inc()

@@ -274,3 +274,38 @@ def test_controlled_acceptance_sets_tau_and_keeps_outputs(engine, accept_prob):
         assert tau == block
     else:
         assert 1.5 < tau < block - 1
+
+
+@pytest.mark.parametrize("watches_text", [False, True])
+def test_round_deliveries_wait_for_the_next_draft_step_unless_the_receiver_watches_text(engine, watches_text):
+    """A running session's tokens reach its receiver once the next draft step is queued (while the
+    device drafts); its last round and result right away, in order. A receiver that may end the
+    session (stop strings) gets every round before the next draft; the outputs are the same."""
+    from drafter_svc.scheduler import GenerationResult, RoundUpdate
+
+    events = []
+
+    class Recording(OracleProposer):
+        def propose(self, *args):
+            events.append("draft")
+            return super().propose(*args)
+
+    scheduler = _scheduler(engine, Recording(engine.verifier.runner.model, block_size=8, rank1_every=3))
+    items = []
+
+    def deliver(item):
+        items.append(item)
+        events.append("result" if isinstance(item, GenerationResult) else f"round {item.round}")
+
+    scheduler.submit(PROMPTS[0], GenerationConfig(30, mode=DraftMode("tree", 8)), deliver, watches_text=watches_text)
+    scheduler.run_until_idle()
+    rounds = [item.round for item in items if isinstance(item, RoundUpdate)]
+    assert rounds == list(range(len(rounds))) and isinstance(items[-1], GenerationResult)
+    assert [t for item in items[:-1] for t in item.tokens] == items[-1].tokens
+    assert items[-1].tokens == greedy(engine, PROMPTS[0], DraftMode("ar", 0), n=30).tokens
+    drafts = [i for i, e in enumerate(events) if e == "draft"]  # the last rounds, with no room left, draft nothing
+    assert len(drafts) > 4
+    for r in range(1, min(len(rounds) - 1, len(drafts))):  # round r comes with draft r (0-based): after it if batched
+        at = events.index(f"round {r}")
+        assert (at == drafts[r] - 1) if watches_text else (at == drafts[r] + 1), (r, events)
+    assert events[-2:] == [f"round {rounds[-1]}", "result"]

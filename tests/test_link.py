@@ -354,3 +354,53 @@ def test_the_verifiers_step_time_is_kept_only_when_plausible(seconds, kept):
     link.send([TreeEntry(1, 1, chain([3, 4]))])
     results = link.receive()
     assert results[0].outcome.next_token == 5 and link.verifier_step_s == kept
+
+
+class _StepVerifier:
+    """A TreeVerifier's begin / finish, recorded: each step is a real `PendingStep` (a prompt
+    chunk makes it exclusive) whose results are its entries' session ids."""
+
+    def __init__(self):
+        self.calls = []
+
+    def begin(self, entries):
+        from verifier_svc.tree_verifier import PendingStep
+
+        ids = [e.session_id for _, e in entries]
+        self.calls.append(("begin", ids))
+        step = PendingStep(keys=frozenset((owner, e.session_id) for owner, e in entries), size=len(entries))
+        step.chunks = [(i, (owner, e.session_id), e) for i, (owner, e) in enumerate(entries)
+                       if isinstance(e, ExtendEntry)]
+        return step
+
+    def finish(self, step):
+        ids = sorted(key[1] for key in step.keys)
+        self.calls.append(("finish", ids))
+        return [StepResult(i, Extended(features=torch.zeros(0, 2))) for i in ids]
+
+    def close_owner(self, owner):
+        self.calls.append(("close", owner))
+
+
+def test_local_link_verifies_between_send_and_receive():
+    """Send begins a step, receive finishes it; a step touching other sessions begins beside an
+    unfinished one, one touching the same session or after an exclusive step waits for it (the
+    earlier steps finish first); replies come in order; close finishes what is in flight."""
+    from drafter_svc.link import LocalLink
+
+    verifier = _StepVerifier()
+    link = LocalLink(verifier)
+    link.send([CloseEntry(1)])
+    link.send([CloseEntry(2)])  # another session: begins beside it
+    assert verifier.calls == [("begin", [1]), ("begin", [2])] and link.in_flight == 2
+    link.send([CloseEntry(1)])  # session 1 again: the unfinished steps finish first, in order
+    assert verifier.calls[2:] == [("finish", [1]), ("finish", [2]), ("begin", [1])]
+    assert [r.session_id for r in link.receive()] == [1]
+    assert [r.session_id for r in link.receive()] == [2]
+    assert verifier.calls[5:] == []  # both were finished already
+    link.send([ExtendEntry(3, [1, 2], False)])  # a prompt chunk (exclusive), beside session 1's step
+    link.send([CloseEntry(4)])  # waits for the exclusive one
+    assert verifier.calls[5:] == [("begin", [3]), ("finish", [1]), ("finish", [3]), ("begin", [4])]
+    assert [r.session_id for r in link.receive()] == [1]
+    link.close()
+    assert verifier.calls[-2:] == [("finish", [4]), ("close", "local")] and link.in_flight == 0

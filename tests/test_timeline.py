@@ -58,3 +58,17 @@ def test_recorder_writes_host_spans(tmp_path):
     rows = [json.loads(line) for f in tmp_path.iterdir() for line in f.read_text().splitlines()]
     assert rows[0] == ["role", "drafter", 0]
     assert rows[1][0] == "d.x" and rows[1][1] <= rows[1][2]
+
+
+def test_report_splits_a_colocated_file_and_takes_its_own_verifier(tmp_path):
+    # A verifier service's file from an earlier run is not the colocated drafter's verifier.
+    write(tmp_path / "1.jsonl", "verifier", [["g.verify", 0, 100 * MS]])
+    sends = [["d.send", t * MS, t * MS + 1 * MS] for t in range(0, 101, 10)]
+    steps = [["v.step", t * MS + 1 * MS, t * MS + 9 * MS] for t in range(0, 101, 10)]
+    verifies = [["g.verify", t * MS + 2 * MS, t * MS + 7 * MS] for t in range(0, 101, 10)]  # 5 of every 10 ms
+    write(tmp_path / "2.jsonl", "colocated", sends + steps + verifies)
+    res = report(str(tmp_path), (0.0, 1.0))
+    assert res["device"]["verifier"] == pytest.approx(0.5, abs=0.01)
+    assert set(res["services"]["verifier"]) == {"v.step", "g.verify"}
+    assert set(res["services"]["drafter"]) == {"d.send"}
+    assert res["verifier_gaps_ms"]["p50"] == pytest.approx(5.0)
