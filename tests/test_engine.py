@@ -309,3 +309,27 @@ def test_round_deliveries_wait_for_the_next_draft_step_unless_the_receiver_watch
         at = events.index(f"round {r}")
         assert (at == drafts[r] - 1) if watches_text else (at == drafts[r] + 1), (r, events)
     assert events[-2:] == [f"round {rounds[-1]}", "result"]
+
+
+def test_a_receiver_that_ends_a_batched_session_stops_it_after_the_round_in_flight(engine):
+    """Without `watches_text` a round's tokens reach the receiver after the next round is sent;
+    if it answers True ("stop") the session ends then: that round's tokens are dropped, the result
+    holds the tokens up to the round it stopped at, and its slots come back."""
+    from drafter_svc.scheduler import GenerationResult, RoundUpdate
+
+    scheduler = _scheduler(engine, OracleProposer(engine.verifier.runner.model, block_size=8, rank1_every=3))
+    items = []
+
+    def deliver(item):
+        items.append(item)
+        return isinstance(item, RoundUpdate) and item.round == 2
+
+    scheduler.submit(PROMPTS[0], GenerationConfig(40, mode=DraftMode("tree", 8)), deliver)
+    scheduler.run_until_idle()
+    result = items[-1]
+    assert isinstance(result, GenerationResult) and result.finish_reason == "stop"
+    assert [item.round for item in items[:-1]] == [0, 1, 2]
+    assert result.tokens == [t for item in items[:-1] for t in item.tokens]
+    assert result.tokens == greedy(engine, PROMPTS[0], DraftMode("ar", 0), n=40).tokens[:len(result.tokens)]
+    assert len(result.acceptance_lengths) == 3  # rounds 1 and 2, and the one in flight when it stopped
+    assert engine.verifier.free_capacity == engine.verifier.limits.max_sessions
