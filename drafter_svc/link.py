@@ -20,6 +20,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 import grpc
@@ -249,6 +250,15 @@ class GrpcLink(_Lockstep):
                 self._drop()
 
 
+@dataclass
+class _LocalMessage:
+    """A message `LocalLink` sent and not yet received: its step until finished, then its results,
+    and the seconds its step has taken (begin and finish, not the time between)."""
+    step: object  # verifier_svc.tree_verifier.PendingStep
+    seconds: float
+    results: list[StepResult] | None = None
+
+
 class LocalLink(_Lockstep):
     """The in-process verifier: calls a `TreeVerifier` directly (implements `VerifierLink`).
     Sending a message begins its step (checks, the verify queued on the device), receiving it
@@ -261,9 +271,7 @@ class LocalLink(_Lockstep):
 
     def __init__(self, verifier):
         self.verifier = verifier
-        # Per message sent and not yet received: its step (PendingStep) or its results, and the
-        # seconds its step has taken so far.
-        self._sent: collections.deque[list] = collections.deque()
+        self._sent: collections.deque[_LocalMessage] = collections.deque()
         self.verifier_step_s = 0.0
 
     @property
@@ -273,24 +281,24 @@ class LocalLink(_Lockstep):
 
     def send(self, entries: Sequence[Entry]) -> None:
         keys = {(self.OWNER, e.session_id) for e in entries}
-        if any(not isinstance(step, list) and not step.admits(keys) for step, _ in self._sent):
+        if any(m.results is None and not m.step.admits(keys) for m in self._sent):
             for message in self._sent:
                 self._finish(message)
         start = time.perf_counter()
         step = self.verifier.begin([(self.OWNER, e) for e in entries])
-        self._sent.append([step, time.perf_counter() - start])
+        self._sent.append(_LocalMessage(step, time.perf_counter() - start))
 
-    def _finish(self, message: list) -> None:
-        step, _ = message
-        if not isinstance(step, list):
+    def _finish(self, message: _LocalMessage) -> None:
+        if message.results is None:
             start = time.perf_counter()
-            message[0] = [r for r in self.verifier.finish(step) if r is not None]
-            message[1] += time.perf_counter() - start
+            message.results = [r for r in self.verifier.finish(message.step) if r is not None]
+            message.seconds += time.perf_counter() - start
 
     def receive(self, on_notice: OnNotice | None = None) -> list[StepResult]:
-        self._finish(self._sent[0])
-        (results, self.verifier_step_s) = self._sent.popleft()
-        return results
+        message = self._sent.popleft()
+        self._finish(message)
+        self.verifier_step_s = message.seconds
+        return message.results
 
     def probe(self) -> bool:
         return True

@@ -301,7 +301,7 @@ class DraftScheduler:
         self._running: dict[int, _Session] = {}  # open or opening on the verifier
         self._ending: list[int] = []  # ended sessions still open on the verifier: Close in the next step
         self._inflight: collections.deque[_InFlight] = collections.deque()  # oldest first
-        self._outbox: list[tuple[_Session, RoundUpdate]] = []  # deliveries waiting for the next draft step
+        self._outbox: list[tuple[_Session, RoundUpdate]] = []  # updates waiting for the next message sent
         self._thread: threading.Thread | None = None
         self._stopped = threading.Event()
         self.steps = 0
@@ -759,8 +759,6 @@ class DraftScheduler:
 
     def _first_token_out(self, s: _Session, token: int, logprobs: list | None) -> None:
         """Send a prompt's first token to the client (the session is not finished here)."""
-        if s.undelivered:
-            self._flush_outbox()
         if s.recovery_deadline is None:
             s.result.time_to_first_token_s = time.perf_counter() - s.start
         else:  # re-opened after a lost verifier: carry on
@@ -768,8 +766,7 @@ class DraftScheduler:
                      len(s.result.tokens), time.monotonic() - s.recovery_start)
             s.recovery_deadline = None
         s.first_token = token
-        if s.deliver(s.emit(s.rounds, [token], logprobs)) is True and not s.result.finish_reason:
-            s.result.finish_reason = "stop"  # the receiver matched a stop string in its text
+        self._hand(s, s.emit(s.rounds, [token], logprobs))
 
     def _extended(self, s: _Session, e: Extended) -> None:
         """A chunk of the session's prompt is prefilled, more are to come (chunked prefill)."""
@@ -855,10 +852,7 @@ class DraftScheduler:
             self._outbox.append((s, update))
             s.undelivered += 1
             return
-        if s.undelivered:
-            self._flush_outbox()
-        if s.deliver(update) is True and not s.result.finish_reason:
-            s.result.finish_reason = "stop"  # the receiver matched a stop string in its text
+        self._hand(s, update)
         if s.result.finish_reason:
             self._finish(s)
 
@@ -868,8 +862,15 @@ class DraftScheduler:
         outbox, self._outbox = self._outbox, []
         for s, update in outbox:
             s.undelivered -= 1
-            if s.deliver(update) is True and not s.result.finish_reason:
-                s.result.finish_reason = "stop"  # the receiver matched a stop string in its text
+            self._hand(s, update)
+
+    def _hand(self, s: _Session, item: Delivery) -> None:
+        """Deliver `item` now, after the session's updates still in the outbox; a receiver that
+        answers True to an update ends the session ("stop": it matched a stop string)."""
+        if s.undelivered:
+            self._flush_outbox()
+        if s.deliver(item) is True and isinstance(item, RoundUpdate) and not s.result.finish_reason:
+            s.result.finish_reason = "stop"
 
     # -- endings ----------------------------------------------------------------------------
 
@@ -889,23 +890,19 @@ class DraftScheduler:
 
     def _finish(self, s: _Session) -> None:
         """Deliver the result of a session that ended normally (or was cancelled)."""
-        if s.undelivered:
-            self._flush_outbox()
         self._end(s)
         s.span.set_attributes({"completion.tokens": len(s.result.tokens), "rounds": s.result.rounds,
                                "mean_acceptance": s.result.mean_acceptance, "finish_reason": s.result.finish_reason})
         s.span.end()
-        s.deliver(s.result)
+        self._hand(s, s.result)
 
     def _fail(self, s: _Session, error: StatusError) -> None:
         """Deliver an error; a session the verifier still holds is closed there."""
-        if s.undelivered:
-            self._flush_outbox()
         self._end(s)
         s.span.record_exception(error)
         s.span.set_status(trace.Status(trace.StatusCode.ERROR, error.message))
         s.span.end()
-        s.deliver(error)
+        self._hand(s, error)
 
     def _fail_all(self, error: StatusError, link_lost: bool = True) -> None:
         """Fail every running session. When the link failed they are gone on the verifier too;
