@@ -78,7 +78,7 @@ def max_seq_len(rounds: int, rows: int, nodes: int) -> int:
 def _verifier_process(port_out, rows: int, trace: bool, sessions: int, seq_len: int, nodes: int) -> None:
     """Serve the real Verifier service with a canned batched verify until killed."""
     import verifier_svc.scheduler
-    from common.wire import encode_link_response
+    from common.wire import encode_link_notice, encode_link_response
     from verifier_svc.server import VerifierConfig, load_verifier, serve
     from common.staging import HostCopy
     from verifier_svc.target_runner import PendingVerify, VerifiedBatch
@@ -109,10 +109,13 @@ def _verifier_process(port_out, rows: int, trace: bool, sessions: int, seq_len: 
 
     runner.prefill = prefill
     runner.launch_verify, runner.finish_verify = launch_verify, finish_verify
-    # Replies without rows (a close-only message) carry an empty tensor of the features' width.
+    # Replies and notices without rows (a close-only message, first tokens ahead of their prompt's
+    # features) carry an empty tensor of the features' width.
     verifier_svc.scheduler.encode_link_response = (
         lambda step, results, feature_dim, dtype, step_s=0.0: encode_link_response(step, results, FEATURE_DIM,
                                                                                   torch.bfloat16, step_s))
+    verifier_svc.scheduler.encode_link_notice = (
+        lambda step, results, feature_dim, dtype: encode_link_notice(step, results, FEATURE_DIM, torch.bfloat16))
 
     async def main():
         _, port = await serve(config, verifier)

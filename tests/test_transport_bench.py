@@ -1,0 +1,11 @@
+"""bench/transport.py runs end to end: the real verifier service over a canned forward, the echo beside it."""
+from bench.transport import FEATURE_DIM, main
+
+
+def test_transport_bench_times_messages_with_their_feature_rows(tmp_path):
+    res = main(["--batches", "2", "--nodes", "8", "--feature-rows", "3", "--rounds", "10", "--gaps-ms", "0",
+                "--out-json", str(tmp_path / "t.json")])
+    (row,) = res["rows"]
+    assert row["batch"] == 2 and row["link"]["feature_rows"] == 2 * 3
+    assert row["reply_bytes"] > 2 * 3 * FEATURE_DIM * 2  # the rows travel, at the 8B width
+    assert row["link"]["median_ms"] > 0 and row["echo"]["median_ms"] > 0
