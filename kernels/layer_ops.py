@@ -98,28 +98,30 @@ def _rope_half(a, b, cos, sin, OUT: tl.constexpr):
 def _qk_norm_rope_store_kernel(qkv_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr,
                                slots_ptr, pos_ptr, eps, T, H, KV,
                                s_slot, s_head, s_pos,
-                               HAS_NORM: tl.constexpr, D: tl.constexpr):
-    """One program per (token, head); heads H.. H + KV - 1 handle k and v of a KV head."""
+                               HAS_NORM: tl.constexpr, D: tl.constexpr, HEADS: tl.constexpr):
+    """One program per (token, group of HEADS heads): heads 0 .. H - 1 are queries, heads
+    H .. H + KV - 1 handle k and v of a KV head. (One program per head left each a few dozen
+    bytes of work: at 512 tokens the launch was ten waves of tiny programs.)"""
     token = tl.program_id(0).to(tl.int64)  # b * T + t
-    head = tl.program_id(1)
+    head = tl.program_id(1) * HEADS + tl.arange(0, HEADS)
     b = token // T
     t = token % T
     HALF: tl.constexpr = D // 2
-    lo = tl.arange(0, HALF)
+    lo = tl.arange(0, HALF)[None, :]
     out_ty = q_out_ptr.dtype.element_ty
+    is_q = (head < H)[:, None]
+    is_k = ((head >= H) & (head < H + KV))[:, None]
     width = (H + 2 * KV) * D
-    src = qkv_ptr + token * width + head * D
-    a = tl.load(src + lo).to(tl.float32)
-    c = tl.load(src + HALF + lo).to(tl.float32)
+    src = qkv_ptr + token * width + head[:, None] * D
+    live = is_q | is_k
+    a = tl.load(src + lo, mask=live, other=0.0).to(tl.float32)
+    c = tl.load(src + HALF + lo, mask=live, other=0.0).to(tl.float32)
     if HAS_NORM:
-        if head < H:
-            n_ptr = qn_ptr
-        else:
-            n_ptr = kn_ptr
-        rstd = 1.0 / tl.sqrt((tl.sum(a * a, axis=0) + tl.sum(c * c, axis=0)) / D + eps)
-        a = (tl.load(n_ptr + lo).to(tl.float32) * (a * rstd).to(out_ty).to(tl.float32)).to(out_ty).to(tl.float32)
-        c = (tl.load(n_ptr + HALF + lo).to(tl.float32) * (c * rstd).to(out_ty).to(tl.float32)).to(out_ty)
-        c = c.to(tl.float32)
+        w_lo = tl.where(is_q, tl.load(qn_ptr + lo), tl.load(kn_ptr + lo)).to(tl.float32)
+        w_hi = tl.where(is_q, tl.load(qn_ptr + HALF + lo), tl.load(kn_ptr + HALF + lo)).to(tl.float32)
+        rstd = 1.0 / tl.sqrt((tl.sum(a * a, axis=1) + tl.sum(c * c, axis=1)) / D + eps)[:, None]
+        a = (w_lo * (a * rstd).to(out_ty).to(tl.float32)).to(out_ty).to(tl.float32)
+        c = (w_hi * (c * rstd).to(out_ty).to(tl.float32)).to(out_ty).to(tl.float32)
     rope = cos_ptr + token * D
     cos_lo = tl.load(rope + lo).to(tl.float32)
     cos_hi = tl.load(rope + HALF + lo).to(tl.float32)
@@ -128,20 +130,18 @@ def _qk_norm_rope_store_kernel(qkv_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr, q_out_
     sin_hi = tl.load(rope + HALF + lo).to(tl.float32)
     out_lo = _rope_half(a, -c, cos_lo, sin_lo, out_ty)
     out_hi = _rope_half(c, a, cos_hi, sin_hi, out_ty)
-    if head < H:
-        dst = q_out_ptr + ((b * H + head) * T + t) * D
-        tl.store(dst + lo, out_lo)
-        tl.store(dst + HALF + lo, out_hi)
-    else:
-        kv = head - H
-        slot = tl.load(slots_ptr + b).to(tl.int64)
-        pos = tl.load(pos_ptr + token).to(tl.int64)
-        offset = slot * s_slot + kv * s_head + pos * s_pos
-        tl.store(k_cache_ptr + offset + lo, out_lo)
-        tl.store(k_cache_ptr + offset + HALF + lo, out_hi)
-        v_src = qkv_ptr + token * width + (H + KV + kv) * D
-        tl.store(v_cache_ptr + offset + lo, tl.load(v_src + lo))
-        tl.store(v_cache_ptr + offset + HALF + lo, tl.load(v_src + HALF + lo))
+    dst = q_out_ptr + ((b * H + head[:, None]) * T + t) * D
+    tl.store(dst + lo, out_lo, mask=is_q)
+    tl.store(dst + HALF + lo, out_hi, mask=is_q)
+    kv = head[:, None] - H
+    slot = tl.load(slots_ptr + b).to(tl.int64)
+    pos = tl.load(pos_ptr + token).to(tl.int64)
+    offset = slot * s_slot + kv * s_head + pos * s_pos
+    tl.store(k_cache_ptr + offset + lo, out_lo, mask=is_k)
+    tl.store(k_cache_ptr + offset + HALF + lo, out_hi, mask=is_k)
+    v_src = qkv_ptr + token * width + (H + KV + kv) * D
+    tl.store(v_cache_ptr + offset + lo, tl.load(v_src + lo, mask=is_k), mask=is_k)
+    tl.store(v_cache_ptr + offset + HALF + lo, tl.load(v_src + HALF + lo, mask=is_k), mask=is_k)
 
 
 @triton.jit
@@ -182,6 +182,9 @@ def add_rms_norm_triton(h: Tensor, delta: Tensor | None, weight: Tensor, eps: fl
     return h_out, x_out
 
 
+ROPE_HEADS_PER_PROGRAM = 8  # heads per program of the q/k norm + rotary + store kernel
+
+
 def qk_norm_rope_store_triton(qkv: Tensor, cos: Tensor, sin: Tensor, q_norm: Tensor | None,
                               k_norm: Tensor | None, eps: float, num_heads: int, num_kv_heads: int,
                               k_cache: Tensor, v_cache: Tensor, slots: Tensor, cache_pos: Tensor) -> Tensor:
@@ -194,10 +197,12 @@ def qk_norm_rope_store_triton(qkv: Tensor, cos: Tensor, sin: Tensor, q_norm: Ten
     q = torch.empty(b, num_heads, t, d, dtype=qkv.dtype, device=qkv.device)
     if b * t:
         norm = q_norm if q_norm is not None else qkv
-        _qk_norm_rope_store_kernel[(b * t, num_heads + num_kv_heads)](
+        heads = min(ROPE_HEADS_PER_PROGRAM, triton.next_power_of_2(num_heads + num_kv_heads))
+        _qk_norm_rope_store_kernel[(b * t, triton.cdiv(num_heads + num_kv_heads, heads))](
             qkv.contiguous(), cos.contiguous(), sin.contiguous(), norm, norm if k_norm is None else k_norm,
             q, k_cache, v_cache, slots, cache_pos.contiguous(), eps, t, num_heads, num_kv_heads,
-            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), HAS_NORM=q_norm is not None, D=d)
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), HAS_NORM=q_norm is not None, D=d,
+            HEADS=heads)
     return q
 
 

@@ -86,6 +86,13 @@ def test_qk_norm_rope_store_matches_reference(dtype, qk_norm):
     check_qk_norm_rope_store("cpu", dtype, qk_norm, heads=4, kv_heads=2, d=16)
 
 
+@pytest.mark.parametrize("heads, kv_heads", [(0, 2), (5, 3), (9, 3), (12, 5)])
+def test_qk_norm_rope_store_head_groups(heads, kv_heads):
+    """A program takes up to 8 heads: queries and keys in one group, a part-filled last group,
+    and keys and values alone (the draft's context extension)."""
+    check_qk_norm_rope_store("cpu", torch.float32, True, heads=heads, kv_heads=kv_heads, d=8)
+
+
 def test_qk_norm_rope_store_rejects_odd_head_dim():
     qkv = torch.zeros(1, 1, 3 * 12)
     cache = torch.zeros(1, 1, 4, 12)
