@@ -55,8 +55,8 @@ def to_device(data, device: torch.device | str, dtype: torch.dtype | None = None
     if dtype is not None and host.dtype != dtype:
         host = host.to(dtype)
     device = torch.device(device)
-    if device.type != "cuda":
-        return host.to(device)
+    if device.type != "cuda" or host.is_cuda:  # (a device tensor, an in-process verifier's features: no host)
+        return host.to(device, non_blocking=True)
     return host.pin_memory().to(device, non_blocking=True)
 
 

@@ -40,7 +40,7 @@ import torch
 from torch import Tensor
 
 from common.buckets import KV_ALIGN, auto_kv_buckets, round_up
-from common.staging import StagedInputs
+from common.staging import StagedInputs, to_device
 from drafter_svc.draft_model import DFlashDraftModel, DraftKVPool
 
 log = logging.getLogger(__name__)
@@ -125,10 +125,16 @@ class DraftInputs:
             if max(counts) > self.R:
                 raise ValueError(f"{max(counts)} new feature rows for a session, the step takes {self.R}")
             if any(counts):
+                new = torch.cat([row.features for row in rows])
+                index = [i * self.R + j for i, k in enumerate(counts) for j in range(k)]
+                if new.device == self.features.device and new.is_cuda:
+                    # Rows already on the device (an in-process verifier's): copied there, in order.
+                    self.features.view(-1, self.features.shape[-1]).index_copy_(
+                        0, to_device(index, new.device, torch.int64), new.to(self.features.dtype))
+                    self._staging.commit(skip=(self.features,))
+                    return
                 feats = self._host_features
-                index = torch.tensor([i * self.R + j for i, k in enumerate(counts) for j in range(k)])
-                feats.view(-1, feats.shape[-1]).index_copy_(
-                    0, index, torch.cat([row.features for row in rows]).to(feats.dtype))
+                feats.view(-1, feats.shape[-1]).index_copy_(0, torch.tensor(index), new.cpu().to(feats.dtype))
         self._staging.commit()
 
 

@@ -265,12 +265,14 @@ class LocalLink(_Lockstep):
     finishes the step (waits for the device, commits, prefills): between the two the sender's
     host is free while the device verifies. A message that may not begin beside an unfinished
     one (`PendingStep.admits`) finishes that one first. In process the whole reply is there at
-    once: no notices."""
+    once: no notices. The target features it hands over stay on the verifier's device, where
+    the draft model reads them (`TargetRunner.features_on_device`)."""
 
     OWNER = "local"
 
     def __init__(self, verifier):
         self.verifier = verifier
+        verifier.runner.features_on_device = True
         self._sent: collections.deque[_LocalMessage] = collections.deque()
         self.verifier_step_s = 0.0
 

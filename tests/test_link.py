@@ -3,6 +3,7 @@ the link codec's round trip: nothing from the wire reaches the draft model unche
 from __future__ import annotations
 
 import collections
+import types
 
 import numpy as np
 import pytest
@@ -362,6 +363,7 @@ class _StepVerifier:
 
     def __init__(self):
         self.calls = []
+        self.runner = types.SimpleNamespace(features_on_device=False)
 
     def begin(self, entries):
         from verifier_svc.tree_verifier import PendingStep
@@ -390,6 +392,7 @@ def test_local_link_verifies_between_send_and_receive():
 
     verifier = _StepVerifier()
     link = LocalLink(verifier)
+    assert verifier.runner.features_on_device  # the features stay where the draft model reads them
     link.send([CloseEntry(1)])
     link.send([CloseEntry(2)])  # another session: begins beside it
     assert verifier.calls == [("begin", [1]), ("begin", [2])] and link.in_flight == 2

@@ -55,8 +55,9 @@ class PendingVerify:
 
     rows: list[VerifyRow]
     with_features: list[bool]
-    copy: HostCopy  # the per-row results and the path rows' features
+    copy: HostCopy  # the per-row results, and the path rows' features unless `features` holds them
     logits: Tensor  # [B, T, V] of every node; under CUDA graphs a buffer that every step shares
+    features: Tensor | None = None  # [B, W, F], a copy on the device (`TargetRunner.features_on_device`)
 
     @property
     def exclusive(self) -> bool:
@@ -93,6 +94,9 @@ class TargetRunner:
         self.graphs = (VerifyGraphs(model, self.cache, max_seq_len, self.scratch_slot, graph_config)
                        if use_graphs else None)
         self.mirror = None  # tensor parallelism: see `set_mirror`
+        # The features a verify or a prefill returns stay on the model's device (an in-process
+        # drafter reads them there: no copy to the host and back); by default they come to the host.
+        self.features_on_device = False
 
     def set_mirror(self, mirror) -> None:
         """Tensor parallelism, rank 0: hand every forward's inputs to the other ranks before running
@@ -244,15 +248,18 @@ class TargetRunner:
         result, features, logits = outputs
         # No path is longer than the deepest tree.
         width = min(features.shape[1], 1 + int(torch.cat([r.depths for r in rows]).max()))
-        copy = HostCopy(result[: len(rows)], features[: len(rows), :width])
-        return PendingVerify(list(rows), list(with_features) if with_features is not None else [True] * len(rows),
-                             copy, logits)
+        features = features[: len(rows), :width]
+        wanted = list(with_features) if with_features is not None else [True] * len(rows)
+        if self.features_on_device:  # a copy: a later step may replay the same graph before the finish
+            return PendingVerify(list(rows), wanted, HostCopy(result[: len(rows)]), logits, features.clone())
+        return PendingVerify(list(rows), wanted, HostCopy(result[: len(rows)], features), logits)
 
     def finish_verify(self, pending: PendingVerify) -> VerifiedBatch:
         """Wait for a launched step's results (one wait; a second, only when a row asks for
         logprobs, for theirs) and read them out per row."""
         rows = pending.rows
-        result, features = pending.copy.wait()
+        result, *features = pending.copy.wait()
+        features = pending.features if pending.features is not None else features[0]
         values = result.tolist()
         paths = [v[2: 3 + v[0]] for v in values]
         bonus = [v[1] for v in values]
@@ -261,9 +268,8 @@ class TargetRunner:
             tokens = row.tree.tokens.tolist()  # a list once: cheaper than a tensor index per row
             accepted.append([tokens[node] for node in path[1:]])
         b, t, f = features.shape
-        index = torch.tensor([i * t + j for i, path in enumerate(paths) if pending.with_features[i]
-                              for j in range(len(path))], dtype=torch.int64)
-        picked = features.reshape(b * t, f).index_select(0, index)
+        index = [i * t + j for i, path in enumerate(paths) if pending.with_features[i] for j in range(len(path))]
+        picked = features.reshape(b * t, f).index_select(0, to_device(index, features.device, torch.int64))
         return VerifiedBatch(paths=paths, bonus=bonus, accepted=accepted, features=picked,
                              logprobs=self._path_logprobs(rows, accepted, bonus, pending.logits, paths))
 

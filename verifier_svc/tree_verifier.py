@@ -319,8 +319,10 @@ class TreeVerifier:
                     bonus = self._first_tokens(ending, logits, [group[j][3] for j in last]) if last else []
                     logprobs = self._first_logprobs(ending, logits, bonus) if last else []
                     wanted = [f if s.features else f[:0] for s, f in zip(sessions, features)]
-                    # One device->host copy for the group, not one per session.
-                    rows = torch.cat(wanted).cpu().split([f.shape[0] for f in wanted])
+                    # One device->host copy for the group, not one per session (none when they stay
+                    # on the device; the copy there also frees them from a prefill graph's buffers).
+                    rows = torch.cat(wanted)
+                    rows = (rows if self.runner.features_on_device else rows.cpu()).split([f.shape[0] for f in wanted])
         except Exception:
             for _, key, _, _ in group:
                 self.close(key)

@@ -513,6 +513,36 @@ def test_batch_gives_each_row_what_it_gives_alone(qwen3_pair, path):
         commit(drafts, batched.paths, batched.bonus)
 
 
+@pytest.mark.parametrize("path", ["eager", "static", "graphs"])
+def test_features_kept_on_the_device_equal_those_sent_to_the_host(qwen3_pair, path):
+    """`features_on_device` (an in-process drafter's) changes where the path rows are, not what
+    they are, even when a step replaying the same graph is launched before the first one is
+    finished; the rows not asked for are left out either way."""
+    if path == "graphs" and not CUDA:
+        pytest.skip("needs CUDA")
+    model = load_model(qwen3_pair, "cuda" if path == "graphs" else "cpu")
+    runner = (TargetRunner(model, 4, 160, 65, cuda_graphs=False) if path == "eager"
+              else static_runner(model, 4, 160, capture=path == "graphs"))
+    rng = np.random.default_rng(3)
+    sessions = open_sessions([runner], rng, [20, 3, 9, 12])
+    vocab = model.cfg.vocab_size
+    drafts = [make_draft(model, s, rng, n, "oracle") for s, n in zip(sessions[:3], [9, 5, 14])]
+    other = [make_draft(model, s, rng, n, "random") for s, n in zip(sessions[1:], [10, 6, 12])]  # the same buckets
+    rows, masks = batch_of(drafts, vocab)
+    wanted = [True, False, True]
+    start = snapshot(runner)
+    on_host = runner.verify_batch(rows, masks, wanted)
+    restore(runner, start)
+    runner.features_on_device = True
+    first = runner.launch_verify(rows, masks, wanted)
+    runner.launch_verify(*batch_of(other, vocab))  # reuses the step buffers before `first` is read
+    kept = runner.finish_verify(first)
+    assert kept.features.device == model.embed_tokens.weight.device
+    assert kept.paths == on_host.paths and kept.bonus == on_host.bonus
+    assert kept.features.shape[0] == len(on_host.paths[0]) + len(on_host.paths[2])
+    assert torch.equal(kept.features.cpu(), on_host.features)
+
+
 def test_stale_cache_entries_never_change_a_step(qwen3_pair):
     """K/V past each session's length (old trees, padding) and in the scratch slot are masked:
     garbage there changes neither the logits nor the accepted paths."""
