@@ -115,7 +115,7 @@ class DraftInputs:
         slot.fill_(scratch_slot)
         # Rows past a session's k new ones keep whatever finite values an earlier step left: their
         # K/V land where the block's K/V overwrite them, so they need no zeroing.
-        n = len(rows)
+        n, on_device = len(rows), ()  # on_device: the device buffers written in place (not from a twin)
         if n:  # the scalar fields in one copy each, the feature rows in one
             counts = [row.features.shape[0] for row in rows]
             tokens[:n, 0] = torch.tensor([row.root for row in rows])
@@ -127,15 +127,14 @@ class DraftInputs:
             if any(counts):
                 new = torch.cat([row.features for row in rows])
                 index = [i * self.R + j for i, k in enumerate(counts) for j in range(k)]
-                if new.device == self.features.device and new.is_cuda:
-                    # Rows already on the device (an in-process verifier's): copied there, in order.
+                if new.is_cuda and new.device == self.features.device:  # an in-process verifier's rows
                     self.features.view(-1, self.features.shape[-1]).index_copy_(
                         0, to_device(index, new.device, torch.int64), new.to(self.features.dtype))
-                    self._staging.commit(skip=(self.features,))
-                    return
-                feats = self._host_features
-                feats.view(-1, feats.shape[-1]).index_copy_(0, torch.tensor(index), new.cpu().to(feats.dtype))
-        self._staging.commit()
+                    on_device = (self.features,)
+                else:
+                    feats = self._host_features
+                    feats.view(-1, feats.shape[-1]).index_copy_(0, torch.tensor(index), new.cpu().to(feats.dtype))
+        self._staging.commit(skip=on_device)
 
 
 def draft_step(draft: DFlashDraftModel, embed_tokens: Tensor, lm_head: Tensor, kv: Tensor, inp: DraftInputs,

@@ -258,8 +258,8 @@ class TargetRunner:
         """Wait for a launched step's results (one wait; a second, only when a row asks for
         logprobs, for theirs) and read them out per row."""
         rows = pending.rows
-        result, *features = pending.copy.wait()
-        features = pending.features if pending.features is not None else features[0]
+        copied = pending.copy.wait()
+        result, features = copied[0], pending.features if pending.features is not None else copied[1]
         values = result.tolist()
         paths = [v[2: 3 + v[0]] for v in values]
         bonus = [v[1] for v in values]
