@@ -114,14 +114,21 @@ def install(out_dir: str, role: str) -> None:
 
 def _install_verifier(rec: Recorder, served: bool) -> None:
     import verifier_svc.target_runner as runner
+    import verifier_svc.tree_verifier as tree_verifier
 
     target = runner.TargetRunner
     target.launch_verify = rec.device("g.verify", "v.launch", target.launch_verify)
     target.prefill = rec.device("g.prefill", "v.prefill", target.prefill)
+    target.finish_verify = rec.host("v.results", target.finish_verify)  # wait for the results, read them out
+    tree_verifier.walk_trees = rec.host("v.walk", tree_verifier.walk_trees)  # the trees' checks
+    tree_verifier.ancestor_masks = rec.host("v.masks", tree_verifier.ancestor_masks)
+    verifier = tree_verifier.TreeVerifier
+    verifier._finish_verify = rec.host("v.commit", verifier._finish_verify)  # the results, then per-session commit
     if not served:  # in process: the drafter's link calls the verifier's step directly
         import drafter_svc.link as link
 
         link.LocalLink.send = rec.host("v.step", link.LocalLink.send)
+        link.LocalLink._finish = rec.host("v.finish", link.LocalLink._finish)  # wait, commit, prefills
         return
     import verifier_svc.scheduler as scheduler
     import verifier_svc.server as server
@@ -137,10 +144,21 @@ def _install_verifier(rec: Recorder, served: bool) -> None:
 def _install_drafter(rec: Recorder) -> None:
     import drafter_svc.ddtree as ddtree
     import drafter_svc.drafter as drafter
+    import drafter_svc.draft_graphs as draft_graphs
     import drafter_svc.link as link
+    import drafter_svc.oracle as oracle
     import drafter_svc.scheduler as scheduler
+    import drafter_svc.text_stream as text_stream
 
     sched = scheduler.DraftScheduler
+    sched._apply = rec.host("d.apply", sched._apply)  # a reply's results to their sessions
+    sched._flush_outbox = rec.host("d.flush", sched._flush_outbox)  # updates to the clients' handlers
+    scheduler.build_trees = rec.host("d.build", scheduler.build_trees)  # top-k, selection, the trees
+    ddtree.DDTreeSelection.trees = rec.host("d.trees", ddtree.DDTreeSelection.trees)  # selected nodes -> DraftTrees
+    draft_graphs.DraftInputs.fill = rec.host("d.fill", draft_graphs.DraftInputs.fill)  # the draft step's inputs
+    oracle.ControlledAcceptance.__call__ = rec.host("d.oracle", oracle.ControlledAcceptance.__call__)
+    # On the server's event loop, not the scheduler's thread: a round's tokens detokenized for its client.
+    text_stream.TextStream.push = rec.host("l.text", text_stream.TextStream.push)
     sched._send_message = rec.host("d.send", sched._send_message)  # draft, trees, the message sent
     sched._receive = rec.host("d.receive", sched._receive)  # wait for the reply, apply it
     sched._notice = rec.host("d.notice", sched._notice)  # first tokens to the clients ahead of their reply
