@@ -22,6 +22,7 @@ import torch
 from common.auth import ApiKeyError, check_api_key, read_api_key
 from common.cli import FlagParser, fail
 from common.config import CheckpointError
+from common.heap import freeze_startup_heap
 from common.logs import add_logging_flags, setup_logging
 from common.protocol import StatusError
 from common.tls import ChannelTls, ServerTls, TlsError
@@ -221,6 +222,7 @@ async def run(cfg: DrafterConfig) -> None:
     engine = await asyncio.to_thread(DrafterEngine.start, cfg, dtype)
     server, port = await serve(engine, cfg.host, cfg.port, http_port=cfg.http_port or None)
     http = f", HTTP on {cfg.host}:{server.http_port}" if server.http is not None else ""
+    freeze_startup_heap()
     print(f"drafter listening on {cfg.host}:{port}{http} (verifier {cfg.verifier})", flush=True)
     stopping = asyncio.Event()
     loop = asyncio.get_running_loop()

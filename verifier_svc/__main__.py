@@ -17,6 +17,7 @@ import signal
 
 from common.cli import FlagParser, fail
 from common.config import CheckpointError, check_draft_fits_target, load_draft_config, load_target_config
+from common.heap import freeze_startup_heap
 from common.logs import add_logging_flags, setup_logging
 from common.tls import ServerTls
 from common.tracing import exporting, setup_tracing, shutdown_tracing
@@ -160,6 +161,7 @@ async def run(config: VerifierConfig, verifier: TreeVerifier) -> str | None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     served = f", metrics on {config.host}:{server.metrics.port}" if server.metrics is not None else ""
+    freeze_startup_heap()
     print(f"verifier listening on {config.host}:{port}{served}", flush=True)
     await stop.wait()
     logging.getLogger(__name__).info("shutting down (grace %g s)", config.grace_s)
