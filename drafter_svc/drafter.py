@@ -112,6 +112,15 @@ def build_trees(modes: Sequence[DraftMode], block_logits: torch.Tensor, roots: S
     return trees, choice
 
 
+def join_blocks(ahead: torch.Tensor | None, rows: Sequence[int], fresh: torch.Tensor | None) -> torch.Tensor:
+    """One step's block logits: rows `rows` of a block drafted ahead (`DraftScheduler`), then a
+    block drafted now (either may be None). No copy when one block alone holds all, in order."""
+    parts = ([rows_of(ahead, list(rows))] if ahead is not None and rows else []) + ([fresh] if fresh is not None else [])
+    if not parts:
+        raise ValueError("no block logits to join")
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
 class DFlashProposer:
     """Block logits from the DFlash draft, conditioned on target features, for many sessions at
     once: the drafter's model runner. Serving only: the constructor fuses the draft's q/k/v and

@@ -13,6 +13,10 @@ delivers (a callback per session, called on the scheduler's thread). Each step:
 6. hands each session its new tokens, and finishes those that reached a stop token, their
    length limit or the verifier's capacity.
 
+The next draft step of the sessions a reply verified is queued as soon as the reply comes, before
+it is applied (`_draft_ahead`): the device drafts while the host applies the reply, delivers and
+builds the next message, whose trees take those rows of the block (`_block`).
+
 A running session's tokens wait in an outbox until the next step's message is sent, and go to
 the clients while the verifier works on it: their host work (and the request handlers' on
 other threads, which want the interpreter lock) then hides behind the verify (`_flush_outbox`).
@@ -54,7 +58,7 @@ from common import metrics
 from common.tracing import traceparent_of, tracer
 from common.tree import DraftTree
 from drafter_svc.budget import BudgetChoice, BudgetPlanner
-from drafter_svc.drafter import BlockProposer, DraftMode, build_trees
+from drafter_svc.drafter import BlockProposer, DraftMode, build_trees, join_blocks
 from drafter_svc.link import VerifierLink
 
 log = logging.getLogger(__name__)
@@ -142,6 +146,21 @@ class _Drafted:
 
 
 @dataclass
+class _DraftAhead:
+    """A draft step queued as soon as a reply came, before the reply was applied (`DraftScheduler._draft_ahead`):
+    its block logits [S, D, V], each session's row in it with the epoch and round count it was
+    drafted for (`_Session.epoch`, `_Session.rounds` once the reply is applied), and its seconds."""
+    block: Tensor
+    rows: dict[int, tuple[int, int, int]]  # session id -> (row, epoch, rounds)
+    seconds: float
+
+    def row(self, s: "_Session") -> int | None:
+        """The session's row, if it was drafted for the session's current state."""
+        found = self.rows.get(s.sid)
+        return found[0] if found is not None and found[1:] == (s.epoch, s.rounds) else None
+
+
+@dataclass
 class _InFlight:
     """A link message awaiting its reply: the sessions it carries an entry for (with each one's
     `_Session.epoch` then: a reply to an earlier admission is stale), and spans."""
@@ -220,9 +239,11 @@ class _Session:
         """What an open prefills: the prompt, and after a lost verifier the tokens emitted so far."""
         return self.prompt_ids + self.result.tokens
 
-    def room(self) -> int:
-        """Drafted nodes the next tree may hold: the verifier's capacity and the tokens still wanted."""
-        return min(self.max_seq_len - self.length - 1, self.config.max_new_tokens - len(self.result.tokens) - 1)
+    def room(self, emitting: int = 0) -> int:
+        """Drafted nodes the next tree may hold (once `emitting` more tokens are emitted): the
+        verifier's capacity and the tokens still wanted."""
+        return min(self.max_seq_len - self.length - emitting - 1,
+                   self.config.max_new_tokens - len(self.result.tokens) - emitting - 1)
 
     def emit(self, round: int, tokens: list[int], logprobs: list[TokenLogprob] | None,
              tree_nodes: int = 0) -> RoundUpdate:
@@ -302,6 +323,7 @@ class DraftScheduler:
         self._ending: list[int] = []  # ended sessions still open on the verifier: Close in the next step
         self._inflight: collections.deque[_InFlight] = collections.deque()  # oldest first
         self._outbox: list[tuple[_Session, RoundUpdate]] = []  # updates waiting for the next message sent
+        self._ahead: _DraftAhead | None = None  # the next step's draft, queued before its reply was applied
         self._thread: threading.Thread | None = None
         self._stopped = threading.Event()
         self.steps = 0
@@ -374,6 +396,7 @@ class DraftScheduler:
         while not self._stopped.is_set():
             if not (self._waiting or self._running or self._ending or self._inflight):
                 self._flush_outbox()
+                self._ahead = None  # its sessions are gone
                 if not self._take_commands(block=True, timeout=self.probe_interval_s):  # idle: is it still there?
                     self._set_link(self.link.probe())
                 continue
@@ -512,6 +535,7 @@ class DraftScheduler:
         message.rpc_span.end()
         rpc_s = time.perf_counter() - message.rpc_started
         metrics.VERIFY_RPC.observe(rpc_s)
+        ahead = self._draft_ahead(results, message.epochs)
         verify_s = min(self.link.verifier_step_s, rpc_s)
         timing = (message.draft_s, message.build_s, verify_s, rpc_s - verify_s)
         for s in message.sessions:
@@ -522,7 +546,7 @@ class DraftScheduler:
             self._backoff = 0.0  # no session lost its verifier in this step
         self._set_link(self.link.up)
         with trace.use_span(message.step_span, end_on_exit=True):
-            self._apply(results, message.rounds, timing, message.epochs)
+            self._apply(results, message.rounds, timing, message.epochs, ahead)
         if message.budget is not None:
             adapted = {s.sid for s in message.sessions if self._adapts(s)}
             accepted = sum(len(r.outcome.accepted_tokens) for r in results
@@ -548,6 +572,7 @@ class DraftScheduler:
         for message in self._inflight:
             message.end()
         self._inflight.clear()
+        self._ahead = None
         self._ending = []
         for s in reversed(list(self._running.values())):  # appendleft keeps their order
             self._recover(s, exc)
@@ -673,10 +698,11 @@ class DraftScheduler:
         budget, draft_s, build_s = None, 0.0, 0.0
         if busy:
             sessions = [drafting[i] for i in busy]
+            ahead, self._ahead = self._ahead, None
             start = time.perf_counter()
             with _tracer.start_as_current_span("draft"):
-                block = self.proposer.propose([s.draft_state for s in sessions], [s.root for s in sessions],
-                                              [s.new_tokens for s in sessions], [s.new_features for s in sessions])
+                block, order, ahead_s = self._block(sessions, ahead)
+                busy, sessions = [busy[j] for j in order], [sessions[j] for j in order]
                 # The benchmark's edit: decided while the device drafts.
                 edit = (self.logits_hook([s.prompt_ids for s in sessions], [s.result.tokens for s in sessions],
                                          self.proposer.block_size - 1) if self.logits_hook is not None else None)
@@ -684,7 +710,8 @@ class DraftScheduler:
                     edit(block)
             for s in sessions:
                 s.new_features = s.new_features[:0]
-            draft_s = time.perf_counter() - start
+            drafted = time.perf_counter()
+            draft_s = drafted - start + ahead_s
             metrics.DRAFT_STEP.observe(draft_s)
             with _tracer.start_as_current_span("tree_build"):
                 built, budget = build_trees([s.config.mode for s in sessions], block, [s.root for s in sessions],
@@ -692,7 +719,7 @@ class DraftScheduler:
                                             [self._adapts(s) for s in sessions])
                 if budget is not None:
                     trace.get_current_span().set_attribute("tree.budget", budget.budget)
-            build_s = time.perf_counter() - start - draft_s
+            build_s = time.perf_counter() - drafted
             metrics.TREE_BUILD.observe(build_s)
             for i, tree in zip(busy, built):
                 trees[i] = tree
@@ -703,12 +730,56 @@ class DraftScheduler:
             entries.append(TreeEntry(s.sid, s.rounds - s.round_base + 1, tree, traceparent_of(span) if span else ""))
         return _Drafted(entries, budget, draft_s, build_s)
 
+    def _block(self, sessions: Sequence[_Session], ahead: _DraftAhead | None) -> tuple[Tensor, list[int], float]:
+        """The sessions' block logits: the rows drafted ahead for them, the others' drafted now.
+        Returns the block, the sessions' order in it (indices into `sessions`) and the seconds the
+        rows drafted ahead took."""
+        rows = [ahead.row(s) for s in sessions] if ahead is not None else [None] * len(sessions)
+        have = [j for j, row in enumerate(rows) if row is not None]
+        missing = [j for j, row in enumerate(rows) if row is None]
+        fresh = None
+        if missing:
+            late = [sessions[j] for j in missing]
+            fresh = self.proposer.propose([s.draft_state for s in late], [s.root for s in late],
+                                          [s.new_tokens for s in late], [s.new_features for s in late])
+        block = join_blocks(ahead.block if have else None, [rows[j] for j in have], fresh)
+        return block, have + missing, ahead.seconds if have else 0.0
+
+    def _draft_ahead(self, results: Sequence[StepResult], epochs: dict[int, int]) -> frozenset[int]:
+        """Queue the next draft step of the sessions a reply verified before the reply is applied:
+        the device drafts while the host applies it, delivers and schedules the next message, whose
+        trees take these rows (`_block`). Left out: sessions this round ends or may end (no room
+        left, a stop token, a receiver watching the text), or that `_verified` fails. Returns the
+        sessions drafted; their new feature rows are in their draft context then."""
+        if self.proposer is None:
+            return frozenset()
+        picked: list[tuple[_Session, Verified]] = []
+        for r in results:
+            s, v = self._running.get(r.session_id), r.outcome
+            if not isinstance(v, Verified) or s is None or s.epoch != epochs.get(r.session_id) or not s.drafts \
+                    or s.draft_state is None or s.watches_text or s.result.finish_reason:
+                continue
+            emitted = v.accepted_tokens + [v.next_token]
+            if v.features.shape[0] == len(emitted) and s.room(len(emitted)) > 0 \
+                    and not any(t in s.stop_ids for t in emitted):
+                picked.append((s, v))
+        if not picked:
+            return frozenset()
+        start = time.perf_counter()
+        block = self.proposer.propose([s.draft_state for s, _ in picked], [v.next_token for _, v in picked],
+                                      [v.accepted_tokens + [v.next_token] for _, v in picked],
+                                      [v.features for _, v in picked])
+        self._ahead = _DraftAhead(block, {s.sid: (i, s.epoch, s.rounds + 1) for i, (s, _) in enumerate(picked)},
+                                  time.perf_counter() - start)
+        return frozenset(s.sid for s, _ in picked)
+
     def _apply(self, results: Sequence[StepResult], rounds: dict[int, trace.Span],
-               timing: tuple[float, float, float, float], epochs: dict[int, int]) -> None:
+               timing: tuple[float, float, float, float], epochs: dict[int, int],
+               ahead: frozenset[int] = frozenset()) -> None:
         """Hand every result to its session; `timing` (draft, build, verify, network seconds) is the step's.
         A result for a session that ended, or was admitted again since (`epochs`: its epoch when the
         message went), is dropped. Sessions whose verifier was lost under them (LinkLost: one replica
-        of several) recover."""
+        of several) recover. `ahead`: the sessions drafted ahead of this reply (`_draft_ahead`)."""
         lost = []
         for r in results:
             s = self._running.get(r.session_id)
@@ -735,7 +806,7 @@ class DraftScheduler:
             elif isinstance(o, Extended):
                 self._extended(s, o)
             else:
-                self._verified(s, o, span, timing)
+                self._verified(s, o, span, timing, s.sid in ahead)
             if span is not None:
                 span.end()
         for span in rounds.values():
@@ -817,7 +888,9 @@ class DraftScheduler:
             s.new_tokens, s.new_features = [p.token], p.features[:0]
 
     def _verified(self, s: _Session, v: Verified, span: trace.Span | None,
-                  timing: tuple[float, float, float, float]) -> None:
+                  timing: tuple[float, float, float, float], drafted_ahead: bool = False) -> None:
+        """A verified round: its tokens to the session, its features to the next draft step (unless
+        that was queued already: `drafted_ahead`)."""
         emitted = v.accepted_tokens + [v.next_token]
         if s.drafts and v.features.shape[0] != len(emitted):
             self._fail(s, StatusError("INTERNAL", f"verifier sent {v.features.shape[0]} feature rows for "
@@ -829,7 +902,7 @@ class DraftScheduler:
         s.length += len(emitted)
         s.result.acceptance_lengths.append(len(emitted))
         s.result.round_stats.append(RoundStats(len(emitted), s.tree.num_nodes, *timing))
-        s.root, s.new_tokens, s.new_features = v.next_token, emitted, v.features
+        s.root, s.new_tokens, s.new_features = v.next_token, emitted, v.features[:0] if drafted_ahead else v.features
         if span is not None:
             span.set_attributes({"tree.nodes": s.tree.num_nodes, "accepted": len(v.accepted_tokens)})
         cancelled = bool(s.result.finish_reason)  # ended while this step was in flight: drop its tokens

@@ -333,3 +333,50 @@ def test_a_receiver_that_ends_a_batched_session_stops_it_after_the_round_in_flig
     assert result.tokens == greedy(engine, PROMPTS[0], DraftMode("ar", 0), n=40).tokens[:len(result.tokens)]
     assert len(result.acceptance_lengths) == 3  # rounds 1 and 2, and the one in flight when it stopped
     assert engine.verifier.free_capacity == engine.verifier.limits.max_sessions
+
+
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_drafting_ahead_of_a_reply_gives_the_trees_of_drafting_after_it(engine, monkeypatch, pipelined):
+    """The next draft step is queued as soon as a reply comes, before the reply is applied
+    (`DraftScheduler._draft_ahead`). The trees sent, and so the outputs, are those of drafting
+    after it: each session gets its own rows, and its new feature rows enter its context once,
+    also when the rows drafted ahead go unused (drafted again, from the context as it is)."""
+    from common.protocol import TreeEntry, Verified
+    from drafter_svc.link import LocalLink
+    from drafter_svc.scheduler import DraftScheduler, _DraftAhead
+
+    draft_ahead = DraftScheduler._draft_ahead
+
+    def run(ahead: bool):
+        sent, drafted = [], []
+
+        class Recording(LocalLink):
+            def send(self, entries):
+                sent.append([(e.session_id, e.tree.tokens.tolist(), e.tree.next_token.tolist(),
+                              e.tree.next_sibling.tolist()) for e in entries if isinstance(e, TreeEntry)])
+                super().send(entries)
+
+        def counted(self, results, epochs):
+            picked = draft_ahead(self, results, epochs) if ahead else frozenset()
+            drafted.append((len(picked), sum(isinstance(r.outcome, Verified) for r in results)))
+            return picked
+
+        monkeypatch.setattr(DraftScheduler, "_draft_ahead", counted)
+        scheduler = DraftScheduler(Recording(engine.verifier), engine.proposer,
+                                   max_sessions=engine.verifier.limits.max_sessions,
+                                   feature_layer_ids=engine.verifier.feature_layer_ids, pipelined=pipelined)
+        ends = _ends(scheduler, [(p, GenerationConfig(N, mode=DraftMode("tree", 6))) for p in PROMPTS])
+        scheduler.run_until_idle()
+        return [e["items"][-1].tokens for e in ends], sent, drafted
+
+    tokens, sent, drafted = run(ahead=True)
+    late_tokens, late_sent, _ = run(ahead=False)
+    assert tokens == late_tokens == [greedy(engine, p, DraftMode("ar", 0)).tokens for p in PROMPTS]
+    assert sum(len(trees) for trees in sent) > 2 * len(PROMPTS) and sent == late_sent
+    monkeypatch.setattr(_DraftAhead, "row", lambda self, s: None)  # every row drafted ahead goes unused
+    assert run(ahead=True)[:2] == (tokens, sent)
+    # Every session a reply verified was drafted ahead, but in the last rounds (no room left).
+    verified = [n for _, n in drafted if n]
+    assert len(verified) > 2 * (2 if pipelined else 1) and all(n == len(PROMPTS) for n in verified[:4]) != pipelined
+    assert sum(1 for picked, n in drafted if n and picked == n) >= len(verified) - 2 * len(PROMPTS), drafted
+    assert engine.proposer.free_slots == engine.verifier.limits.max_sessions
