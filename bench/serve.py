@@ -59,7 +59,10 @@ timed wall time the verifier spent in its model steps (the difference of its
 splits the timed part of each run into its link messages, from both services' Prometheus
 histograms (the drafter's `--http-port` /metrics and the verifier's `--metrics-port`, scraped
 before and after): the drafter's draft step, tree build and link round trip, and the
-verifier's step inside that round trip, as means per message.
+verifier's step inside that round trip, as means per message. With `--repeats K` each (setting,
+N) runs K times, one after another on the same services (its rows carry `repeat`), and a third
+table (`repeat_summary` in the JSON) gives each one's median tok/s, min, max and spread; the
+speed-ups are over plain decoding's median at the same N.
 """
 from __future__ import annotations
 
@@ -80,6 +83,7 @@ import random
 import re
 import shlex
 import signal
+import statistics
 import subprocess
 import tempfile
 import time
@@ -177,6 +181,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="concurrent clients N, comma-separated (default 1,4,8,16,32,64; 1,4 with --quick)")
     p.add_argument("--requests-per-client", type=int, default=None,
                    help="timed requests per client and N, after one warm-up request (default 2; 1 with --quick)")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="timed runs of each mode, setting and N, one after another on the same services; the "
+                        "tables give every run, and with more than one a summary gives each one's median tok/s and "
+                        "spread (single runs of one tree differ by a few percent: compare medians) (default 1)")
     p.add_argument("--prompt-len", type=int, default=None, help="prompt tokens (default 128; 32 with --quick)")
     p.add_argument("--max-new-tokens", type=int, default=None,
                    help="new tokens per request (default 128; 32 with --quick); fewer when EOS comes first")
@@ -262,8 +270,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--timeline needs --models qwen3-8b (the roles of bench/serve_roles.py record it)")
     if bad or not a.models:
         p.error(f"--models takes default and/or qwen3-8b, got {','.join(bad) or 'nothing'}")
-    if a.requests_per_client < 1 or a.prompt_len < 1 or a.max_new_tokens < 1 or a.tree_budget < 1:
-        p.error("--requests-per-client, --prompt-len, --max-new-tokens and --tree-budget must be >= 1")
+    if min(a.requests_per_client, a.repeats, a.prompt_len, a.max_new_tokens, a.tree_budget) < 1:
+        p.error("--requests-per-client, --repeats, --prompt-len, --max-new-tokens and --tree-budget must be >= 1")
     if a.max_sessions < max(a.concurrency):
         p.error(f"--max-sessions {a.max_sessions} is below the largest concurrency {max(a.concurrency)}")
     if a.delay_ms < 0:
@@ -701,10 +709,29 @@ def summarise(mode: str, setting: Setting | None, n: int, timed: list[Request], 
 
 
 def add_speedups(rows: list[dict]) -> None:
-    ar = {r["concurrency"]: r["tokens_per_s"] for r in rows if r["mode"] == "ar"}
+    """Each row's tok/s over plain decoding's at its N (the median of plain decoding's runs there)."""
+    ar = {n: statistics.median(r["tokens_per_s"] for r in rows if r["mode"] == "ar" and r["concurrency"] == n)
+          for n in {r["concurrency"] for r in rows if r["mode"] == "ar"}}
     for r in rows:
         base = ar.get(r["concurrency"])
         r["speedup_vs_ar"] = r["tokens_per_s"] / base if base else None
+
+
+def repeat_summary(rows: list[dict]) -> list[dict]:
+    """Per setting, mode and N (in the rows' order): the runs' median tok/s, their min and max,
+    the spread (max - min) / median, and the median over plain decoding's median at that N."""
+    groups: dict[tuple, list[float]] = {}
+    for r in rows:
+        groups.setdefault((r["setting"], r["mode"], r["concurrency"]), []).append(r["tokens_per_s"])
+    ar = {n: statistics.median(v) for (_, mode, n), v in groups.items() if mode == "ar"}
+    out = []
+    for (setting, mode, n), values in groups.items():
+        median = statistics.median(values)
+        out.append({"setting": setting, "mode": mode, "concurrency": n, "runs": len(values),
+                    "tokens_per_s_median": median, "tokens_per_s_min": min(values), "tokens_per_s_max": max(values),
+                    "spread": (max(values) - min(values)) / median if median > 0 else None,
+                    "speedup_vs_ar": median / ar[n] if ar.get(n) else None})
+    return out
 
 
 def _cell(value, width: int, digits: int = 1) -> str:
@@ -756,6 +783,17 @@ def print_table(result: dict) -> None:
                  _cell(b.get(k), 7, 2) for k in ("step_ms", "draft_ms", "build_ms", "rpc_ms", "vstep_ms", "vfwd_ms")] + [
                  _cell(link, 7, 2), _cell(b.get("other_ms"), 7, 2)]
         print(" ".join(cells))
+    if result.get("repeat_summary"):
+        print("\nrepeated runs (--repeats): tok/s median, min and max; spread = (max - min) / median; "
+              "vs AR = median / plain decoding's median")
+        head = [("setting", 16), ("mode", 5), ("N", 4), ("runs", 5), ("median", 9), ("min", 9), ("max", 9),
+                ("spread", 7), ("vs AR", 6)]
+        print(" ".join(f"{h:>{w}}" for h, w in head))
+        for r in result["repeat_summary"]:
+            print(" ".join([_cell(r["setting"], 16), _cell(r["mode"], 5), _cell(r["concurrency"], 4),
+                            _cell(r["runs"], 5), _cell(r["tokens_per_s_median"], 9), _cell(r["tokens_per_s_min"], 9),
+                            _cell(r["tokens_per_s_max"], 9), _cell(r["spread"], 7, 3),
+                            _cell(r["speedup_vs_ar"], 6, 2)]))
 
 
 # ---------------------------------------------------------------------------------------
@@ -769,8 +807,9 @@ def run_mode(drafter: Service, verifier: Service | None, mode: str, setting: Set
     """Every N of one (mode, setting); AR runs fill `outputs` with each prompt's tokens."""
     budget = 0 if mode == "ar" else setting.budget if setting and setting.budget is not None else a.tree_budget
     label = mode if setting is None else f"{mode} {setting.name}"
-    for n in a.concurrency:
-        log(f"{label}: N={n}, {n} warm-up + {n * a.requests_per_client} timed requests")
+    for n, repeat in ((n, repeat) for n in a.concurrency for repeat in range(a.repeats)):
+        log(f"{label}: N={n}, {n} warm-up + {n * a.requests_per_client} timed requests"
+            + (f" (run {repeat + 1} of {a.repeats})" if a.repeats > 1 else ""))
         services = [drafter] + ([verifier] if verifier is not None else [])
         urls = [f"http://127.0.0.1:{service.metrics_port}/metrics" for service in services]
         warm, timed, wall, busy, parts = asyncio.run(run_load(drafter.address, verifier and verifier.address,
@@ -779,6 +818,7 @@ def run_mode(drafter: Service, verifier: Service | None, mode: str, setting: Set
         if outputs is not None:
             outputs.update({tuple(r.prompt): r.tokens for r in warm + timed if not r.error})
         row = summarise(mode, setting, n, timed, wall, reference)
+        row["repeat"] = repeat
         row["verifier_busy"] = busy
         row["step_breakdown"] = parts
         if a.sequential and n > 1:
@@ -792,6 +832,8 @@ def run_mode(drafter: Service, verifier: Service | None, mode: str, setting: Set
                 f"{wall / seq_wall:.2f}, same outputs {row['equals_sequential']:.2f}")
         result["runs"].append(row)
         add_speedups(result["runs"])
+        if a.repeats > 1:
+            result["repeat_summary"] = repeat_summary(result["runs"])
         save()  # keep what is done even if the run is cut short
         errors = f", {row['errors']} errors: {row['error_examples']}" if row["errors"] else ""
         tau = f"{row['tau']:.2f}" if row["tau"] is not None else "-"

@@ -36,3 +36,33 @@ def test_colocate_takes_no_link_options(capsys):
         with pytest.raises(SystemExit):
             parse_args(["--models", "qwen3-8b", "--small", "--colocate", "--quick", *extra])
         assert "--colocate" in capsys.readouterr().err
+
+
+def test_repeated_runs_are_summarised_by_their_median():
+    """--repeats: each (setting, mode, N) keeps every run; the summary gives the median, the
+    extremes and the spread, and speed-ups are over plain decoding's median at the same N."""
+    from bench.serve import add_speedups, repeat_summary
+
+    def row(mode, n, tok_s, repeat):
+        return {"setting": "ar" if mode == "ar" else "tau~6", "mode": mode, "concurrency": n,
+                "tokens_per_s": tok_s, "repeat": repeat}
+
+    rows = [row("ar", 1, 100.0, 0), row("ar", 1, 300.0, 1), row("ar", 1, 200.0, 2),
+            row("tree", 1, 500.0, 0), row("tree", 1, 400.0, 1), row("tree", 1, 600.0, 2),
+            row("ar", 8, 800.0, 0), row("tree", 8, 1200.0, 0)]
+    add_speedups(rows)
+    assert [r["speedup_vs_ar"] for r in rows[:6]] == pytest.approx([0.5, 1.5, 1.0, 2.5, 2.0, 3.0])
+    assert rows[7]["speedup_vs_ar"] == pytest.approx(1.5)
+    summary = {(r["mode"], r["concurrency"]): r for r in repeat_summary(rows)}
+    tree = summary[("tree", 1)]
+    assert (tree["runs"], tree["tokens_per_s_median"], tree["tokens_per_s_min"], tree["tokens_per_s_max"]) == \
+        (3, 500.0, 400.0, 600.0)
+    assert tree["spread"] == pytest.approx(0.4) and tree["speedup_vs_ar"] == pytest.approx(2.5)
+    assert summary[("ar", 8)]["runs"] == 1 and summary[("ar", 8)]["spread"] == 0.0
+
+
+def test_repeats_must_be_positive(capsys):
+    assert parse_args(["--small", "--quick", "--repeats", "3"]).repeats == 3
+    with pytest.raises(SystemExit):
+        parse_args(["--small", "--quick", "--repeats", "0"])
+    assert "--repeats" in capsys.readouterr().err
