@@ -687,8 +687,9 @@ class DraftScheduler:
                 for s in drafting if s.span.is_recording()}
 
     def _trees(self, drafting: Sequence[_Session], rounds: dict[int, trace.Span]) -> _Drafted:
-        """Draft every session that drafts and has room, in one batched step; build all trees
-        (under the adaptive budget's choice, when there is a planner)."""
+        """Draft every session that drafts and has room, in one batched step (taking the rows drafted
+        ahead of the last reply: `_block`); build all trees (under the adaptive budget's choice,
+        when there is a planner)."""
         if not drafting:
             return _Drafted([])
         metrics.STEP_BATCH_SIZE.observe(len(drafting))
