@@ -55,7 +55,9 @@ def to_device(data, device: torch.device | str, dtype: torch.dtype | None = None
     if dtype is not None and host.dtype != dtype:
         host = host.to(dtype)
     device = torch.device(device)
-    if device.type != "cuda" or host.is_cuda:  # (a device tensor, an in-process verifier's features: no host)
+    if device.type != "cuda":  # a copy to the host waits for the device: its values are read next
+        return host.to(device)
+    if host.is_cuda:  # a device tensor (an in-process verifier's features): no host in between
         return host.to(device, non_blocking=True)
     return host.pin_memory().to(device, non_blocking=True)
 

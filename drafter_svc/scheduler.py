@@ -754,7 +754,7 @@ class DraftScheduler:
         sessions drafted; their new feature rows are in their draft context then."""
         if self.proposer is None:
             return frozenset()
-        picked: list[tuple[_Session, Verified]] = []
+        picked: list[tuple[_Session, Verified, list[int]]] = []  # (session, result, its emitted tokens)
         for r in results:
             s, v = self._running.get(r.session_id), r.outcome
             if not isinstance(v, Verified) or s is None or s.epoch != epochs.get(r.session_id) or not s.drafts \
@@ -763,16 +763,15 @@ class DraftScheduler:
             emitted = v.accepted_tokens + [v.next_token]
             if v.features.shape[0] == len(emitted) and s.room(len(emitted)) > 0 \
                     and not any(t in s.stop_ids for t in emitted):
-                picked.append((s, v))
+                picked.append((s, v, emitted))
         if not picked:
             return frozenset()
         start = time.perf_counter()
-        block = self.proposer.propose([s.draft_state for s, _ in picked], [v.next_token for _, v in picked],
-                                      [v.accepted_tokens + [v.next_token] for _, v in picked],
-                                      [v.features for _, v in picked])
-        self._ahead = _DraftAhead(block, {s.sid: (i, s.epoch, s.rounds + 1) for i, (s, _) in enumerate(picked)},
+        block = self.proposer.propose([s.draft_state for s, _, _ in picked], [v.next_token for _, v, _ in picked],
+                                      [emitted for _, _, emitted in picked], [v.features for _, v, _ in picked])
+        self._ahead = _DraftAhead(block, {s.sid: (i, s.epoch, s.rounds + 1) for i, (s, _, _) in enumerate(picked)},
                                   time.perf_counter() - start)
-        return frozenset(s.sid for s, _ in picked)
+        return frozenset(s.sid for s, _, _ in picked)
 
     def _apply(self, results: Sequence[StepResult], rounds: dict[int, trace.Span],
                timing: tuple[float, float, float, float], epochs: dict[int, int],
