@@ -37,7 +37,7 @@ RUN python -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml
 
 # The project itself. `models/` is not copied: checkpoints are mounted at run time.
 COPY common ./common
-COPY kernels ./kernels
+COPY ddtree_kernels ./ddtree_kernels
 COPY drafter_svc ./drafter_svc
 COPY verifier_svc ./verifier_svc
 COPY protos ./protos

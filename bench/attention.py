@@ -7,7 +7,7 @@
 Qwen3-8B attention shapes (32 query heads, 8 KV heads x 128, 36 layers, bf16 on CUDA): B
 sessions, each with `past` tokens in its own cache slot and a tree of 1 + N tokens after them
 (each node sees the past, itself and a random half of the nodes before it, as an ancestor mask
-would). One replay of a CUDA graph runs `kernels.slot_attention.slot_attention_triton` once per
+would). One replay of a CUDA graph runs `ddtree_kernels.slot_attention.slot_attention_triton` once per
 layer, each layer over its own cache (so the K/V come from memory, not from L2), plus one
 `key_ranges` for the whole pass, as `TargetModel.forward` does; the table gives the device time
 per layer. Configurations (`--tiles`):
@@ -36,7 +36,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # the kernel runs interpreted on the CPU
 
 from bench.bench_timing import device_ms, measure_bandwidth, write_json  # noqa: E402
-from kernels.slot_attention import AttentionTiles, key_ranges, slot_attention_triton  # noqa: E402
+from ddtree_kernels.slot_attention import AttentionTiles, key_ranges, slot_attention_triton  # noqa: E402
 
 _TILES = re.compile(r"(\d+)x(\d+)w(\d+)s(\d+)(?:p(\d+))?$")
 

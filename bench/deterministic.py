@@ -36,7 +36,7 @@ sys.path.insert(0, str(ROOT))
 from bench.verify import qwen3_8b_config, random_target  # noqa: E402
 from common.protocol import SamplingParams  # noqa: E402
 from common.tree import DraftTree, ancestor_masks, walk_trees  # noqa: E402
-from kernels import batch_invariant as bi  # noqa: E402
+from ddtree_kernels import batch_invariant as bi  # noqa: E402
 from verifier_svc.cuda_graphs import GraphConfig, VerifyRow  # noqa: E402
 from verifier_svc.target_runner import TargetRunner  # noqa: E402
 

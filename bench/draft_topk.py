@@ -1,4 +1,4 @@
-"""The drafter's candidates: torch.topk over log_softmax against the one-pass Triton top-k (kernels/draft_topk.py).
+"""The drafter's candidates: torch.topk over log_softmax against the one-pass Triton top-k (ddtree_kernels/draft_topk.py).
 
     PYTHONPATH=. python bench/draft_topk.py [--batches 1,4,16,32] [--ks 16,64] [--out-json draft_topk.json]
     PYTHONPATH=. python bench/draft_topk.py --small      # toy sizes, runs on CPU too (Triton interpreted)
@@ -30,7 +30,7 @@ if not torch.cuda.is_available():
 from bench.bench_timing import device_ms, wall_ms, write_json
 from drafter_svc.ddtree import top_candidates
 from drafter_svc.drafter import DraftMode, build_trees
-from kernels.draft_topk import top_logprobs_reference, top_logprobs_triton
+from ddtree_kernels.draft_topk import top_logprobs_reference, top_logprobs_triton
 
 DEPTHS = 15
 

@@ -1,4 +1,4 @@
-"""The few-row GEMM (`kernels/skinny_gemm.py`) against cuBLAS (F.linear) at Qwen3-8B's weight shapes.
+"""The few-row GEMM (`ddtree_kernels/skinny_gemm.py`) against cuBLAS (F.linear) at Qwen3-8B's weight shapes.
 
     PYTHONPATH=. python bench/gemm.py [--rows 1,16,32,64] [--reps 5] [--out-json gemm.json]
 
@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from bench.bench_timing import write_json
-from kernels.skinny_gemm import skinny_config, skinny_linear
+from ddtree_kernels.skinny_gemm import skinny_config, skinny_linear
 
 SHAPES = {"q/k/v": (6144, 4096), "o": (4096, 4096), "gate/up": (24576, 4096), "down": (4096, 12288),
           "head": (151936, 4096)}

@@ -13,7 +13,7 @@ target logits [B, T, V] and random trees:
 * greedy:      argmax, then greedy tree verification
 
 each with its output buffers allocated as the verifier does (left unset: the stage writes them), run by
-kernels/fused_accept.py: tree_accept_triton (which never materialises the probabilities)
+ddtree_kernels/fused_accept.py: tree_accept_triton (which never materialises the probabilities)
 and tree_accept_reference (the plain PyTorch references composed). Times: the eager Triton
 stage (device time), the stage captured in a CUDA graph (device time of a replay), and the
 reference (slow, so only where B * T is small and with few repetitions). The yardstick is
@@ -25,7 +25,7 @@ from __future__ import annotations
 import os.path
 import sys
 
-# Run as a script, this folder would shadow the repository's packages (bench/kernels.py vs kernels/).
+# Run as a script, this folder would shadow the repository's packages (bench/kernels.py vs ddtree_kernels/).
 if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(__file__)):
     sys.path[0] = os.path.dirname(sys.path[0])
 
@@ -36,7 +36,7 @@ import torch
 
 from bench.bench_timing import device_ms, measure_bandwidth, write_json
 from common.tree import DraftTree
-from kernels.fused_accept import tree_accept_reference, tree_accept_triton
+from ddtree_kernels.fused_accept import tree_accept_reference, tree_accept_triton
 from tests.reference import distinct_sibling_tokens
 
 VOCAB = 151_936
@@ -173,7 +173,7 @@ def main(argv=None) -> dict:
 
 def print_table(res: dict) -> None:
     print(f"\nsampling + accept stage, vocab {res['vocab']} ({res['device']}); ms; read-once = logits bytes / "
-          f"{res['read_TBps']:.2f} TB/s; fused = kernels/fused_accept.py's Triton stage, fused-x-read = its best "
+          f"{res['read_TBps']:.2f} TB/s; fused = ddtree_kernels/fused_accept.py's Triton stage, fused-x-read = its best "
           "time / read-once")
     head = ("batch", "tokens", "stage", "MB", "read-once", "fused", "fused-graph", "fused-x-read", "reference",
             "fused-same")

@@ -40,7 +40,7 @@ from __future__ import annotations
 import os.path
 import sys
 
-# Run as a script, this folder would shadow the repository's packages (bench/kernels.py vs kernels/).
+# Run as a script, this folder would shadow the repository's packages (bench/kernels.py vs ddtree_kernels/).
 if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(__file__)):
     sys.path[0] = os.path.dirname(sys.path[0])
 

@@ -9,7 +9,7 @@ nothing and what is timed is the selection), made peaked like a trained draft's:
 raised by 8, and token 0 by `--peak` more (0: trees 5 to 8 levels deep; 6: deep chains, 12 to
 15 levels, as the benchmark oracle makes them). Median wall time of `--reps` calls, top-k
 and copies included. On a GPU each point runs twice: path "host" (the candidates copied back,
-numpy selects) and "device" (`kernels.ddtree_select`, only the trees copied back); on a CPU
+numpy selects) and "device" (`ddtree_kernels.ddtree_select`, only the trees copied back); on a CPU
 the host path only.
 """
 from __future__ import annotations
@@ -29,7 +29,7 @@ import torch
 import drafter_svc.ddtree as ddtree
 from bench.bench_timing import write_json
 from drafter_svc.ddtree import select_ddtrees
-from kernels.tree_sampling import kernel_backend
+from ddtree_kernels.tree_sampling import kernel_backend
 
 DEPTHS, VOCAB = 15, 256
 

@@ -32,7 +32,7 @@ from __future__ import annotations
 import os.path
 import sys
 
-# Run as a script, this folder would shadow the repository's packages (bench/kernels.py vs kernels/).
+# Run as a script, this folder would shadow the repository's packages (bench/kernels.py vs ddtree_kernels/).
 if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(__file__)):
     sys.path[0] = os.path.dirname(sys.path[0])
 
@@ -219,7 +219,7 @@ def attention_variants(cfg: TargetConfig, tokens: int, kv_len: int, past: int, d
     cache = torch.randn(2, 4, kvh, kv_len + 256, d, device=device, dtype=dtype)  # [K/V, slots, heads, len, D]
     slots = torch.tensor([1], device=device)
 
-    from kernels.slot_attention import slot_attention_triton
+    from ddtree_kernels.slot_attention import slot_attention_triton
 
     variants = {
         "gqa_bool": lambda m=mask: F.scaled_dot_product_attention(q, k, v, attn_mask=m, enable_gqa=True),

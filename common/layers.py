@@ -18,9 +18,9 @@ from common.config import RopeScaling
 
 def linear(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """x @ weight^T (a bias-free Linear; into `out` if given): F.linear, on a GPU at few rows the
-    weight-streaming GEMM (`kernels.skinny_gemm`), or in the deterministic mode the
-    batch-invariant GEMM (`kernels.batch_invariant`), whose rows do not depend on each other."""
-    from kernels import batch_invariant, skinny_gemm  # here: the kernels package imports this module
+    weight-streaming GEMM (`ddtree_kernels.skinny_gemm`), or in the deterministic mode the
+    batch-invariant GEMM (`ddtree_kernels.batch_invariant`), whose rows do not depend on each other."""
+    from ddtree_kernels import batch_invariant, skinny_gemm  # here: the kernels package imports this module
 
     if batch_invariant.enabled():
         return batch_invariant.linear(x, weight, out=out)

@@ -37,9 +37,9 @@ from torch import Tensor
 
 from common.staging import to_device
 from common.tree import DraftTree
-from kernels.ddtree_select import MAX_WIDTH, select_on_device
-from kernels.draft_topk import top_logprobs
-from kernels.tree_sampling import kernel_backend
+from ddtree_kernels.ddtree_select import MAX_WIDTH, select_on_device
+from ddtree_kernels.draft_topk import top_logprobs
+from ddtree_kernels.tree_sampling import kernel_backend
 
 NAN_LOGITS = "block_logits contain NaN (or a row that is all -inf)"
 
@@ -155,7 +155,7 @@ def select_ddtrees(block_logits: Tensor, root_tokens: Sequence[int], budgets: Se
     the largest budget serves all sessions: a tree of b nodes never uses a rank >= b, since a
     node's elder siblings come before it. Siblings come out in descending cumulative log-prob;
     budget 0 gives the root only. Where `kernel_backend` says Triton (CUDA logits) and the
-    largest budget is at most `kernels.ddtree_select.MAX_WIDTH`, the selection runs on the
+    largest budget is at most `ddtree_kernels.ddtree_select.MAX_WIDTH`, the selection runs on the
     device and only the trees are copied back; otherwise the candidates are, and numpy selects.
     """
     if block_logits.dim() != 3:
@@ -256,7 +256,7 @@ def select_ddtrees(block_logits: Tensor, root_tokens: Sequence[int], budgets: Se
 
 def top_candidates(block_logits: Tensor, ranks: int) -> tuple[np.ndarray, np.ndarray]:
     """The top `ranks` log-probs (float64) and their tokens (int64) of every [S, D] row, on the host:
-    one top-k (`kernels.draft_topk`) and one device->host copy (which waits for the draft forward
+    one top-k (`ddtree_kernels.draft_topk`) and one device->host copy (which waits for the draft forward
     behind it)."""
     return _to_host(*top_logprobs(block_logits.detach(), ranks))
 
@@ -268,7 +268,7 @@ def _to_host(values: Tensor, tokens: Tensor) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _select_on_device(values: Tensor, tokens: Tensor, roots: np.ndarray, budget: np.ndarray) -> DDTreeSelection:
-    """The selection by `kernels.ddtree_select` next to the candidates: only the trees come back."""
+    """The selection by `ddtree_kernels.ddtree_select` next to the candidates: only the trees come back."""
     device = values.device
     selected, parents, num_nodes, scores = select_on_device(values, tokens, to_device(roots, device),
                                                             to_device(budget, device))

@@ -18,8 +18,8 @@ covers) and under CUDA graphs:
   (default: the `auto_kv_buckets` ladder of the capacity).
 * **Fused kernels.** Per layer one kernel projects-normalises-rotates the new keys (context
   rows and block alike) and stores them with the values into the slot
-  (`kernels.layer_ops.project_store`, on fused q/k/v weights), attention reads the slot in
-  place (`kernels.slot_attention`), and residual adds are fused into the RMSNorms.
+  (`ddtree_kernels.layer_ops.project_store`, on fused q/k/v weights), attention reads the slot in
+  place (`ddtree_kernels.slot_attention`), and residual adds are fused into the RMSNorms.
 * **Static buffers.** Per batch bucket one int64 buffer (block tokens, past, new length, slot)
   and one [B, R, features] buffer in the model's dtype, filled from pinned host copies with
   one asynchronous copy each. The logits are a static output; `step` returns a copy.

@@ -18,8 +18,8 @@ from common.checkpoint import load_tensors
 from common.config import DraftConfig, load_draft_config
 from common.feature_projection import project_features
 from common.layers import MLP, AttentionProjections, RMSNorm, RotaryEmbedding
-from kernels.layer_ops import add_rms_norm, project_store, silu_mul
-from kernels.slot_attention import slot_attention, slot_attention_ranges
+from ddtree_kernels.layer_ops import add_rms_norm, project_store, silu_mul
+from ddtree_kernels.slot_attention import slot_attention, slot_attention_ranges
 
 
 class DraftLayer(nn.Module):

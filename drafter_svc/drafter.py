@@ -27,8 +27,8 @@ from drafter_svc.ddtree import build_chains, select_ddtrees
 from drafter_svc.draft_graphs import (DraftGraphConfig, DraftGraphs, DraftInputs, DraftRow, context_capacity, draft_step,
                                       feature_dim)
 from drafter_svc.draft_model import DFlashDraftModel, DraftKVPool
-from kernels.ddtree_select import warm_up as warm_up_selection
-from kernels.tree_sampling import kernel_backend
+from ddtree_kernels.ddtree_select import warm_up as warm_up_selection
+from ddtree_kernels.tree_sampling import kernel_backend
 
 
 @dataclass(frozen=True)

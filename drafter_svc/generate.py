@@ -23,7 +23,7 @@ from common.protocol import SamplingParams, StatusError
 from drafter_svc.drafter import DFlashProposer, DraftMode
 from drafter_svc.link import LocalLink
 from drafter_svc.scheduler import DraftScheduler, GenerationConfig, GenerationResult
-from kernels import batch_invariant
+from ddtree_kernels import batch_invariant
 from verifier_svc.target_model import TargetModel
 from verifier_svc.target_runner import TargetRunner
 from verifier_svc.tree_verifier import TreeVerifier, VerifierLimits

@@ -7,7 +7,7 @@ each launch on its arguments (ints equal to 1 become constants, 16-divisible int
 specialisations. This script finds the specialisations the wrappers really launch and compiles
 each for the target GPU:
 
-  phase 1 (this process, TRITON_INTERPRET=1): run the wrappers of kernels/ on small CPU
+  phase 1 (this process, TRITON_INTERPRET=1): run the wrappers of ddtree_kernels/ on small CPU
       tensors with the interpreter's launch replaced by a recorder (no kernel body runs) and
       record each launch's arguments: dtype and address mod 16 of tensors, scalar values;
   phase 2 (a subprocess, no interpreter): derive each launch's specialisation with the
@@ -50,11 +50,11 @@ def exercise(label) -> None:
     """Call every Triton wrapper in the shapes the server uses; label(text) names the next calls."""
     import torch
 
-    from kernels.ddtree_select import select_on_device
-    from kernels.fused_accept import tree_accept_triton
-    from kernels.layer_ops import add_rms_norm_triton, qk_norm_rope_store_triton, silu_mul_triton
-    from kernels.skinny_gemm import skinny_config, skinny_linear
-    from kernels.slot_attention import slot_attention_triton
+    from ddtree_kernels.ddtree_select import select_on_device
+    from ddtree_kernels.fused_accept import tree_accept_triton
+    from ddtree_kernels.layer_ops import add_rms_norm_triton, qk_norm_rope_store_triton, silu_mul_triton
+    from ddtree_kernels.skinny_gemm import skinny_config, skinny_linear
+    from ddtree_kernels.slot_attention import slot_attention_triton
 
     i32, i64 = torch.int32, torch.int64
     for sessions, width in ((1, 15), (32, 15), (32, 64), (8, 200)):

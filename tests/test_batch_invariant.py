@@ -1,4 +1,4 @@
-"""The deterministic mode (`kernels.batch_invariant`): every row's result depends on that row alone.
+"""The deterministic mode (`ddtree_kernels.batch_invariant`): every row's result depends on that row alone.
 
 Checked bit for bit on fresh random inputs, in float32 and bfloat16 on the CPU (the Triton
 kernels through the interpreter, float32 only: its bf16 dot is not usable), and against the
@@ -23,8 +23,8 @@ from common.tree import DraftTree, ancestor_masks, walk_trees
 from drafter_svc.drafter import DraftMode
 from drafter_svc.generate import LocalEngine
 from drafter_svc.scheduler import GenerationConfig
-from kernels import batch_invariant as bi
-from kernels.slot_attention import slot_attention_reference
+from ddtree_kernels import batch_invariant as bi
+from ddtree_kernels.slot_attention import slot_attention_reference
 from tests.reference import distinct_sibling_tokens
 from verifier_svc.cuda_graphs import VerifyRow
 from verifier_svc.target_model import TargetModel

@@ -323,7 +323,7 @@ LOGPROB_SAMPLING = {"greedy": {}, "temperature": {"temperature": 0.7, "seed": 11
 
 def want_logprobs(logits: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
     """float64 log probabilities [R, V] of the distribution each row samples from (-inf: dropped)."""
-    from kernels.probs import process_probs_reference
+    from ddtree_kernels.probs import process_probs_reference
 
     if sampling.greedy:
         return torch.log_softmax(logits.double(), dim=-1)

@@ -1,4 +1,4 @@
-"""The DDTree selection on the device (`kernels.ddtree_select`) against the host's numpy selection
+"""The DDTree selection on the device (`ddtree_kernels.ddtree_select`) against the host's numpy selection
 and the heap reference, on fresh random logits with many exact ties (without CUDA the kernel
 runs in the Triton interpreter: tests/conftest.py)."""
 from __future__ import annotations
@@ -11,8 +11,8 @@ import torch
 
 import drafter_svc.ddtree as ddtree
 from drafter_svc.ddtree import select_ddtrees
-from kernels.ddtree_select import select_on_device
-from kernels.draft_topk import top_logprobs_reference
+from ddtree_kernels.ddtree_select import select_on_device
+from ddtree_kernels.draft_topk import top_logprobs_reference
 from tests.reference import build_ddtree_heap_reference
 from tests.test_ddtree import assert_same_tree, random_logits, tied_log_prob_logits, tied_score_logits
 

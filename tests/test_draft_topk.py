@@ -1,4 +1,4 @@
-"""The drafter's candidates (kernels/draft_topk.py): the one-pass Triton top-k == torch.topk over log_softmax.
+"""The drafter's candidates (ddtree_kernels/draft_topk.py): the one-pass Triton top-k == torch.topk over log_softmax.
 
 Without CUDA the Triton pass runs in the interpreter (tests/conftest.py); the vocabulary chunk
 is lowered so that rows span several chunks with a ragged last one.
@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from drafter_svc.ddtree import select_ddtrees
-from kernels import draft_topk
-from kernels.draft_topk import top_logprobs, top_logprobs_reference, top_logprobs_triton
-from kernels.tree_sampling import BACKEND_ENV
+from ddtree_kernels import draft_topk
+from ddtree_kernels.draft_topk import top_logprobs, top_logprobs_reference, top_logprobs_triton
+from ddtree_kernels.tree_sampling import BACKEND_ENV
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -444,7 +444,7 @@ def test_sampling_through_the_services_is_lossless(client, local, verifier_stub)
     distribution (top-k 4 at temperature 1): the second comes out of a tree round."""
     from scipy.stats import chisquare
 
-    from kernels.probs import process_probs_reference
+    from ddtree_kernels.probs import process_probs_reference
 
     prompt, k = [11, 22, 33, 44], 4
     model = local.verifier.runner.model

@@ -1,4 +1,4 @@
-"""The fused sampling + accept stage (kernels/fused_accept.py): Triton == the composed references.
+"""The fused sampling + accept stage (ddtree_kernels/fused_accept.py): Triton == the composed references.
 
 Without CUDA the Triton kernels run in the interpreter (tests/conftest.py), which is slow: the
 vocabularies are small, and the vocabulary chunk is lowered so that every row spans several
@@ -17,9 +17,9 @@ import torch
 from torch import Tensor
 
 from common.tree import DraftTree
-from kernels import fused_accept
-from kernels.fused_accept import tree_accept, tree_accept_reference, tree_accept_triton
-from kernels.tree_sampling import BACKEND_ENV
+from ddtree_kernels import fused_accept
+from ddtree_kernels.fused_accept import tree_accept, tree_accept_reference, tree_accept_triton
+from ddtree_kernels.tree_sampling import BACKEND_ENV
 from tests.reference import distinct_sibling_tokens
 from tests.test_kernels import random_parents
 
@@ -339,7 +339,7 @@ def test_keyed_accept_matches_reference(index, case, chunk):
 
 def test_keyed_accept_follows_the_noise_to_long_paths(chunk):
     """Trees whose every child holds its node's keyed sample: the walk accepts whole paths."""
-    from kernels.keyed_sampling import keyed_sample_reference
+    from ddtree_kernels.keyed_sampling import keyed_sample_reference
 
     chunk(32, 8)
     bs, nodes, vocab = 3, 6, 70

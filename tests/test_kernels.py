@@ -1,7 +1,7 @@
 """The SGLang-semantics references of tree verification and of the probability step.
 
-kernels/tree_sampling.py and kernels/probs.py are the specification that
-kernels/fused_accept.py's `tree_accept_reference` composes (tests/test_fused_accept.py checks
+ddtree_kernels/tree_sampling.py and ddtree_kernels/probs.py are the specification that
+ddtree_kernels/fused_accept.py's `tree_accept_reference` composes (tests/test_fused_accept.py checks
 the Triton stage against it). Here: SGLang's published test vectors, the top-k / top-p
 definitions applied literally, and the distribution of the emitted tokens (losslessness).
 """
@@ -13,8 +13,8 @@ import torch
 from scipy.stats import chisquare
 from torch import Tensor
 
-from kernels.probs import process_probs_reference
-from kernels.tree_sampling import (
+from ddtree_kernels.probs import process_probs_reference
+from ddtree_kernels.tree_sampling import (
     BACKEND_ENV,
     kernel_backend,
     tree_speculative_sampling_target_only_reference,

@@ -1,4 +1,4 @@
-"""Position-keyed sampling (kernels/keyed_sampling.py, accept mode "keyed"): the noise is
+"""Position-keyed sampling (ddtree_kernels/keyed_sampling.py, accept mode "keyed"): the noise is
 Gumbel, samples follow the filtered distribution, the keyed walk is the greedy walk over the
 perturbed scores, and a seeded speculative run equals seeded plain decoding token for token
 whatever the trees, the budget and the batch (float32)."""
@@ -14,8 +14,8 @@ from common.tree import DraftTree
 from drafter_svc.drafter import DraftMode
 from drafter_svc.generate import LocalEngine
 from drafter_svc.scheduler import GenerationConfig
-from kernels.keyed_sampling import gumbel_noise, keyed_sample_reference, keyed_scores, position_keys
-from kernels.probs import process_probs_reference
+from ddtree_kernels.keyed_sampling import gumbel_noise, keyed_sample_reference, keyed_scores, position_keys
+from ddtree_kernels.probs import process_probs_reference
 from verifier_svc.accept import accept_batch
 from verifier_svc.tree_verifier import VerifierLimits
 

@@ -8,7 +8,7 @@ import torch
 
 from common.layers import RotaryEmbedding
 from common.layers import silu_mul
-from kernels.layer_ops import (add_rms_norm_reference, add_rms_norm_triton, qk_norm_rope_store_reference,
+from ddtree_kernels.layer_ops import (add_rms_norm_reference, add_rms_norm_triton, qk_norm_rope_store_reference,
                                qk_norm_rope_store_triton, silu_mul_triton)
 
 DTYPES = [torch.float32, torch.bfloat16]

@@ -1,4 +1,4 @@
-"""The few-row GEMM (`kernels.skinny_gemm`) against F.linear on fresh random inputs (the
+"""The few-row GEMM (`ddtree_kernels.skinny_gemm`) against F.linear on fresh random inputs (the
 Triton interpreter on CPU, in float32), and where `common.layers.linear` uses it."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from common.layers import linear
-from kernels.skinny_gemm import MAX_ROWS, skinny_config, skinny_linear, tiles_for
+from ddtree_kernels.skinny_gemm import MAX_ROWS, skinny_config, skinny_linear, tiles_for
 
 SMALL = dict(BLOCK_N=16, BLOCK_K=32, num_stages=1)  # interpreter-sized tiles
 

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from kernels.slot_attention import AttentionTiles, key_ranges, slot_attention_reference, slot_attention_triton
+from ddtree_kernels.slot_attention import AttentionTiles, key_ranges, slot_attention_reference, slot_attention_triton
 
 
 def tree_mask(gen: torch.Generator, b: int, t: int, length: int, pasts: list[int]) -> torch.Tensor:

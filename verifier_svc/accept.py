@@ -3,9 +3,9 @@
 Greedy: argmax + the greedy tree walk. Sampling with coins (the default): the probability
 step (temperature, top-k, top-p) + target-only tree sampling with one coin per node and a
 final coin. Position-keyed sampling (selectable): the greedy walk over logits perturbed by
-Gumbel noise keyed by (seed, position, token) (`kernels.keyed_sampling`), so a seeded output
+Gumbel noise keyed by (seed, position, token) (`ddtree_kernels.keyed_sampling`), so a seeded output
 does not depend on the trees. The walks run through
-`kernels.fused_accept.tree_accept` (`tree_accept_keyed` for keyed sampling), batched over
+`ddtree_kernels.fused_accept.tree_accept` (`tree_accept_keyed` for keyed sampling), batched over
 the sessions of a step, which on the GPU read the logits in their own dtype and never
 materialise the probabilities or the perturbed scores. The same
 code runs eagerly (CPU, or GPU without graphs) and inside the verifier's CUDA graphs: static
@@ -23,8 +23,8 @@ from torch import Tensor
 from common.protocol import SamplingParams, TokenLogprob
 from common.staging import to_device
 from common.tree import DraftTree
-from kernels.fused_accept import tree_accept, tree_accept_keyed
-from kernels.probs import process_probs_reference
+from ddtree_kernels.fused_accept import tree_accept, tree_accept_keyed
+from ddtree_kernels.probs import process_probs_reference
 
 # Coins are kept inside (0, 1): a coin of exactly 0 would accept a zero-probability child
 # (the test is `coin <= mass`), one of exactly 1 could pick a zero-probability bonus token.
@@ -58,7 +58,7 @@ def accept_batch(mode: str, tokens: Tensor, next_token: Tensor, next_sibling: Te
     mode "greedy": every row greedy. The sampled modes mix rows: rows with `greedy` (bool [B])
     True take the greedy walk, the others sample with temperature / top_p float32 [B] (> 0 on
     every row, greedy rows included) and top_k int64 [B]:
-    * "keyed" (position-keyed, `kernels.keyed_sampling`): seeds int64 [B] and the nodes'
+    * "keyed" (position-keyed, `ddtree_kernels.keyed_sampling`): seeds int64 [B] and the nodes'
       positions int64 [B, T]; the token after a node at position q is keyed by (seed, q + 1),
       and the walk is the greedy walk over the perturbed scores;
     * "sample" (the target-only coin walk): coins float32 [B, T] and final_coin [B].
@@ -136,7 +136,7 @@ def emitted_logprobs(logits: Tensor, tokens: list[int], sampling: list[SamplingP
     Row r of logits [R, V] is the target's at the position that emitted tokens[r], for a
     session with sampling[r], asking for the top_n[r] most likely tokens. A greedy row's
     distribution is the target's softmax; a sampled row's is the accept step's
-    (`kernels.probs.process_probs_reference`: temperature, top-k, top-p, renormalised), and the
+    (`ddtree_kernels.probs.process_probs_reference`: temperature, top-k, top-p, renormalised), and the
     tokens it drops are never listed. One batched call for all rows; only rounds that ask run it.
     """
     dev = logits.device

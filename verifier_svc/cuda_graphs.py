@@ -35,8 +35,8 @@ PyTorch needs on a side stream; capture runs dummy trees in the scratch slot, so
 K/V are never touched. Outputs of a replay live in static buffers, overwritten by the next
 replay of the same graph; the logits, which rows asking for logprobs read after the replay,
 go to one buffer all graphs share (overwritten by the next replay of any graph). The
-attention inside is `kernels.slot_attention` (see `TargetModel.attention`; in the
-deterministic mode `kernels.batch_invariant.logical_attention`): it reads each row's cache
+attention inside is `ddtree_kernels.slot_attention` (see `TargetModel.attention`; in the
+deterministic mode `ddtree_kernels.batch_invariant.logical_attention`): it reads each row's cache
 slot in place, so slots are data.
 """
 from __future__ import annotations

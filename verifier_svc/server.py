@@ -33,7 +33,7 @@ from common.logs import memory_summary
 from common.rpc import VERIFIER_SERVICE, decode_message, pb, pb_grpc
 from common.tls import ServerTls
 from common.wire import LinkLimits, decode_link_request
-from kernels import batch_invariant
+from ddtree_kernels import batch_invariant
 from verifier_svc.cuda_graphs import GraphConfig
 from verifier_svc.scheduler import LinkStep, ModelWorker, SessionTimers
 from verifier_svc.target_model import TargetModel
@@ -83,7 +83,7 @@ class VerifierConfig:
     # the batch; fused: 2.1 ms vs the coin walk's 1.7 ms at 32 x 17 nodes, H200); "coins": the
     # target-only coin walk (SGLang's tree_speculative_sampling_target_only semantics, fused).
     sampling: str = "keyed"
-    # Batch-invariant kernels (`kernels.batch_invariant`): a token's logits do not depend on the
+    # Batch-invariant kernels (`ddtree_kernels.batch_invariant`): a token's logits do not depend on the
     # tree bucket, the batch or its padding, so greedy tree decoding equals greedy plain decoding
     # bit for bit in bf16 too (the default mode promises that in float32; bf16 near-ties may flip).
     deterministic: bool = False

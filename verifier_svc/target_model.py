@@ -23,12 +23,12 @@ from torch import nn
 from common.checkpoint import load_tensors
 from common.config import TargetConfig, load_target_config
 from common.layers import MLP, AttentionProjections, RMSNorm, RotaryEmbedding, embedding, linear
-from kernels import batch_invariant
-from kernels.layer_ops import add_rms_norm, project_store, silu_mul
-from kernels.slot_attention import (slot_attention, slot_attention_ranges, slot_attention_reference,
+from ddtree_kernels import batch_invariant
+from ddtree_kernels.layer_ops import add_rms_norm, project_store, silu_mul
+from ddtree_kernels.slot_attention import (slot_attention, slot_attention_ranges, slot_attention_reference,
                                     slot_attention_triton)
 
-# TargetModel.attention -> the attention over the cache slots (see kernels/slot_attention.py).
+# TargetModel.attention -> the attention over the cache slots (see ddtree_kernels/slot_attention.py).
 _ATTENTION = {"auto": slot_attention, "triton": slot_attention_triton, "sdpa": slot_attention_reference}
 
 
@@ -66,10 +66,10 @@ class ForwardOutput:
 
 
 class TargetModel(nn.Module):
-    # "auto": `kernels.slot_attention` (its Triton kernel on CUDA, which reads the cache slot in
+    # "auto": `ddtree_kernels.slot_attention` (its Triton kernel on CUDA, which reads the cache slot in
     # place and splits the keys over the GPU; its SDPA reference elsewhere). "triton": the Triton
     # kernel anywhere (CPU through the interpreter). "sdpa": the reference anywhere (a gather of
-    # the slot + SDPA). Same result up to rounding. The deterministic mode (`kernels.batch_invariant`,
+    # the slot + SDPA). Same result up to rounding. The deterministic mode (`ddtree_kernels.batch_invariant`,
     # process-wide) replaces it, and every GEMM, with batch-invariant kernels.
     attention = "auto"
 
@@ -136,7 +136,7 @@ class TargetModel(nn.Module):
         h = self.embed_tokens(input_ids)
         cos, sin = self.rotary(positions, h.dtype)
         attend = _ATTENTION[self.attention]
-        # The deterministic mode reads each row's keys in logical order (kernels/batch_invariant.py).
+        # The deterministic mode reads each row's keys in logical order (ddtree_kernels/batch_invariant.py).
         keys = batch_invariant.LogicalKeys.from_mask(mask, cache_pos) if batch_invariant.enabled() else None
         ranges = slot_attention_ranges(mask) if keys is None else None  # one per forward, for every layer
         outputs = {}  # feature layer id l -> hidden_states[l + 1] (see the module docstring)

@@ -5,7 +5,7 @@ One step verifies the trees of B sessions (`TargetRunner.forward_batch` / `verif
 runs eagerly on any device (`VerifyGraphs(capture=False)`), so padding (nodes, batch rows,
 KV length), masks, the batched accept and the batched KV compaction are checked on the CPU
 against plain references written here: a one-session forward of prefix + tree through
-`TargetModel` with its own KV cache, `kernels.fused_accept.tree_accept_reference` on one
+`TargetModel` with its own KV cache, `ddtree_kernels.fused_accept.tree_accept_reference` on one
 row's logits, and plain autoregressive decoding. The tests marked `gpu` need CUDA and are
 skipped without it.
 """
@@ -30,7 +30,7 @@ from common.tree import DraftTree, ancestor_masks, walk_trees
 from drafter_svc.drafter import DraftMode
 from drafter_svc.generate import LocalEngine
 from drafter_svc.scheduler import GenerationConfig
-from kernels.fused_accept import tree_accept_reference
+from ddtree_kernels.fused_accept import tree_accept_reference
 from tests.reference import OracleProposer
 from verifier_svc.accept import draw_coins
 from verifier_svc.cuda_graphs import GraphConfig, VerifyGraphs, VerifyRow, cache_length
@@ -926,7 +926,7 @@ def test_slot_attention_compiled_matches_sdpa(splits, t):
 def test_slot_attention_compiled_tiles_match_sdpa(tiles, kind, t):
     """Compiled launch shapes, at Qwen3-8B head counts, with three sessions' pasts ending in
     different key tiles (the shared-prefix loop, the masked loop, keys skipped after the last)."""
-    from kernels.slot_attention import AttentionTiles
+    from ddtree_kernels.slot_attention import AttentionTiles
     from tests.test_slot_attention import check_slot_attention
 
     check_slot_attention("cuda", torch.bfloat16, None, b=3, heads=32, kv_heads=8, d=128, t=t, length=1152,

@@ -1,4 +1,4 @@
-"""The DDTree selection on the GPU (`kernels.ddtree_select`) against the host's numpy selection, on
+"""The DDTree selection on the GPU (`ddtree_kernels.ddtree_select`) against the host's numpy selection, on
 the same candidates of bf16 draft logits at Qwen3-8B's vocabulary (bf16 logits tie often)."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import drafter_svc.ddtree as ddtree
-from kernels.draft_topk import top_logprobs
+from ddtree_kernels.draft_topk import top_logprobs
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

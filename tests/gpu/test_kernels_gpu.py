@@ -1,4 +1,4 @@
-"""The fused sampling + accept stage (kernels/fused_accept.py) on the GPU, at the full Qwen3 vocabulary.
+"""The fused sampling + accept stage (ddtree_kernels/fused_accept.py) on the GPU, at the full Qwen3 vocabulary.
 
 Skipped without CUDA (the CPU suite checks the same kernels in the Triton interpreter at
 small vocabularies, tests/test_fused_accept.py). The stage starts from random bf16 logits:
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from kernels.fused_accept import tree_accept, tree_accept_reference, tree_accept_triton
+from ddtree_kernels.fused_accept import tree_accept, tree_accept_reference, tree_accept_triton
 from tests.test_fused_accept import filter_kinds, random_stage, row_params, run_on
 
 VOCAB = 151_936
@@ -52,7 +52,7 @@ def test_kernels_are_cuda_graph_capturable():
 
 
 # ---------------------------------------------------------------------------------------
-# The fused sampling + accept stage (kernels/fused_accept.py).
+# The fused sampling + accept stage (ddtree_kernels/fused_accept.py).
 # ---------------------------------------------------------------------------------------
 
 STAGES = ("greedy", "sample-temp", "sample")
@@ -129,7 +129,7 @@ def test_fused_accept_cuda_graph_replay_equals_eager(stage):
 def test_keyed_accept_matches_reference_at_full_vocabulary(dtype):
     """The fused keyed stage at V = 151,936: the reference's paths and bonus tokens, greedy rows
     mixed in, filters on and off."""
-    from kernels.fused_accept import tree_accept_keyed_reference, tree_accept_keyed_triton
+    from ddtree_kernels.fused_accept import tree_accept_keyed_reference, tree_accept_keyed_triton
 
     bs, nodes = 8, 17
     stage = random_stage(5, bs, nodes, VOCAB, dtype, oracle=0.0)
@@ -150,7 +150,7 @@ def test_candidates_and_radix_search_agree_at_full_vocabulary(dtype, monkeypatch
     """The filters' floors from the candidates equal the radix search's: at 2 candidates per
     chunk most rows take the search, at the default most are decided by the candidates, and
     the rows both decide give the same floor and mass."""
-    from kernels import fused_accept
+    from ddtree_kernels import fused_accept
 
     bs, nodes = 4, 65
     logits = random_stage(9, bs, nodes, VOCAB, dtype)["logits"].cuda()

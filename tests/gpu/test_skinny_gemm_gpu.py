@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from common.layers import linear
-from kernels.skinny_gemm import skinny_linear, tiles_for
+from ddtree_kernels.skinny_gemm import skinny_linear, tiles_for
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

@@ -26,7 +26,7 @@ import triton.language as tl
 from torch import Tensor
 
 from common.layers import apply_rope, rms_norm, silu_mul as silu_mul_reference
-from kernels.tree_sampling import kernel_backend
+from ddtree_kernels.tree_sampling import kernel_backend
 
 
 # ---------------------------------------------------------------------------------------

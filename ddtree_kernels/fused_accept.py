@@ -58,9 +58,9 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels.keyed_sampling import _M31, _MUL, _SEED_SALT, _TOKEN_SALT, keyed_scores
-from kernels.probs import process_probs_reference
-from kernels.tree_sampling import (
+from ddtree_kernels.keyed_sampling import _M31, _MUL, _SEED_SALT, _TOKEN_SALT, keyed_scores
+from ddtree_kernels.probs import process_probs_reference
+from ddtree_kernels.tree_sampling import (
     expect_tensor,
     kernel_backend,
     tree_speculative_sampling_target_only_reference,
@@ -91,7 +91,7 @@ FILTER_STATS_WARPS = 2
 RESIDUAL_PICK_WARPS = 8
 KEY_BITS = {torch.bfloat16: 16, torch.float16: 16, torch.float32: 32}
 LOG2E = tl.constexpr(1.4426950408889634)
-# kernels.keyed_sampling's hash constants, as the kernels see them.
+# ddtree_kernels.keyed_sampling's hash constants, as the kernels see them.
 HASH_M31, HASH_MUL, HASH_SEED_SALT, HASH_TOKEN_SALT = (tl.constexpr(v) for v in (_M31, _MUL, _SEED_SALT, _TOKEN_SALT))
 
 
@@ -921,7 +921,7 @@ def _row_stats(logits: Tensor, nodes: int, *, greedy: bool, temperature: Tensor 
 
 
 # ---------------------------------------------------------------------------------------
-# Position-keyed sampling (kernels/keyed_sampling.py): the greedy walk over perturbed scores.
+# Position-keyed sampling (ddtree_kernels/keyed_sampling.py): the greedy walk over perturbed scores.
 # ---------------------------------------------------------------------------------------
 
 
@@ -958,7 +958,7 @@ def tree_accept_keyed_reference(logits: Tensor, tokens: Tensor, next_token: Tens
 
 @triton.jit
 def _mix(x):
-    """kernels.keyed_sampling._mix on uint32 x: its int64 values in [0, 2^32) -> [0, 2^31). The
+    """ddtree_kernels.keyed_sampling._mix on uint32 x: its int64 values in [0, 2^32) -> [0, 2^31). The
     same bits: only a product's low 31 bits are kept, and 32-bit products wrap modulo 2^32."""
     x = (((x >> 16) ^ x) * HASH_MUL) & HASH_M31
     x = (((x >> 16) ^ x) * HASH_MUL) & HASH_M31

@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels.tree_sampling import kernel_backend
+from ddtree_kernels.tree_sampling import kernel_backend
 
 SUB = 16  # logits per sub-chunk: the Triton path needs the vocabulary to be a multiple of it
 CHUNK_V = 4096  # vocabulary per program of the pass (a power of two); tests lower it

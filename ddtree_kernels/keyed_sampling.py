@@ -15,14 +15,14 @@ The hash: a 31-bit integer mixer (two multiply-xorshift rounds, as in the well-k
 integer hash, on values below 2^31 so that int64 products never overflow), keyed by the
 seed's two 31-bit halves, the position and the token; 24 bits of it give u in (0, 1) and
 g = -log(-log(u)) in float32. This is the plain PyTorch implementation (it materialises
-[rows, V] tensors); the filters are `kernels.probs.process_probs_reference`'s.
+[rows, V] tensors); the filters are `ddtree_kernels.probs.process_probs_reference`'s.
 """
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
-from kernels.probs import process_probs_reference
+from ddtree_kernels.probs import process_probs_reference
 
 _M31 = (1 << 31) - 1
 _MUL = 0x45D9F3B

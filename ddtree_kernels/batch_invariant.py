@@ -2,7 +2,7 @@
 
 In the default mode a token's logits depend, in their last bits, on everything else in its
 forward: cuBLAS picks tiles and split-K by the number of rows M, and the tree attention
-(`kernels.slot_attention`) picks its query blocks and key splits by the batch's shape and
+(`ddtree_kernels.slot_attention`) picks its query blocks and key splits by the batch's shape and
 reads a tree's keys in node order. So the tree bucket and the other sessions of a batch
 change a token's logits, and a near-tie flips a greedy token. In this mode every row's
 result depends on that row alone:
@@ -16,8 +16,8 @@ result depends on that row alone:
   softmax. A tree node at depth d then reduces the same keys, in the same lanes, as plain
   decoding of the same token at position past + d, whatever else is in the pass.
 
-The other steps are per row already: RMSNorm, q/k norm + RoPE and SiLU (`kernels.layer_ops`),
-and the accept stage (`kernels.fused_accept`). The mode is process-wide (`set_enabled`), as
+The other steps are per row already: RMSNorm, q/k norm + RoPE and SiLU (`ddtree_kernels.layer_ops`),
+and the accept stage (`ddtree_kernels.fused_accept`). The mode is process-wide (`set_enabled`), as
 torch.use_deterministic_algorithms is: a service runs in one mode, chosen at start-up, and
 CUDA graphs capture whichever kernels it selects.
 """
@@ -34,8 +34,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels.slot_attention import online_softmax_tile
-from kernels.tree_sampling import kernel_backend
+from ddtree_kernels.slot_attention import online_softmax_tile
+from ddtree_kernels.tree_sampling import kernel_backend
 
 CPU_ROWS = 16  # rows per GEMM off CUDA
 TILE = 64  # logical key positions per attention tile

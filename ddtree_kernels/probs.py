@@ -10,7 +10,7 @@ Per row of logits [R, V]:
         distribution whose mass reaches top_p (ties kept); zero the rest, renormalise.
 
 top_k <= 0 or >= V and top_p >= 1 switch the filters off. `process_probs_reference` is
-the plain PyTorch specification (it sorts) that kernels/fused_accept.py's
+the plain PyTorch specification (it sorts) that ddtree_kernels/fused_accept.py's
 `tree_accept_reference` composes; the Triton stage there finds the same thresholds on the
 logits without materialising the probabilities.
 """
@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from kernels.tree_sampling import expect_tensor
+from ddtree_kernels.tree_sampling import expect_tensor
 
 
 def _check_probs_args(logits, temperature, top_k, top_p) -> tuple[int, int]:

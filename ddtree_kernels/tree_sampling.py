@@ -3,7 +3,7 @@
 Plain PyTorch/Python references of SGLang's `verify_tree_greedy` and
 `tree_speculative_sampling_target_only` (sgl-kernel, see shared/notes/sglang_tree_verification.md
 sections 1-2) with the same argument names, shapes, dtypes and in-place outputs: the
-specification that kernels/fused_accept.py's `tree_accept_reference` composes (its Triton
+specification that ddtree_kernels/fused_accept.py's `tree_accept_reference` composes (its Triton
 version is the product's implementation). Per batch row b:
 
     walk from the root; at each level try the children of the last accepted node in

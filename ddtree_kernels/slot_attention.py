@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels.tree_sampling import kernel_backend
+from ddtree_kernels.tree_sampling import kernel_backend
 
 
 def slot_attention_reference(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, mask: Tensor,

@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels.tree_sampling import kernel_backend
+from ddtree_kernels.tree_sampling import kernel_backend
 
 MAX_ROWS = 32
 
