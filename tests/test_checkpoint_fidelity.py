@@ -2,7 +2,6 @@
 embeddings, tiny temperatures and attention-layout fields, against transformers itself."""
 import json
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
@@ -359,8 +358,7 @@ def shipped():
     held-out prompt of its corpus."""
     engine = LocalEngine.load(str(SHIPPED / "target"), str(SHIPPED / "draft"),
                               limits=VerifierLimits(max_sessions=4, max_seq_len=256))
-    sys.path.insert(0, str(SHIPPED.parent.parent / "bench"))
-    from acceptance import load_prompts
+    from bench.acceptance import load_prompts
 
     (_, prompt), = load_prompts(SHIPPED / "target", engine.tokenizer, 1, 48)
     return engine, prompt

@@ -4,7 +4,6 @@ the prompt in one piece, alone and batched (float32); every step stays within it
 prompt tokens while the other sessions keep their rounds; bad chunks fail their session only."""
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
@@ -38,8 +37,7 @@ def shipped():
     held-out prompts of 40 to 120 tokens."""
     engine = LocalEngine.load(str(SHIPPED / "target"), str(SHIPPED / "draft"),
                               limits=VerifierLimits(max_sessions=4, max_seq_len=512))
-    sys.path.insert(0, str(SHIPPED.parent.parent / "bench"))
-    from acceptance import load_prompts
+    from bench.acceptance import load_prompts
 
     prompts = [ids for _, ids in load_prompts(SHIPPED / "target", engine.tokenizer, 3, 120)]
     return engine, [p[: 40 + 40 * i] for i, p in enumerate(prompts)]

@@ -173,3 +173,18 @@ def test_local_verifier_takes_the_verifier_flags(qwen3_pair, monkeypatch, capsys
             drafter_cli.parse_args(bad)
         err = capsys.readouterr().err
         assert caught.value.code != 0 and err.strip() and "Traceback" not in err
+
+
+def test_our_packages_shadow_no_installed_distribution():
+    """Each top-level package this project installs belongs to it alone: a name another installed
+    distribution also provides (transformers imports the PyPI package `kernels`) would shadow it."""
+    import importlib.metadata
+    import tomllib
+    from pathlib import Path
+
+    config = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())
+    ours = [p.rstrip("*") for p in config["tool"]["setuptools"]["packages"]["find"]["include"]]
+    providers = importlib.metadata.packages_distributions()
+    for name in ours:
+        others = {d for d in providers.get(name, []) if d != config["project"]["name"]}
+        assert not others, f"package {name!r} is also installed by {sorted(others)}"

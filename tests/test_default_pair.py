@@ -1,10 +1,10 @@
 """The shipped pair (models/default): the trained draft really drafts, and greedy output is
 still exactly the target's own, token for token, on held-out prompts."""
-import sys
 from pathlib import Path
 
 import pytest
 
+from bench.acceptance import load_prompts
 from drafter_svc.drafter import DraftMode
 from drafter_svc.generate import LocalEngine
 from drafter_svc.scheduler import GenerationConfig
@@ -12,8 +12,6 @@ from verifier_svc.tree_verifier import VerifierLimits
 
 ROOT = Path(__file__).resolve().parent.parent
 PAIR = ROOT / "models" / "default"
-sys.path.insert(0, str(ROOT / "bench"))
-from acceptance import load_prompts  # noqa: E402
 
 
 @pytest.fixture(scope="module")
