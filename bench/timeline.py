@@ -163,6 +163,8 @@ def _install_drafter(rec: Recorder) -> None:
     sched._receive = rec.host("d.receive", sched._receive)  # wait for the reply, apply it
     sched._notice = rec.host("d.notice", sched._notice)  # first tokens to the clients ahead of their reply
     drafter.DFlashProposer.propose = rec.device("g.draft", "d.propose", drafter.DFlashProposer.propose)
+    # In process: the next draft step queued behind a verify, from its results on the device.
+    drafter.DFlashProposer.propose_verified = rec.device("g.draft", "d.behind", drafter.DFlashProposer.propose_verified)
     drafter.select_ddtrees = rec.host("d.select", drafter.select_ddtrees)  # top-k, its copy, the selection
     ddtree.top_candidates = rec.host("d.topk", ddtree.top_candidates)  # its top-k and copy (waits for the GPU)
     # On a GPU: the selection on the device, and the copy of the trees (waits for the draft and top-k).

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from common.staging import rows_of
 from common.tree import DraftTree
 
 
@@ -90,6 +91,22 @@ class Verified:
     features: torch.Tensor      # [1 + len(accepted_tokens), feature_dim] for [root, accepted...]
     round: int = 0              # the tree's round
     logprobs: list[TokenLogprob] | None = None  # of accepted_tokens + [next_token], when the Open asked
+
+
+@dataclass(frozen=True, eq=False)
+class VerifiedRows:
+    """A verify step's results while they are still on the device, for a drafter in the same
+    process to queue its next draft step behind the verify (`LocalLink.verified_on_device`).
+    Row i answers session `session_ids[i]`: `result` int64 [n, T + 2] = [accepted, bonus, path
+    padded with -1], `features` [n, W, F] its path's rows (root first; rows past it repeat the root's)."""
+    session_ids: list[int]
+    result: torch.Tensor
+    features: torch.Tensor
+
+    def rows(self, index: list[int]) -> VerifiedRows:
+        """These rows, in this order (no copy when it is all of them)."""
+        return VerifiedRows([self.session_ids[i] for i in index], rows_of(self.result, index),
+                            rows_of(self.features, index))
 
 
 @dataclass

@@ -40,6 +40,7 @@ import torch
 from torch import Tensor
 
 from common.buckets import KV_ALIGN, auto_kv_buckets, round_up
+from common.protocol import VerifiedRows
 from common.staging import StagedInputs, to_device
 from drafter_svc.draft_model import DFlashDraftModel, DraftKVPool
 
@@ -101,8 +102,12 @@ class DraftInputs:
         # length share, rather than one output per graph (set by DraftGraphs).
         self.logits_out: Tensor | None = None
 
-    def fill(self, rows: Sequence[DraftRow], scratch_slot: int) -> None:
-        """Stage the rows (batch rows past len(rows) are padding) and copy them over asynchronously."""
+    def fill(self, rows: Sequence[DraftRow], scratch_slot: int, verified: VerifiedRows | None = None) -> None:
+        """Stage the rows (batch rows past len(rows) are padding) and copy them over asynchronously.
+
+        `verified`: the rows' roots and new feature rows are a verify step's, still on the device
+        (row i of it for rows[i], whose own root and features are then unused): they are copied
+        from there behind the staged values, without the host reading them."""
         b, t = self.B, self.T
         self._staging.begin()
         ints = self._host_ints
@@ -116,7 +121,11 @@ class DraftInputs:
         # Rows past a session's k new ones keep whatever finite values an earlier step left: their
         # K/V land where the block's K/V overwrite them, so they need no zeroing.
         n, on_device = len(rows), ()  # on_device: the device buffers written in place (not from a twin)
-        if n:  # the scalar fields in one copy each, the feature rows in one
+        if n and verified is not None:
+            past[:n] = torch.tensor([row.past for row in rows])
+            slot[:n] = torch.tensor([row.slot for row in rows])
+            on_device = (self.features,)
+        elif n:  # the scalar fields in one copy each, the feature rows in one
             counts = [row.features.shape[0] for row in rows]
             tokens[:n, 0] = torch.tensor([row.root for row in rows])
             past[:n] = torch.tensor([row.past for row in rows])
@@ -135,6 +144,19 @@ class DraftInputs:
                     feats = self._host_features
                     feats.view(-1, feats.shape[-1]).index_copy_(0, torch.tensor(index), new.cpu().to(feats.dtype))
         self._staging.commit(skip=on_device)
+        if n and verified is not None:
+            self._take_verified(n, verified)
+
+    def _take_verified(self, n: int, verified: VerifiedRows) -> None:
+        """The first n rows' roots (the bonus tokens), new lengths (past + the accepted path) and
+        feature rows (the path's), from a verify step's results on the device."""
+        result, features = verified.result, verified.features
+        if result.shape[0] != n or features.shape[1] > self.R:
+            raise ValueError(f"{result.shape[0]} verified rows of paths up to {features.shape[1]} for {n} sessions, "
+                             f"the step takes {self.R} new rows each")
+        self.tokens[:n, 0].copy_(result[:, 1])
+        self.new_length[:n].copy_(self.past[:n] + result[:, 0] + 1)
+        self.features[:n, : features.shape[1]].copy_(features)
 
 
 def draft_step(draft: DFlashDraftModel, embed_tokens: Tensor, lm_head: Tensor, kv: Tensor, inp: DraftInputs,
@@ -229,16 +251,18 @@ class DraftGraphs:
             logits = draft_step(self.draft, self.embed_tokens, self.lm_head, self.pool.kv, inp, length)
         self._graphs[(b, length)] = (graph, logits)
 
-    def run(self, rows: Sequence[DraftRow]) -> Tensor | None:
-        """Block logits [len(rows), block_size - 1, V] (a copy), or None if no graph fits."""
-        if any(r.features.shape[0] > self.block_size for r in rows):
+    def run(self, rows: Sequence[DraftRow], verified: VerifiedRows | None = None) -> Tensor | None:
+        """Block logits [len(rows), block_size - 1, V] (a copy), or None if no graph fits;
+        `verified` as in `DraftInputs.fill`."""
+        widest = verified.features.shape[1] if verified is not None else max(r.features.shape[0] for r in rows)
+        if widest > self.block_size:
             return None
         shape = self.select(len(rows), max(r.past for r in rows))
         if shape is None:
             return None
         b, length = shape
         inp = self.inputs(b)
-        inp.fill(rows, self.scratch_slot)
+        inp.fill(rows, self.scratch_slot, verified)
         with torch.inference_mode():
             if not self.capture:
                 return draft_step(self.draft, self.embed_tokens, self.lm_head, self.pool.kv, inp, length)[: len(rows)]

@@ -19,7 +19,7 @@ from common.checkpoint import load_tensors
 from common.config import check_draft_fits_target, load_target_config
 from common.devices import device_id
 from common.feature_projection import projection_fingerprint
-from common.protocol import StatusError
+from common.protocol import StatusError, VerifiedRows
 from common.staging import rows_of, to_device
 from common.tree import DraftTree
 from drafter_svc.budget import BudgetChoice, BudgetPlanner
@@ -210,17 +210,34 @@ class DFlashProposer:
         """Block logits [S, block_size - 1, V]: each session's context grows by its new feature
         rows (at most block_size), then one batched draft step over every session."""
         rows = [DraftRow(s.slot, s.length, root, f) for s, root, f in zip(states, roots, new_features)]
-        logits = self.graphs.run(rows) if self.graphs is not None else None
-        if logits is None:
-            inp = DraftInputs(len(rows), max(r.features.shape[0] for r in rows), self.block_size,
-                              self.feature_dim, self.draft.cfg.mask_token_id,
-                              self.draft.fc.weight.dtype, self.device, pinned=False, projected=self.projected)
-            inp.fill(rows, self.scratch_slot)
-            length = max(r.past + r.features.shape[0] for r in rows) + self.block_size
-            logits = draft_step(self.draft, self.embed_tokens, self.lm_head, self.pool.kv, inp, length)
+        logits = self._draft(rows, max(r.features.shape[0] for r in rows))
         for s, f in zip(states, new_features):
             s.length += f.shape[0]
         return logits
+
+    @torch.inference_mode()
+    def propose_verified(self, states: Sequence[DraftState], verified: VerifiedRows) -> torch.Tensor:
+        """`propose` for sessions whose roots and new feature rows are the results of a verify
+        still on this device (row i of `verified` for states[i]: an in-process verifier's), queued
+        behind it without waiting for it. The contexts take the rows now, but their lengths grow
+        only once the host knows how many (`grow`)."""
+        rows = [DraftRow(s.slot, s.length, -1, verified.features[:0]) for s in states]
+        return self._draft(rows, verified.features.shape[1], verified)
+
+    def _draft(self, rows: Sequence[DraftRow], width: int, verified: VerifiedRows | None = None) -> torch.Tensor:
+        """One batched draft step (a graph's, else eager) of rows with up to `width` new feature rows."""
+        logits = self.graphs.run(rows, verified) if self.graphs is not None else None
+        if logits is None:
+            inp = DraftInputs(len(rows), width, self.block_size, self.feature_dim, self.draft.cfg.mask_token_id,
+                              self.draft.fc.weight.dtype, self.device, pinned=False, projected=self.projected)
+            inp.fill(rows, self.scratch_slot, verified)
+            length = max(r.past for r in rows) + width + self.block_size
+            logits = draft_step(self.draft, self.embed_tokens, self.lm_head, self.pool.kv, inp, length)
+        return logits
+
+    def grow(self, state: DraftState, rows: int) -> None:
+        """A session's context holds `rows` more feature rows (those `propose_verified` took)."""
+        state.length += rows
 
     def finish(self, state: DraftState) -> None:
         """The session is over: give its slot back."""

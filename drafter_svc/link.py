@@ -27,7 +27,7 @@ import grpc
 
 from common.config import DraftConfig, TargetConfig
 from common.protocol import (CloseEntry, Entry, Extended, ExtendEntry, OpenEntry, Prefilled, StatusError, StepResult,
-                             TreeEntry, Verified)
+                             TreeEntry, Verified, VerifiedRows)
 from common.rpc import CHANNEL_OPTIONS, pb, pb_grpc
 from common.tls import ChannelTls
 from common.tls import open_channel as open_tls_channel
@@ -67,6 +67,9 @@ class VerifierLink(Protocol):
         ...
 
     def close(self) -> None: ...
+
+    # An in-process link also offers `verified_on_device()`: the last message's verify results
+    # while still on the device (`LocalLink`), for the next draft step to be queued behind it.
 
 
 class _Lockstep:
@@ -266,7 +269,8 @@ class LocalLink(_Lockstep):
     host is free while the device verifies. A message that may not begin beside an unfinished
     one (`PendingStep.admits`) finishes that one first. In process the whole reply is there at
     once: no notices. The target features it hands over stay on the verifier's device, where
-    the draft model reads them (`TargetRunner.features_on_device`)."""
+    the draft model reads them (`TargetRunner.features_on_device`), and the drafter may queue its
+    next draft step right behind a verify, from its results there (`verified_on_device`)."""
 
     OWNER = "local"
 
@@ -295,6 +299,11 @@ class LocalLink(_Lockstep):
             start = time.perf_counter()
             message.results = [r for r in self.verifier.finish(message.step) if r is not None]
             message.seconds += time.perf_counter() - start
+
+    def verified_on_device(self) -> VerifiedRows | None:
+        """The verify results of the message sent last, still on the device (None: it verified no
+        tree). Valid to queue work behind until the next `send`."""
+        return self._sent[-1].step.verified_on_device() if self._sent else None
 
     def receive(self, on_notice: OnNotice | None = None) -> list[StepResult]:
         message = self._sent.popleft()

@@ -138,18 +138,22 @@ LogitsHook = Callable[[Sequence[list[int]], Sequence[list[int]], int], Callable[
 
 @dataclass
 class _Drafted:
-    """A step's trees, the adaptive budget's choice for them, and how long drafting and building took."""
+    """A step's trees, the adaptive budget's choice for them, how long drafting and building took,
+    and the sessions drafted (their new feature rows taken into their contexts)."""
     entries: list[TreeEntry]
     budget: BudgetChoice | None = None
     draft_s: float = 0.0
     build_s: float = 0.0
+    drafted: list["_Session"] = field(default_factory=list)
 
 
 @dataclass
 class _DraftAhead:
-    """A draft step queued as soon as a reply came, before the reply was applied (`DraftScheduler._draft_ahead`):
-    its block logits [S, D, V], each session's row in it with the epoch and round count it was
-    drafted for (`_Session.epoch`, `_Session.rounds` once the reply is applied), and its seconds."""
+    """A draft step queued before a reply was applied: behind its verify, on an in-process
+    verifier's device (`DraftScheduler._draft_behind`), or as soon as the reply came
+    (`DraftScheduler._draft_ahead`). Its block logits [S, D, V], each session's row in it with
+    the epoch and round count it was drafted for (`_Session.epoch`, `_Session.rounds` once the
+    reply is applied), and its seconds."""
     block: Tensor
     rows: dict[int, tuple[int, int, int]]  # session id -> (row, epoch, rounds)
     seconds: float
@@ -174,6 +178,7 @@ class _InFlight:
     draft_s: float = 0.0  # its step's batched draft and tree build
     build_s: float = 0.0
     rpc_started: float = field(default_factory=time.perf_counter)  # made as its verify RPC starts (metrics)
+    behind: _DraftAhead | None = None  # the next draft step of its sessions, queued behind its verify
 
     def end(self) -> None:
         for span in (*self.rounds.values(), self.rpc_span, self.step_span):
@@ -324,6 +329,10 @@ class DraftScheduler:
         self._inflight: collections.deque[_InFlight] = collections.deque()  # oldest first
         self._outbox: list[tuple[_Session, RoundUpdate]] = []  # updates waiting for the next message sent
         self._ahead: _DraftAhead | None = None  # the next step's draft, queued before its reply was applied
+        # An in-process verifier's results on the device, and a proposer that drafts from them:
+        # the next draft step goes right behind each verify (`_draft_behind`).
+        self._verified_on_device = getattr(link, "verified_on_device", None)
+        self._propose_verified = getattr(proposer, "propose_verified", None)
         self._thread: threading.Thread | None = None
         self._stopped = threading.Event()
         self.steps = 0
@@ -513,13 +522,15 @@ class DraftScheduler:
             rpc_span = _tracer.start_span("verify_rpc")
         for s in chunking + ready:
             s.in_flight += 1
-        self._inflight.append(_InFlight(chunking + ready, {s.sid: s.epoch for s in chunking + ready}, rounds,
-                                        step_span, rpc_span, started, drafted.budget, drafted.draft_s,
-                                        drafted.build_s))
+        message = _InFlight(chunking + ready, {s.sid: s.epoch for s in chunking + ready}, rounds, step_span,
+                            rpc_span, started, drafted.budget, drafted.draft_s, drafted.build_s)
+        self._inflight.append(message)
         try:
             self.link.send(entries)
         except StatusError as exc:
             self._link_failed(exc)
+        else:
+            message.behind = self._draft_behind(drafted.drafted)
         self._flush_outbox()  # while the verifier works on the message
         return True
 
@@ -535,7 +546,8 @@ class DraftScheduler:
         message.rpc_span.end()
         rpc_s = time.perf_counter() - message.rpc_started
         metrics.VERIFY_RPC.observe(rpc_s)
-        ahead = self._draft_ahead(results, message.epochs)
+        ahead = (self._confirm_behind(message.behind, results, message.epochs) if message.behind is not None
+                 else self._draft_ahead(results, message.epochs))
         verify_s = min(self.link.verifier_step_s, rpc_s)
         timing = (message.draft_s, message.build_s, verify_s, rpc_s - verify_s)
         for s in message.sessions:
@@ -729,7 +741,7 @@ class DraftScheduler:
             s.tree = tree = tree if tree is not None else DraftTree.root_only(s.root)
             span = rounds.get(s.sid)
             entries.append(TreeEntry(s.sid, s.rounds - s.round_base + 1, tree, traceparent_of(span) if span else ""))
-        return _Drafted(entries, budget, draft_s, build_s)
+        return _Drafted(entries, budget, draft_s, build_s, [drafting[i] for i in busy])
 
     def _block(self, sessions: Sequence[_Session], ahead: _DraftAhead | None) -> tuple[Tensor, list[int], float]:
         """The sessions' block logits: the rows drafted ahead for them, the others' drafted now.
@@ -745,6 +757,44 @@ class DraftScheduler:
                                           [s.new_tokens for s in late], [s.new_features for s in late])
         block = join_blocks(ahead.block if have else None, [rows[j] for j in have], fresh)
         return block, have + missing, ahead.seconds if have else 0.0
+
+    def _draft_behind(self, sessions: Sequence[_Session]) -> _DraftAhead | None:
+        """With an in-process verifier: queue the next draft step of the sessions just drafted and
+        sent right behind their verify, from its results on the device (`VerifiedRows`), before the
+        host has read them. The device goes from the verify straight to the draft while the host
+        waits for, reads and applies the reply; `_confirm_behind` keeps the rows of the sessions
+        the reply lets go on. None when there is nothing to queue."""
+        if self._verified_on_device is None or self._propose_verified is None or not sessions:
+            return None
+        verified = self._verified_on_device()
+        if verified is None:
+            return None
+        index = {sid: i for i, sid in enumerate(verified.session_ids)}
+        picked = [s for s in sessions if s.sid in index]
+        if not picked:
+            return None
+        start = time.perf_counter()
+        block = self._propose_verified([s.draft_state for s in picked], verified.rows([index[s.sid] for s in picked]))
+        return _DraftAhead(block, {s.sid: (i, s.epoch, s.rounds + 1) for i, s in enumerate(picked)},
+                           time.perf_counter() - start)
+
+    def _confirm_behind(self, behind: _DraftAhead, results: Sequence[StepResult], epochs: dict[int, int]
+                        ) -> frozenset[int]:
+        """The sessions whose draft step queued behind their verify (`_draft_behind`) stands: their
+        reply verified the tree and will be applied to them (as `_apply` sees it). Their contexts
+        grow by their accepted paths; the other sessions' rows are dropped (their contexts are as
+        they were: the rows written past them are overwritten later). Returns the sessions kept."""
+        kept = {}
+        for r in results:
+            s, v, row = self._running.get(r.session_id), r.outcome, behind.rows.get(r.session_id)
+            if row is None or s is None or not isinstance(v, Verified) or s.epoch != epochs.get(r.session_id):
+                continue
+            rows = len(v.accepted_tokens) + 1
+            if v.features.shape[0] == rows:  # else `_verified` fails the session
+                self.proposer.grow(s.draft_state, rows)
+                kept[r.session_id] = row
+        self._ahead = _DraftAhead(behind.block, kept, behind.seconds) if kept else None
+        return frozenset(kept)
 
     def _draft_ahead(self, results: Sequence[StepResult], epochs: dict[int, int]) -> frozenset[int]:
         """Queue the next draft step of the sessions a reply verified before the reply is applied:

@@ -20,7 +20,7 @@ import torch
 from common.buckets import auto_kv_buckets
 from common.protocol import StatusError
 from drafter_svc.__main__ import parse_args
-from drafter_svc.draft_graphs import DraftGraphConfig, DraftGraphs, DraftRow, context_capacity
+from drafter_svc.draft_graphs import DraftGraphConfig, DraftGraphs, DraftInputs, DraftRow, context_capacity
 from drafter_svc.drafter import DFlashProposer, DraftMode
 from drafter_svc.generate import LocalEngine
 from drafter_svc.link import LocalLink
@@ -90,7 +90,7 @@ class Player:
         self.selected: list[tuple[int, int] | None] = []  # the graphs' (B, L) per batched call
         if proposer.graphs is not None:  # record which path each call took
             graphs = proposer.graphs
-            graphs.run = lambda rows: self._ran(type(graphs).run(graphs, rows))
+            graphs.run = lambda rows, verified=None: self._ran(type(graphs).run(graphs, rows, verified))
         self.ran_graphs: list[bool] = []
 
     def _ran(self, logits):
@@ -390,10 +390,14 @@ LENGTHS = [MAX_SEQ - len(PROMPTS[0]) - 1, 50, 90]  # the first may run to max_se
 
 @pytest.mark.parametrize("mode", [DraftMode("chain", 0), DraftMode("tree", 4), DraftMode("tree", 16)],
                          ids=lambda m: f"{m.kind}{m.budget}")
-def test_greedy_generation_unchanged(engines, mode):
+def test_greedy_generation_unchanged(engines, mode, monkeypatch):
     """Three requests batched through `LocalEngine.generate_many` (ending at different times,
-    so the batch shrinks): static path == plain eager path == autoregressive decoding."""
+    so the batch shrinks): static path == plain eager path == autoregressive decoding. Both
+    draft most steps behind the verify, from its results as the device holds them."""
     static, plain, ar = engines
+    behind = []
+    take = DraftInputs._take_verified
+    monkeypatch.setattr(DraftInputs, "_take_verified", lambda self, n, v: (behind.append(n), take(self, n, v)))
     if not ar:
         for i, (prompt, n) in enumerate(zip(PROMPTS, LENGTHS)):
             ar[i] = plain.generate(prompt, GenerationConfig(max_new_tokens=n, mode=DraftMode("ar", 0))).tokens
@@ -405,6 +409,9 @@ def test_greedy_generation_unchanged(engines, mode):
         assert a.tokens == b.tokens == ar[i]
         assert a.acceptance_lengths == b.acceptance_lengths
     assert static.proposer.free_slots == plain.proposer.free_slots == 3
+    # Every round's tree but the last (root-only, no room left) was drafted, and each drafted behind its verify.
+    rounds = sum(len(r.acceptance_lengths) for r in out + before)
+    assert rounds - 2 * len(PROMPTS) <= sum(behind) <= rounds
 
 
 class _FailingLink(LocalLink):

@@ -336,16 +336,20 @@ def test_a_receiver_that_ends_a_batched_session_stops_it_after_the_round_in_flig
 
 
 @pytest.mark.parametrize("pipelined", [False, True])
-def test_drafting_ahead_of_a_reply_gives_the_trees_of_drafting_after_it(engine, monkeypatch, pipelined):
-    """The next draft step is queued as soon as a reply comes, before the reply is applied
-    (`DraftScheduler._draft_ahead`). The trees sent, and so the outputs, are those of drafting
-    after it: each session gets its own rows, and its new feature rows enter its context once,
-    also when the rows drafted ahead go unused (drafted again, from the context as it is)."""
+@pytest.mark.parametrize("where", ["behind_verify", "after_reply"])
+def test_drafting_ahead_of_a_reply_gives_the_trees_of_drafting_after_it(engine, monkeypatch, pipelined, where):
+    """The next draft step is queued before the reply is applied: with the verifier in process,
+    right behind the verify, from its results on the device (`DraftScheduler._draft_behind`);
+    otherwise as soon as the reply comes (`DraftScheduler._draft_ahead`). The trees sent, and so
+    the outputs, are those of drafting after the reply: each session gets its own rows, and its
+    new feature rows enter its context once, also when the rows drafted ahead go unused (drafted
+    again, from the context as it is)."""
     from common.protocol import TreeEntry, Verified
     from drafter_svc.link import LocalLink
     from drafter_svc.scheduler import DraftScheduler, _DraftAhead
 
-    draft_ahead = DraftScheduler._draft_ahead
+    behind = where == "behind_verify"
+    original = DraftScheduler._confirm_behind if behind else DraftScheduler._draft_ahead
 
     def run(ahead: bool):
         sent, drafted = [], []
@@ -356,27 +360,37 @@ def test_drafting_ahead_of_a_reply_gives_the_trees_of_drafting_after_it(engine, 
                               e.tree.next_sibling.tolist()) for e in entries if isinstance(e, TreeEntry)])
                 super().send(entries)
 
-        def counted(self, results, epochs):
-            picked = draft_ahead(self, results, epochs) if ahead else frozenset()
+        if not behind:
+            Recording.verified_on_device = lambda self: None
+
+        def counted(self, *args):
+            results = args[-2]
+            picked = original(self, *args)
             drafted.append((len(picked), sum(isinstance(r.outcome, Verified) for r in results)))
             return picked
 
-        monkeypatch.setattr(DraftScheduler, "_draft_ahead", counted)
+        monkeypatch.setattr(DraftScheduler, "_confirm_behind" if behind else "_draft_ahead", counted)
+        if not ahead:
+            monkeypatch.setattr(DraftScheduler, "_draft_behind", lambda self, sessions: None)
+            monkeypatch.setattr(DraftScheduler, "_draft_ahead", lambda self, results, epochs: frozenset())
         scheduler = DraftScheduler(Recording(engine.verifier), engine.proposer,
                                    max_sessions=engine.verifier.limits.max_sessions,
                                    feature_layer_ids=engine.verifier.feature_layer_ids, pipelined=pipelined)
         ends = _ends(scheduler, [(p, GenerationConfig(N, mode=DraftMode("tree", 6))) for p in PROMPTS])
         scheduler.run_until_idle()
+        monkeypatch.undo()
         return [e["items"][-1].tokens for e in ends], sent, drafted
 
     tokens, sent, drafted = run(ahead=True)
-    late_tokens, late_sent, _ = run(ahead=False)
+    late_tokens, late_sent, late_drafted = run(ahead=False)
     assert tokens == late_tokens == [greedy(engine, p, DraftMode("ar", 0)).tokens for p in PROMPTS]
-    assert sum(len(trees) for trees in sent) > 2 * len(PROMPTS) and sent == late_sent
+    assert sum(len(trees) for trees in sent) > 2 * len(PROMPTS) and sent == late_sent and not late_drafted
     monkeypatch.setattr(_DraftAhead, "row", lambda self, s: None)  # every row drafted ahead goes unused
     assert run(ahead=True)[:2] == (tokens, sent)
-    # Every session a reply verified was drafted ahead, but in the last rounds (no room left).
     verified = [n for _, n in drafted if n]
     assert len(verified) > 2 * (2 if pipelined else 1) and all(n == len(PROMPTS) for n in verified[:4]) != pipelined
-    assert sum(1 for picked, n in drafted if n and picked == n) >= len(verified) - 2 * len(PROMPTS), drafted
+    if behind:  # every session a reply verified was drafted behind its verify, but for a root-only last tree
+        assert sum(n - picked for picked, n in drafted) <= len(PROMPTS), drafted
+    else:  # every session a reply verified was drafted ahead, but in the last rounds (no room left)
+        assert sum(1 for picked, n in drafted if n and picked == n) >= len(verified) - 2 * len(PROMPTS), drafted
     assert engine.proposer.free_slots == engine.verifier.limits.max_sessions

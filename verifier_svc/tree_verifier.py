@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import torch
 
 from common.protocol import (MAX_LOGPROBS, CloseEntry, Entry, Extended, ExtendEntry, OpenEntry, Prefilled,
-                             SamplingParams, StatusError, StepResult, TreeEntry, Verified)
+                             SamplingParams, StatusError, StepResult, TreeEntry, Verified, VerifiedRows)
 from common.staging import rows_of
 from common.tree import DraftTree, TreeError, TreeLayout, ancestor_masks, walk_trees
 from verifier_svc.accept import Stage, accept_roots, draw_coins, emitted_logprobs, no_stage
@@ -109,6 +109,16 @@ class PendingStep:
         """Wait until `ready` (any thread)."""
         if self._launched is not None:
             self._launched.wait()
+
+    def verified_on_device(self) -> VerifiedRows | None:
+        """Its verify's results while still on the device, one row per tree that passed the checks
+        (`TargetRunner.features_on_device` only; None without them, or without a verify)."""
+        launched = self._launched
+        if launched is None or launched.result is None:
+            return None
+        checked = self.verify
+        return VerifiedRows([checked.items[i][1].session_id for i in checked.good], launched.result,
+                            launched.features)
 
 
 class TreeVerifier:
