@@ -1,6 +1,7 @@
 """The drafter's batched draft step at Qwen3-8B dimensions: eager vs CUDA graphs.
 
     PYTHONPATH=. python bench/draft_step.py [--batches 1,4,16,32] [--contexts 512,1024,1920] [--rows 1,4,16]
+                                            [--prompts 1,2,4,8] [--prompt-len 128]
                                             [--out-json draft_step.json]
     PYTHONPATH=. python bench/draft_step.py --small      # toy sizes, runs on CPU too
 
@@ -20,6 +21,13 @@ block_size - 1 positions for each session):
   `--batches` and the automatic KV ladder. Without CUDA the same static-shape code runs
   eagerly at the bucket shapes (`DraftGraphs(capture=False)`): a smoke test, not a measurement.
 
+A second table times what a reply that prefills K prompts costs the drafter: their feature
+rows (`--prompt-len` each, on the device, as an in-process verifier hands them over) go into
+K new contexts in one batched extension (`DFlashProposer.take_prompts` of K, as the scheduler
+does) against one call per session (as it did before): the synchronised wall time and the
+host time (the calls' own, before the sync; the extension is eager, so its launches are paid
+per call).
+
 Times are medians of synchronised wall time and of CUDA-event time per call, per step and
 per session (step time / B). After each call every session's length is reset to `context`,
 so every call sees the same shapes. New feature rows come from the host in the model's
@@ -36,11 +44,12 @@ if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(
     sys.path[0] = os.path.dirname(sys.path[0])
 
 import argparse
+import statistics
 import time
 
 import torch
 
-from bench.bench_timing import device_ms, measure_bandwidth, wall_ms, write_json
+from bench.bench_timing import device_ms, measure_bandwidth, sync, wall_ms, write_json
 from bench.verify import draft_config, qwen3_8b_config, random_draft
 from drafter_svc.draft_graphs import DraftGraphConfig, DraftGraphs
 from drafter_svc.drafter import DFlashProposer, DraftState
@@ -91,6 +100,35 @@ def time_step(proposer: DFlashProposer, batch: int, context: int, rows: int, rep
             proposer.finish(s)
 
 
+def time_prompts(proposer: DFlashProposer, sessions: int, prompt_len: int, reps: int, seed: int) -> dict:
+    """Median wall and host ms of taking `sessions` prompts of `prompt_len` rows into new
+    contexts: together (one `take_prompts`) and apart (one call per session)."""
+    device = proposer.embed_tokens.device
+    gen = torch.Generator().manual_seed(seed)
+    dim, dtype = proposer.draft.fc.weight.shape[1], proposer.draft.fc.weight.dtype
+    features = [torch.randn(prompt_len, dim, generator=gen).to(device, dtype) for _ in range(sessions)]
+    ids = [[0] * prompt_len] * sessions
+    out = {}
+    for name in ("together", "apart"):
+        walls, hosts = [], []
+        for rep in range(reps + 2):  # two warm-up calls
+            sync(device)
+            start = time.perf_counter()
+            if name == "together":
+                states = proposer.take_prompts([None] * sessions, ids, features)
+            else:
+                states = [proposer.take_prompts([None], ids[:1], [f])[0] for f in features]
+            host = time.perf_counter()
+            sync(device)
+            if rep >= 2:
+                walls.append((time.perf_counter() - start) * 1e3)
+                hosts.append((host - start) * 1e3)
+            for state in states:
+                proposer.finish(state)
+        out[f"{name}_wall_ms"], out[f"{name}_host_ms"] = statistics.median(walls), statistics.median(hosts)
+    return out
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -101,6 +139,10 @@ def main(argv=None) -> dict:
                                                     "512,1024,1920; 64,256 with --small)")
     p.add_argument("--rows", default=None, help="new feature rows per session per step (default 1,4,16; 1,4,8 "
                                                 "with --small; at most the block size)")
+    p.add_argument("--prompts", default=None, help="prompts one reply prefills, for the second table (default "
+                                                   "1,2,4,8; 1,2,4 with --small; at most the largest batch)")
+    p.add_argument("--prompt-len", type=int, default=None, help="feature rows of each prompt (default 128; 32 "
+                                                                "with --small)")
     p.add_argument("--max-seq-len", type=int, default=2048)
     p.add_argument("--reps", type=int, default=None, help="timed calls per point (default 50; 5 with --small)")
     p.add_argument("--out-json", help="write the results here")
@@ -112,6 +154,8 @@ def main(argv=None) -> dict:
     contexts = _int_list(a.contexts or ("64,256" if a.small else "512,1024,1920"))
     rows = _int_list(a.rows or ("1,4,8" if a.small else "1,4,16"))
     reps = a.reps or (5 if a.small else 50)
+    prompts = sorted(set(_int_list(a.prompts or ("1,2,4" if a.small else "1,2,4,8"))))
+    prompt_len = a.prompt_len or (32 if a.small else 128)
     max_seq = min(a.max_seq_len, 512) if a.small else a.max_seq_len
     block = draft_config(a.small, qwen3_8b_config(a.small)).block_size
     if not batches or min(batches) < 1:
@@ -120,6 +164,8 @@ def main(argv=None) -> dict:
         p.error(f"contexts + rows must fit --max-seq-len {max_seq}")
     if max(rows) > block:
         p.error(f"at most {block} new rows per session per step (the block size)")
+    if not prompts or min(prompts) < 1 or max(prompts) > max(batches) or not 0 < prompt_len <= max_seq:
+        p.error(f"--prompts must be in [1, {max(batches)}] (the context slots) and --prompt-len in [1, {max_seq}]")
 
     t0 = time.perf_counter()
     eager, graphed = proposers(a.small, device, dtype, max_seq, batches)
@@ -132,7 +178,7 @@ def main(argv=None) -> dict:
                  "graphs": graphs.num_graphs, "batch_buckets": list(graphs.batch_buckets),
                  "kv_buckets": list(graphs.kv_buckets), "context_slots": eager.pool.num_slots - 1,
                  "setup_s": time.perf_counter() - t0, "capture_s": graphs.capture_s, "weight_bytes": weights,
-                 "points": []}
+                 "points": [], "prompt_points": []}
     if device.type == "cuda":
         bandwidth = measure_bandwidth(device, 2.0)
         res["read_TBps"] = bandwidth["read_TBps"]
@@ -150,6 +196,11 @@ def main(argv=None) -> dict:
                 row["speedup"] = row["eager_wall_ms"] / row["graph_wall_ms"]
                 res["points"].append(row)
                 write_json(a.out_json, res)  # keep what is done even if the run is cut short
+    for k in prompts:
+        timed = time_prompts(eager, k, prompt_len, reps, seed=k)
+        res["prompt_points"].append({"prompts": k, "prompt_len": prompt_len, **timed,
+                                     "host_ratio": timed["apart_host_ms"] / timed["together_host_ms"]})
+        write_json(a.out_json, res)
     print_table(res)
     write_json(a.out_json, res)
     return res
@@ -164,8 +215,18 @@ def print_table(res: dict) -> None:
             ("eager", "eager_wall_ms"), ("graph", "graph_wall_ms"), ("eager-dev", "eager_device_ms"),
             ("graph-dev", "graph_device_ms"), ("eager/sess", "eager_session_ms"), ("graph/sess", "graph_session_ms"),
             ("speedup", "speedup")]
+    _rows(cols, res["points"])
+    if res.get("prompt_points"):
+        print("\na reply's prompts into new draft contexts, medians in ms: together = one take_prompts call, "
+              "apart = one per session; host = the calls' own time, wall = with the device synchronised")
+        _rows([("prompts", "prompts"), ("rows", "prompt_len"), ("together", "together_wall_ms"),
+               ("apart", "apart_wall_ms"), ("tog-host", "together_host_ms"), ("apart-host", "apart_host_ms"),
+               ("host ratio", "host_ratio")], res["prompt_points"])
+
+
+def _rows(cols: list[tuple[str, str]], rows: list[dict]) -> None:
     print(" ".join(f"{h:>10}" for h, _ in cols))
-    for r in res["points"]:
+    for r in rows:
         print(" ".join(f"{r[key]:10.3f}" if isinstance(r[key], float) else f"{str(r[key]):>10}" for _, key in cols))
 
 

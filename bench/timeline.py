@@ -15,7 +15,9 @@ one GPU time-slice it: "both outstanding" is the time each had device work queue
 This script summarises the drafter that ran last and the verifier: per name, how often and
 how long; the device's busy fraction (each service's and their union) over a window of the
 run (by default its middle 40%, away from start-up and drain); the verifier's idle gaps between
-stretches of its device work; and an excerpt of the timeline.
+stretches of its device work; its steps from one verify to the next, those with prompt work
+(a prefill, prompt features into draft contexts) apart from the others, and for the others
+where the time between two verifies goes; and an excerpt of the timeline.
 Measurement only: the wrappers add a few microseconds per call.
 """
 from __future__ import annotations
@@ -170,14 +172,15 @@ def _install_drafter(rec: Recorder) -> None:
     # On a GPU: the selection on the device, and the copy of the trees (waits for the draft and top-k).
     ddtree._select_on_device = rec.host("d.select_dev", ddtree._select_on_device)
     link.GrpcLink.receive = rec.host("d.wait", link.GrpcLink.receive)  # blocked on the reply, then decode
-    for name in ("start", "extend"):  # a prompt chunk's features into the draft context
-        setattr(drafter.DFlashProposer, name, rec.host(f"d.{name}", getattr(drafter.DFlashProposer, name)))
+    # A reply's prompt chunks into their draft contexts.
+    drafter.DFlashProposer.take_prompts = rec.host("d.prompts", drafter.DFlashProposer.take_prompts)
 
 
 # -- report -------------------------------------------------------------------------------
 
 
 VERIFIER_ROWS = ("v.", "g.verify", "g.prefill")  # a colocated file's rows of its verifier
+PROMPT_WORK = ("g.prefill", "v.prefill", "d.prompts")  # a step with these has prompts to take in
 
 
 def _load(directory: str) -> dict[str, tuple[str, list]]:
@@ -264,6 +267,7 @@ def report(directory: str, window: tuple[float, float] = (0.3, 0.7), excerpt_ms:
     gaps = sorted((b[0] - a[1]) / 1e6 for a, b in zip(verifier, verifier[1:]))
     out["verifier_gaps_ms"] = ({"count": len(gaps), "mean": sum(gaps) / len(gaps), "p50": gaps[len(gaps) // 2],
                                 "p90": gaps[int(len(gaps) * 0.9)], "max": gaps[-1]} if gaps else {"count": 0})
+    out["steps"] = _steps(runs, verifiers, drafter, lo, hi)
     start = (lo + hi) // 2
     excerpt = []
     for path in [*verifiers, drafter]:
@@ -272,6 +276,30 @@ def report(directory: str, window: tuple[float, float] = (0.3, 0.7), excerpt_ms:
                     if start <= a <= start + excerpt_ms * 1e6]
     out["excerpt"] = sorted(excerpt)
     return out
+
+
+def _steps(runs: dict, verifiers: list[str], drafter: str, lo: int, hi: int) -> dict:
+    """Verify to verify, split by whether prompt work (a prefill, prompt features into draft
+    contexts) falls between: how many steps, their mean period, and for those without, where
+    the time between two verifies goes (the wait for the draft, the draft, the rest: its top-k,
+    the trees and the next verify's launch)."""
+    rows = [row for path in [*verifiers, drafter] for row in runs[path][1]]
+    verifies = sorted((a, b) for name, a, b in rows if name == "g.verify" and lo <= a and b <= hi)
+    prompt_work = [(a, b) for name, a, b in rows if name in PROMPT_WORK]
+    drafts = sorted((a, b) for name, a, b in rows if name == "g.draft")
+    parts = {"with prompts": defaultdict(list), "without": defaultdict(list)}
+    for (a, b), (c, _) in zip(verifies, verifies[1:]):
+        kind = "with prompts" if any(x < c and y > a for x, y in prompt_work) else "without"
+        step = parts[kind]
+        step["period"].append((c - a) / 1e6)
+        step["verify"].append((b - a) / 1e6)
+        draft = next(((x, y) for x, y in drafts if b <= x < c), None)
+        if kind == "without" and draft is not None:
+            step["verify end -> draft"].append((draft[0] - b) / 1e6)
+            step["draft"].append((draft[1] - draft[0]) / 1e6)
+            step["draft end -> next verify"].append((c - draft[1]) / 1e6)
+    return {kind: {"count": len(v.get("period", ())), **{name: sum(x) / len(x) for name, x in v.items() if x}}
+            for kind, v in parts.items()}
 
 
 def print_report(res: dict) -> None:
@@ -288,6 +316,10 @@ def print_report(res: dict) -> None:
     if g["count"]:
         print(f"the verifier's idle gaps between device work: {g['count']}, mean {g['mean']:.2f} ms, "
               f"p50 {g['p50']:.2f}, p90 {g['p90']:.2f}, max {g['max']:.2f}")
+    print("\nverify to verify, ms (means):")
+    for kind, step in res.get("steps", {}).items():
+        print(f"  {kind:13s} {step['count']:5d} steps" + "".join(f", {name} {value:.3f}" for name, value in step.items()
+                                                            if name != "count"))
     print("\nexcerpt (ms from the window's middle; the drafter's rows indented)")
     for a, b, role, name in res["excerpt"]:
         print(f"{'' if role == 'verifier' else ' ' * 36}{a:8.2f} {b:8.2f} {b - a:6.2f} {name}")

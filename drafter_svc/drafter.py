@@ -56,10 +56,10 @@ class BlockProposer(Protocol):
 
     block_size: int
 
-    def start(self, prompt_ids: list[int], features: torch.Tensor) -> object: ...
-
-    def extend(self, state: object, prompt_ids: list[int], features: torch.Tensor) -> None:
-        """The next chunk of the prompt (chunked prefill): its tokens and their features."""
+    def take_prompts(self, states: Sequence[object | None], prompt_ids: Sequence[list[int]],
+                     features: Sequence[torch.Tensor]) -> list[object | StatusError | ValueError]:
+        """Prompt chunks (tokens and their features) into many sessions' contexts at once; a state of
+        None starts a session (its first chunk). Each gets its state, or the error that stops it."""
         ...
 
     def propose(self, states: Sequence[object], roots: Sequence[int], new_tokens: Sequence[list[int]],
@@ -112,6 +112,13 @@ def build_trees(modes: Sequence[DraftMode], block_logits: torch.Tensor, roots: S
     return trees, choice
 
 
+def _raised(result):
+    """`result`, raised when it is an exception."""
+    if isinstance(result, Exception):
+        raise result
+    return result
+
+
 def join_blocks(ahead: torch.Tensor | None, rows: Sequence[int], fresh: torch.Tensor | None) -> torch.Tensor:
     """One step's block logits: rows `rows` of a block drafted ahead (`DraftScheduler`), then a
     block drafted now (either may be None). No copy when one block alone holds all, in order."""
@@ -126,6 +133,8 @@ class DFlashProposer:
     once: the drafter's model runner. Serving only: the constructor fuses the draft's q/k/v and
     gate/up weights (`DFlashDraftModel.fuse_weights`) and allocates the context pool (`slots`
     sessions plus a scratch slot)."""
+
+    max_prompt_rows = 8192  # padded prompt rows per batched context extension (`take_prompts`)
 
     def __init__(self, draft: DFlashDraftModel, embed_tokens: torch.Tensor, lm_head: torch.Tensor,
                  max_seq_len: int, slots: int = 8, cuda_graphs: bool = True,
@@ -177,32 +186,64 @@ class DFlashProposer:
     def free_slots(self) -> int:
         return self.pool.free_slots
 
-    @torch.inference_mode()
     def start(self, prompt_ids: list[int], features: torch.Tensor) -> DraftState:
         """A session's context (a pool slot) holding the prompt's features (or its first chunk's).
-        Raises StatusError(RESOURCE_EXHAUSTED) when every slot is taken."""
-        slot = self.pool.acquire()
-        if slot is None:
-            raise StatusError("RESOURCE_EXHAUSTED", f"all {self.pool.num_slots - 1} draft context slots are in use")
-        state = DraftState(slot)
-        try:
-            self.extend(state, prompt_ids, features)
-        except ValueError:
-            self.pool.release(slot)
-            raise
-        return state
+        Raises StatusError(RESOURCE_EXHAUSTED) when every slot is taken (`take_prompts` of one)."""
+        return _raised(self.take_prompts([None], [prompt_ids], [features])[0])
 
-    @torch.inference_mode()
     def extend(self, state: DraftState, prompt_ids: list[int], features: torch.Tensor) -> None:
         """Append prompt features to a session's context (the next chunk, in chunked prefill)."""
-        k = features.shape[0]
-        if state.length + k > self.max_seq_len:
-            raise ValueError(f"{state.length + k} prompt rows exceed max_seq_len {self.max_seq_len}")
+        _raised(self.take_prompts([state], [prompt_ids], [features])[0])
+
+    @torch.inference_mode()
+    def take_prompts(self, states: Sequence[DraftState | None], prompt_ids: Sequence[list[int]],
+                     features: Sequence[torch.Tensor]) -> list[DraftState | StatusError | ValueError]:
+        """Append prompt chunks' features to many sessions' contexts in a few batched extensions
+        (one while they fit `max_prompt_rows` padded rows): the host's launches are paid per call,
+        not per session. A state of None is a session's first chunk, which takes a context slot.
+        Each gets its state, or what stops it: StatusError(RESOURCE_EXHAUSTED) when every slot is
+        taken, ValueError past max_seq_len (a slot it took is given back). Chunks are padded with
+        zero rows to the longest of their call; those rows' K/V land past each context, where the
+        rows that come later overwrite them."""
+        out: list[DraftState | StatusError | ValueError] = []
+        taken: list[tuple[DraftState, torch.Tensor]] = []
+        for state, f in zip(states, features, strict=True):
+            fresh = state is None
+            if fresh:
+                slot = self.pool.acquire()
+                if slot is None:
+                    out.append(StatusError("RESOURCE_EXHAUSTED",
+                                           f"all {self.pool.num_slots - 1} draft context slots are in use"))
+                    continue
+                state = DraftState(slot)
+            if state.length + f.shape[0] > self.max_seq_len:
+                if fresh:
+                    self.pool.release(state.slot)
+                out.append(ValueError(f"{state.length + f.shape[0]} prompt rows exceed max_seq_len {self.max_seq_len}"))
+                continue
+            out.append(state)
+            taken.append((state, f))
+        group: list[tuple[DraftState, torch.Tensor]] = []
+        for item in sorted(taken, key=lambda item: item[1].shape[0]):  # ascending: the last one is the widest
+            width = item[1].shape[0]
+            if group and ((len(group) + 1) * width > self.max_prompt_rows
+                          or max(s.length for s, _ in group + [item]) + width > self.pool.capacity):
+                self._extend(group)
+                group = []
+            group.append(item)
+        if group:
+            self._extend(group)
+        return out
+
+    def _extend(self, group: Sequence[tuple[DraftState, torch.Tensor]]) -> None:
+        """One batched context extension: each state's feature rows at its next positions."""
         dev = self.device
-        self.draft.extend(self.pool.kv, to_device([state.slot], dev, torch.int64),
-                          to_device([state.length], dev, torch.int64), to_device(features[None], dev),
+        rows = torch.nn.utils.rnn.pad_sequence([f for _, f in group], batch_first=True)
+        self.draft.extend(self.pool.kv, to_device([s.slot for s, _ in group], dev, torch.int64),
+                          to_device([s.length for s, _ in group], dev, torch.int64), to_device(rows, dev),
                           self.projected)
-        state.length += k
+        for state, f in group:
+            state.length += f.shape[0]
 
     @torch.inference_mode()
     def propose(self, states: Sequence[DraftState], roots: Sequence[int], new_tokens: Sequence[list[int]],

@@ -328,6 +328,7 @@ class DraftScheduler:
         self._ending: list[int] = []  # ended sessions still open on the verifier: Close in the next step
         self._inflight: collections.deque[_InFlight] = collections.deque()  # oldest first
         self._outbox: list[tuple[_Session, RoundUpdate]] = []  # updates waiting for the next message sent
+        self._growing: list[tuple[_Session, list[int], Tensor]] = []  # prompt chunks for `_grow_contexts`
         self._ahead: _DraftAhead | None = None  # the next step's draft, queued before its reply was applied
         # An in-process verifier's results on the device, and a proposer that drafts from them:
         # the next draft step goes right behind each verify (`_draft_behind`).
@@ -861,6 +862,7 @@ class DraftScheduler:
                 span.end()
         for span in rounds.values():
             span.end()
+        self._grow_contexts()
         for s, o in reversed(lost):  # appendleft keeps their order
             self._recover(s, o)
         if lost:
@@ -894,27 +896,37 @@ class DraftScheduler:
         s.open_on_verifier = True
         self._context_grows(s, e.features)
 
-    def _context_grows(self, s: _Session, features) -> bool:
-        """The oldest prompt chunk in flight is answered: its features extend the session's draft
-        context (its first chunk takes a context slot). False when that failed the session."""
+    def _context_grows(self, s: _Session, features) -> None:
+        """The oldest prompt chunk in flight is answered: its features are to extend the session's
+        draft context (its first chunk takes a context slot), with the other chunks the reply
+        answers once it is applied (`_grow_contexts`)."""
         start = s.prompt_answered
         n = s.chunks_in_flight.popleft() if s.chunks_in_flight else 0
         s.prompt_answered += n
         if not s.drafts or s.result.finish_reason:  # no draft, or ending anyway
-            return True
+            return
         if features.shape[0] != n:
             self._fail(s, StatusError("INTERNAL", f"verifier sent {features.shape[0]} feature rows for a "
                                                   f"{n}-token prompt chunk"))
-            return False
-        try:
-            if s.draft_state is None:
-                s.draft_state = self.proposer.start(s.chunk_prompt[: start + n], features)
+            return
+        self._growing.append((s, s.chunk_prompt[start: start + n], features))
+
+    def _grow_contexts(self) -> None:
+        """The prompt chunks a reply answered into their sessions' draft contexts, in one batched
+        call (`BlockProposer.take_prompts`: the draft's launches once per reply, not per session);
+        a session whose context cannot take its chunk fails."""
+        growing = [item for item in self._growing
+                   if self._running.get(item[0].sid) is item[0] and not item[0].result.finish_reason]
+        self._growing = []
+        if not growing:
+            return
+        states = self.proposer.take_prompts([s.draft_state for s, _, _ in growing], [ids for _, ids, _ in growing],
+                                            [f for _, _, f in growing])
+        for (s, _, _), state in zip(growing, states, strict=True):
+            if isinstance(state, Exception):
+                self._fail(s, state if isinstance(state, StatusError) else StatusError("INVALID_ARGUMENT", str(state)))
             else:
-                self.proposer.extend(s.draft_state, s.chunk_prompt[start: start + n], features)
-        except (StatusError, ValueError) as exc:
-            self._fail(s, exc if isinstance(exc, StatusError) else StatusError("INVALID_ARGUMENT", str(exc)))
-            return False
-        return True
+                s.draft_state = state
 
     def _prefilled(self, s: _Session, p: Prefilled) -> None:
         """The prompt is prefilled: the first token goes to the client at once (unless a notice
@@ -934,7 +946,8 @@ class DraftScheduler:
         s.prompt_done = True
         s.max_seq_len, s.length, s.root = p.max_seq_len, len(s.chunk_prompt), p.token
         s.round_base = s.rounds
-        if self._context_grows(s, p.features) and s.draft_state is not None:
+        self._context_grows(s, p.features)
+        if s.drafts:
             s.new_tokens, s.new_features = [p.token], p.features[:0]
 
     def _verified(self, s: _Session, v: Verified, span: trace.Span | None,

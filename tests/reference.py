@@ -105,11 +105,15 @@ class OracleProposer:
         self.model, self.block_size, self.rank1_every = model, block_size, rank1_every
         self.vocab = model.cfg.vocab_size
 
-    def start(self, prompt_ids, features):
-        return list(prompt_ids)
-
-    def extend(self, state, prompt_ids, features):
-        state.extend(prompt_ids)
+    def take_prompts(self, states, prompt_ids, features):
+        out = []
+        for state, ids in zip(states, prompt_ids):
+            if state is None:
+                out.append(list(ids))
+            else:
+                state.extend(ids)
+                out.append(state)
+        return out
 
     def finish(self, state):
         pass

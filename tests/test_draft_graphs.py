@@ -323,6 +323,52 @@ def test_prompt_too_long_frees_its_slot(qwen3_pair):
     assert p.free_slots == 2
 
 
+@pytest.mark.parametrize("max_rows", [8192, 12], ids=["one_call", "split"])
+def test_prompts_taken_together_equal_the_reference(qwen3_pair, monkeypatch, max_rows):
+    """`take_prompts`: many sessions' prompt chunks (first chunks, which take slots, and next
+    ones) go into their contexts in few batched extensions, padded to the longest; each context
+    then gives the block of the reference over its rows, as taking them one at a time does. A
+    session it cannot take gets its error and keeps no slot; the others are taken."""
+    p = _proposer(qwen3_pair, slots=4)
+    p.max_prompt_rows = max_rows
+    one = _proposer(qwen3_pair, slots=4, share=p)
+    calls = []
+    extend = p.draft.extend
+    monkeypatch.setattr(p.draft, "extend", lambda *args: (calls.append(args[3].shape[:2]), extend(*args))[1])
+    feats = [_features(p, 40, seed) for seed in range(3)]
+    first, second = [5, 12, 3], [4, 7, 1]
+    states = p.take_prompts([None] * 3, [[0] * n for n in first], [f[:n] for f, n in zip(feats, first)])
+    assert calls == ([(3, 12)] if max_rows > 12 else [(2, 5), (1, 12)])  # a call takes <= max_rows padded rows
+    states = p.take_prompts(states, [[0] * n for n in second],
+                            [f[a: a + n] for f, a, n in zip(feats, first, second)])
+    assert [s.length for s in states] == [a + b for a, b in zip(first, second)] and p.free_slots == 1
+    alone = []
+    for f, a, b in zip(feats, first, second):
+        alone.append(one.start([0] * a, f[:a]))
+        one.extend(alone[-1], [0] * b, f[a: a + b])
+    roots = [5, 9, 13]
+    got = p.propose(states, roots, [[]] * 3, [feats[0][:0]] * 3)
+    want = one.propose(alone, roots, [[]] * 3, [feats[0][:0]] * 3)
+    for i, (f, a, b) in enumerate(zip(feats, first, second)):
+        assert close(got[i], reference_logits(p, f[: a + b], roots[i]), 1e-5)
+        assert close(got[i], want[i], 1e-5)
+    # One slot left: the first new session takes it, the second finds none; a chunk past
+    # max_seq_len fails its session alone (a new one gives its slot back).
+    calls.clear()
+    out = p.take_prompts([None, None, states[0]], [[0], [0], [0]],
+                         [feats[0][:1], feats[1][:1], _features(p, MAX_SEQ, 7)])
+    assert isinstance(out[0], type(states[0])) and out[0].length == 1 and calls == [(1, 1)]
+    assert isinstance(out[1], StatusError) and out[1].status == "RESOURCE_EXHAUSTED"
+    assert isinstance(out[2], ValueError) and "max_seq_len" in str(out[2]) and states[0].length == first[0] + second[0]
+    assert p.free_slots == 0
+    p.finish(out[0])
+    out = p.take_prompts([None], [[0]], [_features(p, MAX_SEQ + 1, 8)])
+    assert isinstance(out[0], ValueError) and p.free_slots == 1
+    for state in states:
+        p.finish(state)
+    assert p.free_slots == 4
+
+
 def _script_one(rows=(0, 3, 8, 1, 8, 5)) -> list:
     return [("start", 0, 17)] + [("propose", [(0, k)]) for k in rows]
 

@@ -335,6 +335,20 @@ def test_a_receiver_that_ends_a_batched_session_stops_it_after_the_round_in_flig
     assert engine.verifier.free_capacity == engine.verifier.limits.max_sessions
 
 
+def test_the_prompts_of_a_reply_go_into_the_draft_contexts_together(engine, monkeypatch):
+    """The prompts one reply prefills extend their draft contexts in one batched call
+    (`DraftScheduler._grow_contexts`); the outputs are plain decoding's."""
+    from drafter_svc.drafter import DFlashProposer
+
+    ar = [greedy(engine, p, DraftMode("ar", 0)).tokens for p in PROMPTS]
+    calls = []
+    take = DFlashProposer.take_prompts
+    monkeypatch.setattr(DFlashProposer, "take_prompts", lambda self, *args: (calls.append(len(args[0])),
+                                                                             take(self, *args))[1])
+    out = engine.generate_many([(p, GenerationConfig(N, mode=DraftMode("tree", 6))) for p in PROMPTS])
+    assert [o.tokens for o in out] == ar and calls == [len(PROMPTS)]
+
+
 @pytest.mark.parametrize("pipelined", [False, True])
 @pytest.mark.parametrize("where", ["behind_verify", "after_reply"])
 def test_drafting_ahead_of_a_reply_gives_the_trees_of_drafting_after_it(engine, monkeypatch, pipelined, where):

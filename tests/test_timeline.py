@@ -72,3 +72,23 @@ def test_report_splits_a_colocated_file_and_takes_its_own_verifier(tmp_path):
     assert set(res["services"]["verifier"]) == {"v.step", "g.verify"}
     assert set(res["services"]["drafter"]) == {"d.send"}
     assert res["verifier_gaps_ms"]["p50"] == pytest.approx(5.0)
+
+
+def test_report_splits_steps_by_prompt_work(tmp_path):
+    # A verify every 10 ms (6 ms), the draft right behind it (2 ms); a prefill in the 5th and 7th
+    # steps makes those 14 ms long. The last verify ends past the last message: out of the window.
+    rows, t = [], 0
+    for i in range(10):
+        period = 14 if i in (4, 6) else 10
+        rows += [["d.send", t * MS, t * MS + MS], ["g.verify", t * MS, (t + 6) * MS],
+                 ["g.draft", (t + 6) * MS, (t + 8) * MS]]
+        if period == 14:
+            rows.append(["g.prefill", (t + 8) * MS, (t + 12) * MS])
+        t += period
+    write(tmp_path / "1.jsonl", "colocated", rows)
+    steps = report(str(tmp_path), (0.0, 1.0))["steps"]
+    assert steps["with prompts"]["count"] == 2 and steps["with prompts"]["period"] == pytest.approx(14.0)
+    without = steps["without"]
+    assert without["count"] == 6 and without["period"] == pytest.approx(10.0)
+    assert without["verify"] == pytest.approx(6.0) and without["verify end -> draft"] == pytest.approx(0.0)
+    assert without["draft"] == pytest.approx(2.0) and without["draft end -> next verify"] == pytest.approx(2.0)
