@@ -119,13 +119,14 @@ def _raised(result):
     return result
 
 
-def join_blocks(ahead: torch.Tensor | None, rows: Sequence[int], fresh: torch.Tensor | None) -> torch.Tensor:
-    """One step's block logits: rows `rows` of a block drafted ahead (`DraftScheduler`), then a
-    block drafted now (either may be None). No copy when one block alone holds all, in order."""
-    parts = ([rows_of(ahead, list(rows))] if ahead is not None and rows else []) + ([fresh] if fresh is not None else [])
-    if not parts:
+def join_blocks(parts: Sequence[tuple[torch.Tensor, Sequence[int]]], fresh: torch.Tensor | None) -> torch.Tensor:
+    """One step's block logits: rows `rows` of each block drafted ahead (`parts`: (block, rows)
+    pairs; `DraftScheduler`), then a block drafted now (may be None). No copy when one block
+    alone holds all, in order."""
+    blocks = [rows_of(block, list(rows)) for block, rows in parts if rows] + ([fresh] if fresh is not None else [])
+    if not blocks:
         raise ValueError("no block logits to join")
-    return parts[0] if len(parts) == 1 else torch.cat(parts)
+    return blocks[0] if len(blocks) == 1 else torch.cat(blocks)
 
 
 class DFlashProposer:

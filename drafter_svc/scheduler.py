@@ -13,9 +13,13 @@ delivers (a callback per session, called on the scheduler's thread). Each step:
 6. hands each session its new tokens, and finishes those that reached a stop token, their
    length limit or the verifier's capacity.
 
-The next draft step of the sessions a reply verified is queued as soon as the reply comes, before
-it is applied (`_draft_ahead`): the device drafts while the host applies the reply, delivers and
-builds the next message, whose trees take those rows of the block (`_block`).
+The next draft step of the sessions a message carries trees for is queued before their reply is
+applied, and the next message's trees take those rows (`_block`): with the verifier in process,
+right behind the verify, from its results on the device (`_draft_behind`), so the device goes
+from the verify to the draft while the host waits for and applies the reply; over a link, as
+soon as the reply comes (`_draft_ahead`). A session's first draft step is queued as soon as
+its context holds the prompt (`_draft_started`), and the prompts a reply prefilled go into
+their contexts in one batched call (`_grow_contexts`).
 
 A running session's tokens wait in an outbox until the next step's message is sent, and go to
 the clients while the verifier works on it: their host work (and the request handlers' on
@@ -329,7 +333,8 @@ class DraftScheduler:
         self._inflight: collections.deque[_InFlight] = collections.deque()  # oldest first
         self._outbox: list[tuple[_Session, RoundUpdate]] = []  # updates waiting for the next message sent
         self._growing: list[tuple[_Session, list[int], Tensor]] = []  # prompt chunks for `_grow_contexts`
-        self._ahead: _DraftAhead | None = None  # the next step's draft, queued before its reply was applied
+        self._ahead: list[_DraftAhead] = []  # the next step's draft steps, queued before it is built
+        self._started: list[_Session] = []  # sessions a reply's prompts just started (`_draft_started`)
         # An in-process verifier's results on the device, and a proposer that drafts from them:
         # the next draft step goes right behind each verify (`_draft_behind`).
         self._verified_on_device = getattr(link, "verified_on_device", None)
@@ -406,7 +411,7 @@ class DraftScheduler:
         while not self._stopped.is_set():
             if not (self._waiting or self._running or self._ending or self._inflight):
                 self._flush_outbox()
-                self._ahead = None  # its sessions are gone
+                self._ahead = []  # its sessions are gone
                 if not self._take_commands(block=True, timeout=self.probe_interval_s):  # idle: is it still there?
                     self._set_link(self.link.probe())
                 continue
@@ -585,7 +590,7 @@ class DraftScheduler:
         for message in self._inflight:
             message.end()
         self._inflight.clear()
-        self._ahead = None
+        self._ahead = []
         self._ending = []
         for s in reversed(list(self._running.values())):  # appendleft keeps their order
             self._recover(s, exc)
@@ -701,8 +706,8 @@ class DraftScheduler:
 
     def _trees(self, drafting: Sequence[_Session], rounds: dict[int, trace.Span]) -> _Drafted:
         """Draft every session that drafts and has room, in one batched step (taking the rows drafted
-        ahead of the last reply: `_block`); build all trees (under the adaptive budget's choice,
-        when there is a planner)."""
+        ahead: `_block`); build all trees (under the adaptive budget's choice, when there is a
+        planner)."""
         if not drafting:
             return _Drafted([])
         metrics.STEP_BATCH_SIZE.observe(len(drafting))
@@ -712,7 +717,7 @@ class DraftScheduler:
         budget, draft_s, build_s = None, 0.0, 0.0
         if busy:
             sessions = [drafting[i] for i in busy]
-            ahead, self._ahead = self._ahead, None
+            ahead, self._ahead = self._ahead, []
             start = time.perf_counter()
             with _tracer.start_as_current_span("draft"):
                 block, order, ahead_s = self._block(sessions, ahead)
@@ -744,20 +749,26 @@ class DraftScheduler:
             entries.append(TreeEntry(s.sid, s.rounds - s.round_base + 1, tree, traceparent_of(span) if span else ""))
         return _Drafted(entries, budget, draft_s, build_s, [drafting[i] for i in busy])
 
-    def _block(self, sessions: Sequence[_Session], ahead: _DraftAhead | None) -> tuple[Tensor, list[int], float]:
-        """The sessions' block logits: the rows drafted ahead for them, the others' drafted now.
-        Returns the block, the sessions' order in it (indices into `sessions`) and the seconds the
-        rows drafted ahead took."""
-        rows = [ahead.row(s) for s in sessions] if ahead is not None else [None] * len(sessions)
-        have = [j for j, row in enumerate(rows) if row is not None]
-        missing = [j for j, row in enumerate(rows) if row is None]
+    def _block(self, sessions: Sequence[_Session], ahead: Sequence[_DraftAhead]) -> tuple[Tensor, list[int], float]:
+        """The sessions' block logits: the rows drafted ahead for them (in any of the blocks
+        `ahead`), the others' drafted now. Returns the block, the sessions' order in it (indices
+        into `sessions`) and the seconds the blocks drafted ahead that it uses took."""
+        found: dict[int, list[tuple[int, int]]] = {}  # block index -> (session index, row), in session order
+        missing = []
+        for j, s in enumerate(sessions):
+            hit = next(((k, row) for k, a in enumerate(ahead) if (row := a.row(s)) is not None), None)
+            if hit is None:
+                missing.append(j)
+            else:
+                found.setdefault(hit[0], []).append((j, hit[1]))
         fresh = None
         if missing:
             late = [sessions[j] for j in missing]
             fresh = self.proposer.propose([s.draft_state for s in late], [s.root for s in late],
                                           [s.new_tokens for s in late], [s.new_features for s in late])
-        block = join_blocks(ahead.block if have else None, [rows[j] for j in have], fresh)
-        return block, have + missing, ahead.seconds if have else 0.0
+        parts = [(ahead[k].block, [row for _, row in hits]) for k, hits in sorted(found.items())]
+        order = [j for _, hits in sorted(found.items()) for j, _ in hits] + missing
+        return join_blocks(parts, fresh), order, sum(ahead[k].seconds for k in found)
 
     def _draft_behind(self, sessions: Sequence[_Session]) -> _DraftAhead | None:
         """With an in-process verifier: queue the next draft step of the sessions just drafted and
@@ -794,8 +805,26 @@ class DraftScheduler:
             if v.features.shape[0] == rows:  # else `_verified` fails the session
                 self.proposer.grow(s.draft_state, rows)
                 kept[r.session_id] = row
-        self._ahead = _DraftAhead(behind.block, kept, behind.seconds) if kept else None
+        if kept:
+            self._ahead.append(_DraftAhead(behind.block, kept, behind.seconds))
         return frozenset(kept)
+
+    def _draft_started(self) -> None:
+        """Queue the first draft step of the sessions a reply's prompts just started, as soon as
+        their contexts hold the prompts (`_grow_contexts`): the device drafts while the host goes
+        on with the reply and builds the next message, whose trees take these rows (`_block`)."""
+        started = [s for s in self._started if self._running.get(s.sid) is s and s.draft_state is not None
+                   and not s.result.finish_reason and s.room() > 0]
+        self._started = []
+        if not started:
+            return
+        start = time.perf_counter()
+        block = self.proposer.propose([s.draft_state for s in started], [s.root for s in started],
+                                      [s.new_tokens for s in started], [s.new_features for s in started])
+        for s in started:
+            s.new_features = s.new_features[:0]
+        self._ahead.append(_DraftAhead(block, {s.sid: (i, s.epoch, s.rounds) for i, s in enumerate(started)},
+                                       time.perf_counter() - start))
 
     def _draft_ahead(self, results: Sequence[StepResult], epochs: dict[int, int]) -> frozenset[int]:
         """Queue the next draft step of the sessions a reply verified before the reply is applied:
@@ -820,8 +849,8 @@ class DraftScheduler:
         start = time.perf_counter()
         block = self.proposer.propose([s.draft_state for s, _, _ in picked], [v.next_token for _, v, _ in picked],
                                       [emitted for _, _, emitted in picked], [v.features for _, v, _ in picked])
-        self._ahead = _DraftAhead(block, {s.sid: (i, s.epoch, s.rounds + 1) for i, (s, _, _) in enumerate(picked)},
-                                  time.perf_counter() - start)
+        self._ahead.append(_DraftAhead(block, {s.sid: (i, s.epoch, s.rounds + 1) for i, (s, _, _) in enumerate(picked)},
+                                       time.perf_counter() - start))
         return frozenset(s.sid for s, _, _ in picked)
 
     def _apply(self, results: Sequence[StepResult], rounds: dict[int, trace.Span],
@@ -863,6 +892,7 @@ class DraftScheduler:
         for span in rounds.values():
             span.end()
         self._grow_contexts()
+        self._draft_started()
         for s, o in reversed(lost):  # appendleft keeps their order
             self._recover(s, o)
         if lost:
@@ -949,6 +979,7 @@ class DraftScheduler:
         self._context_grows(s, p.features)
         if s.drafts:
             s.new_tokens, s.new_features = [p.token], p.features[:0]
+            self._started.append(s)
 
     def _verified(self, s: _Session, v: Verified, span: trace.Span | None,
                   timing: tuple[float, float, float, float], drafted_ahead: bool = False) -> None:

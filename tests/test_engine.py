@@ -354,10 +354,11 @@ def test_the_prompts_of_a_reply_go_into_the_draft_contexts_together(engine, monk
 def test_drafting_ahead_of_a_reply_gives_the_trees_of_drafting_after_it(engine, monkeypatch, pipelined, where):
     """The next draft step is queued before the reply is applied: with the verifier in process,
     right behind the verify, from its results on the device (`DraftScheduler._draft_behind`);
-    otherwise as soon as the reply comes (`DraftScheduler._draft_ahead`). The trees sent, and so
-    the outputs, are those of drafting after the reply: each session gets its own rows, and its
-    new feature rows enter its context once, also when the rows drafted ahead go unused (drafted
-    again, from the context as it is)."""
+    otherwise as soon as the reply comes (`DraftScheduler._draft_ahead`); a session's first one
+    as soon as its context holds the prompt (`DraftScheduler._draft_started`). The trees sent,
+    and so the outputs, are those of drafting when the next message is built: each session gets
+    its own rows, and its new feature rows enter its context once, also when the rows drafted
+    ahead go unused (drafted again, from the context as it is)."""
     from common.protocol import TreeEntry, Verified
     from drafter_svc.link import LocalLink
     from drafter_svc.scheduler import DraftScheduler, _DraftAhead
@@ -365,8 +366,10 @@ def test_drafting_ahead_of_a_reply_gives_the_trees_of_drafting_after_it(engine, 
     behind = where == "behind_verify"
     original = DraftScheduler._confirm_behind if behind else DraftScheduler._draft_ahead
 
+    draft_started, block = DraftScheduler._draft_started, DraftScheduler._block
+
     def run(ahead: bool):
-        sent, drafted = [], []
+        sent, drafted, started, fresh = [], [], [], []
 
         class Recording(LocalLink):
             def send(self, entries):
@@ -383,20 +386,34 @@ def test_drafting_ahead_of_a_reply_gives_the_trees_of_drafting_after_it(engine, 
             drafted.append((len(picked), sum(isinstance(r.outcome, Verified) for r in results)))
             return picked
 
+        def counted_start(self):
+            blocks = len(self._ahead)
+            draft_started(self)
+            started.extend(len(a.rows) for a in self._ahead[blocks:])
+
         monkeypatch.setattr(DraftScheduler, "_confirm_behind" if behind else "_draft_ahead", counted)
+        def counted_block(self, sessions, blocks):
+            fresh.append(sum(all(a.row(s) is None for a in blocks) for s in sessions))
+            return block(self, sessions, blocks)
+
+        monkeypatch.setattr(DraftScheduler, "_draft_started", counted_start)
+        monkeypatch.setattr(DraftScheduler, "_block", counted_block)
         if not ahead:
             monkeypatch.setattr(DraftScheduler, "_draft_behind", lambda self, sessions: None)
             monkeypatch.setattr(DraftScheduler, "_draft_ahead", lambda self, results, epochs: frozenset())
+            monkeypatch.setattr(DraftScheduler, "_draft_started", lambda self: self._started.clear())
         scheduler = DraftScheduler(Recording(engine.verifier), engine.proposer,
                                    max_sessions=engine.verifier.limits.max_sessions,
                                    feature_layer_ids=engine.verifier.feature_layer_ids, pipelined=pipelined)
         ends = _ends(scheduler, [(p, GenerationConfig(N, mode=DraftMode("tree", 6))) for p in PROMPTS])
         scheduler.run_until_idle()
         monkeypatch.undo()
-        return [e["items"][-1].tokens for e in ends], sent, drafted
+        return [e["items"][-1].tokens for e in ends], sent, drafted, started, fresh
 
-    tokens, sent, drafted = run(ahead=True)
-    late_tokens, late_sent, late_drafted = run(ahead=False)
+    tokens, sent, drafted, started, fresh = run(ahead=True)
+    late_tokens, late_sent, late_drafted, late_started, late_fresh = run(ahead=False)
+    assert sum(started) == len(PROMPTS) and not late_started  # every session's first tree drafted at its start
+    assert sum(late_fresh) > 2 * len(PROMPTS) and (pipelined or sum(fresh) == 0)  # in lockstep all drafted ahead
     assert tokens == late_tokens == [greedy(engine, p, DraftMode("ar", 0)).tokens for p in PROMPTS]
     assert sum(len(trees) for trees in sent) > 2 * len(PROMPTS) and sent == late_sent and not late_drafted
     monkeypatch.setattr(_DraftAhead, "row", lambda self, s: None)  # every row drafted ahead goes unused
