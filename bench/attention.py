@@ -23,15 +23,17 @@ layer) at the read bandwidth measured in this run.
 """
 from __future__ import annotations
 
-import argparse
 import os
-import re
 import sys
-from pathlib import Path
 
-import torch
+if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(__file__)):
+    sys.path[0] = os.path.dirname(sys.path[0])  # run as a script: the repository, not bench/, on the path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import argparse  # noqa: E402
+import re  # noqa: E402
+
+import torch  # noqa: E402
+
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # the kernel runs interpreted on the CPU
 

@@ -20,12 +20,18 @@ proxy.aclose()`.
 """
 from __future__ import annotations
 
-import argparse
-import asyncio
-import collections
-import contextlib
-import signal
-import threading
+import os.path
+import sys
+
+if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(__file__)):
+    sys.path[0] = os.path.dirname(sys.path[0])  # run as a script: the repository, not bench/, on the path
+
+import argparse  # noqa: E402
+import asyncio  # noqa: E402
+import collections  # noqa: E402
+import contextlib  # noqa: E402
+import signal  # noqa: E402
+import threading  # noqa: E402
 
 CHUNK = 1 << 16  # bytes per read
 

@@ -19,19 +19,21 @@ margins are as thin as an untrained model's), in each mode in turn, in one proce
 """
 from __future__ import annotations
 
-import argparse
-import gc
-import json
+import os.path
 import sys
-import time
-from pathlib import Path
 
-import numpy as np
-import torch
-import torch.nn.functional as F
+if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(__file__)):
+    sys.path[0] = os.path.dirname(sys.path[0])  # run as a script: the repository, not bench/, on the path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+import argparse  # noqa: E402
+import gc  # noqa: E402
+import json  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 
 from bench.verify import qwen3_8b_config, random_target  # noqa: E402
 from common.protocol import SamplingParams  # noqa: E402

@@ -14,12 +14,18 @@ sessions (`--shared-gpu-pipeline-sessions`).
 """
 from __future__ import annotations
 
-import argparse
-import json
-import time
+import os.path
+import sys
 
-import torch
-import torch.multiprocessing as mp
+if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(__file__)):
+    sys.path[0] = os.path.dirname(sys.path[0])  # run as a script: the repository, not bench/, on the path
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import time  # noqa: E402
+
+import torch  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
 
 
 def _big(out: mp.Queue, seconds: float, start) -> None:

@@ -16,18 +16,21 @@ carried only trees (the drafter's GrpcLink counters).
 """
 from __future__ import annotations
 
-import argparse
-import json
-import statistics
+import os.path
 import sys
-from pathlib import Path
 
-import grpc
-import torch
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(__file__)):
+    sys.path[0] = os.path.dirname(sys.path[0])  # run as a script: the repository, not bench/, on the path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import argparse  # noqa: E402
+import json  # noqa: E402
+import statistics  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import grpc  # noqa: E402
+import torch  # noqa: E402
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor  # noqa: E402
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter  # noqa: E402
 
 from common.config import load_draft_config  # noqa: E402
 from common.protocol import TreeEntry  # noqa: E402
