@@ -3,8 +3,10 @@
 #
 #   bash bench/run_gpu_suite.sh OUTDIR [tests] [verify] [gemm] [attention] [kernels] [draft] [topk] [select] [round] [transport] [serve]
 #
-# With no steps named, runs them all (about 22 minutes on an H200). Needs the project's
-# dependencies importable by python3; PYTHONPATH gets the repository root added.
+# With no steps named, runs them all (about 22 minutes on an H200). "tests" is the whole of
+# tests/gpu; "tests-graphs" (tests/gpu/test_cuda_graphs.py) and "tests-rest" (the other files)
+# are its two halves, for machines that allow only a few minutes per command. Needs the
+# project's dependencies importable by python3; PYTHONPATH gets the repository root added.
 set -u
 out=${1:?usage: bash bench/run_gpu_suite.sh OUTDIR [steps...]}
 shift
@@ -15,6 +17,9 @@ status=0
 for step in $steps; do
     case $step in
         tests) cmd=(python3 -m pytest -q -rsxX -p no:cacheprovider --tb=short tests/gpu) ;;
+        tests-graphs) cmd=(python3 -m pytest -q -rsxX -p no:cacheprovider --tb=short tests/gpu/test_cuda_graphs.py) ;;
+        tests-rest) cmd=(python3 -m pytest -q -rsxX -p no:cacheprovider --tb=short tests/gpu
+                         --ignore tests/gpu/test_cuda_graphs.py) ;;
         verify) cmd=(python3 bench/verify.py --out-json "$out/verify.json") ;;
         gemm) cmd=(python3 bench/gemm.py --out-json "$out/gemm.json") ;;
         attention) cmd=(python3 bench/attention.py --batches 1,16,32 --trees 0,16,64 --out-json "$out/attention.json") ;;
