@@ -121,16 +121,15 @@ class DraftInputs:
         # Rows past a session's k new ones keep whatever finite values an earlier step left: their
         # K/V land where the block's K/V overwrite them, so they need no zeroing.
         n, on_device = len(rows), ()  # on_device: the device buffers written in place (not from a twin)
-        if n and verified is not None:
+        if n:  # the scalar fields in one copy each, the feature rows in one
             past[:n] = torch.tensor([row.past for row in rows])
             slot[:n] = torch.tensor([row.slot for row in rows])
+        if n and verified is not None:  # roots, lengths and rows: from the verify, after the commit
             on_device = (self.features,)
-        elif n:  # the scalar fields in one copy each, the feature rows in one
+        elif n:
             counts = [row.features.shape[0] for row in rows]
             tokens[:n, 0] = torch.tensor([row.root for row in rows])
-            past[:n] = torch.tensor([row.past for row in rows])
             new_length[:n] = past[:n] + torch.tensor(counts)
-            slot[:n] = torch.tensor([row.slot for row in rows])
             if max(counts) > self.R:
                 raise ValueError(f"{max(counts)} new feature rows for a session, the step takes {self.R}")
             if any(counts):

@@ -263,7 +263,8 @@ class DFlashProposer:
         still on this device (row i of `verified` for states[i]: an in-process verifier's), queued
         behind it without waiting for it. The contexts take the rows now, but their lengths grow
         only once the host knows how many (`grow`)."""
-        rows = [DraftRow(s.slot, s.length, -1, verified.features[:0]) for s in states]
+        unused = verified.features[0, :0]  # the rows' own roots and features are not read
+        rows = [DraftRow(s.slot, s.length, -1, unused) for s in states]
         return self._draft(rows, verified.features.shape[1], verified)
 
     def _draft(self, rows: Sequence[DraftRow], width: int, verified: VerifiedRows | None = None) -> torch.Tensor:

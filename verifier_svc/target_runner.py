@@ -58,7 +58,7 @@ class PendingVerify:
     copy: HostCopy  # the per-row results, and the path rows' features unless `features` holds them
     logits: Tensor  # [B, T, V] of every node; under CUDA graphs a buffer that every step shares
     features: Tensor | None = None  # [B, W, F], a copy on the device (`TargetRunner.features_on_device`)
-    result: Tensor | None = None  # [B, T + 2], a copy on the device, beside `features`
+    result: Tensor | None = None  # [B, T + 2] on the device, beside `features`: valid until the next step is launched
 
     @property
     def exclusive(self) -> bool:
@@ -251,10 +251,10 @@ class TargetRunner:
         width = min(features.shape[1], 1 + int(torch.cat([r.depths for r in rows]).max()))
         features = features[: len(rows), :width]
         wanted = list(with_features) if with_features is not None else [True] * len(rows)
-        if self.features_on_device:  # copies: a later step may replay the same graph before the finish
-            result = result[: len(rows)].clone()
+        result = result[: len(rows)]
+        if self.features_on_device:  # a copy: a later step may replay the same graph before the finish
             return PendingVerify(list(rows), wanted, HostCopy(result), logits, features.clone(), result)
-        return PendingVerify(list(rows), wanted, HostCopy(result[: len(rows)], features), logits)
+        return PendingVerify(list(rows), wanted, HostCopy(result, features), logits)
 
     def finish_verify(self, pending: PendingVerify) -> VerifiedBatch:
         """Wait for a launched step's results (one wait; a second, only when a row asks for

@@ -112,7 +112,8 @@ class PendingStep:
 
     def verified_on_device(self) -> VerifiedRows | None:
         """Its verify's results while still on the device, one row per tree that passed the checks
-        (`TargetRunner.features_on_device` only; None without them, or without a verify)."""
+        (`TargetRunner.features_on_device` only; None without them, or without a verify). Work
+        that reads them must be queued before the next step is launched, which may overwrite them."""
         launched = self._launched
         if launched is None or launched.result is None:
             return None
