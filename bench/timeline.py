@@ -115,6 +115,7 @@ def install(out_dir: str, role: str) -> None:
 
 
 def _install_verifier(rec: Recorder, served: bool) -> None:
+    import verifier_svc.cuda_graphs as cuda_graphs
     import verifier_svc.target_runner as runner
     import verifier_svc.tree_verifier as tree_verifier
 
@@ -124,6 +125,8 @@ def _install_verifier(rec: Recorder, served: bool) -> None:
     target.finish_verify = rec.host("v.results", target.finish_verify)  # wait for the results, read them out
     tree_verifier.walk_trees = rec.host("v.walk", tree_verifier.walk_trees)  # the trees' checks
     tree_verifier.ancestor_masks = rec.host("v.masks", tree_verifier.ancestor_masks)
+    # An in-process drafter's trees: their fields built on the device, queued.
+    cuda_graphs.BatchInputs._place_device_trees = rec.host("v.place", cuda_graphs.BatchInputs._place_device_trees)
     verifier = tree_verifier.TreeVerifier
     verifier._finish_verify = rec.host("v.commit", verifier._finish_verify)  # the results, then per-session commit
     if not served:  # in process: the drafter's link calls the verifier's step directly
@@ -171,6 +174,8 @@ def _install_drafter(rec: Recorder) -> None:
     ddtree.top_candidates = rec.host("d.topk", ddtree.top_candidates)  # its top-k and copy (waits for the GPU)
     # On a GPU: the selection on the device, and the copy of the trees (waits for the draft and top-k).
     ddtree._select_on_device = rec.host("d.select_dev", ddtree._select_on_device)
+    # In process: the selection queued, its trees left on the device (nothing waits).
+    drafter.select_device_trees = rec.host("d.select_queued", drafter.select_device_trees)
     link.GrpcLink.receive = rec.host("d.wait", link.GrpcLink.receive)  # blocked on the reply, then decode
     # A reply's prompt chunks into their draft contexts.
     drafter.DFlashProposer.take_prompts = rec.host("d.prompts", drafter.DFlashProposer.take_prompts)

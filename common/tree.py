@@ -14,6 +14,12 @@ compaction and masks simple and lets the walk rule out cycles with one compariso
 The verifier checks all the trees of a step at once: `walk_trees` validates them and derives
 their parents and depths in numpy over all their nodes together (`walk_tree` is the one-tree
 form), and `ancestor_masks` builds their padded attention masks in one go.
+
+A drafter in the verifier's process hands over `DeviceTree`s instead: rows of the tensors its
+selection left on the device (`DeviceTrees`), never copied to the host on the way. They are
+trusted (they never come from the wire), and the verifier derives the same buffers, depths and
+masks from their parents on the device (`tree_fields`), so that it can queue a verify behind
+the draft step before either has run.
 """
 from __future__ import annotations
 
@@ -23,6 +29,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from torch import Tensor
+
+from common.staging import HostCopy
 
 
 class TreeError(ValueError):
@@ -41,6 +49,10 @@ class DraftTree:
     def num_nodes(self) -> int:
         """Root included."""
         return self.tokens.shape[0]
+
+    @property
+    def root(self) -> int:
+        return int(self.tokens[0])
 
     @classmethod
     def root_only(cls, root: int) -> DraftTree:
@@ -77,6 +89,116 @@ class DraftTree:
             next_token=torch.tensor(next_token, dtype=torch.int64),
             next_sibling=torch.tensor(next_sibling, dtype=torch.int64),
         )
+
+
+@dataclass(eq=False)
+class DeviceTrees:
+    """The DDTrees of one drafter step as its selection left them on the device (see
+    `drafter_svc.ddtree.select_device_trees`). Trusted: built in this process, never decoded
+    from the wire, so the verifier takes them without `walk_trees`.
+
+    `packed` [S, 3 + 3W] int64 holds per tree, as `ddtree_kernels.ddtree_select.select_rows` writes
+    it: node tokens (1 + W, root first) | parents (1 + W, -1 for the root) | the selected count
+    (root included; -1 where the draft logits held a NaN) | the nodes' path log-probs (W float64
+    bit patterns, NaN past the count). Columns past a tree's count are unspecified. A tree's own
+    count is `num_nodes[s]`: the selected one, or fewer where the adaptive budget cut it."""
+
+    packed: Tensor
+    width: int  # W: nodes selected per tree at most, root excluded
+    num_nodes: tuple[int, ...]  # each tree's nodes, root included, known on the host without a copy
+    max_depth: int  # no tree is deeper
+    host: HostCopy  # `packed` on its way to the host, queued right behind the selection
+    _gains: np.ndarray | None = None
+    _host: tuple[Tensor, Tensor, Tensor, Tensor] | None = None
+    _token_lists: list[list[int]] | None = None
+    _count_list: list[int] | None = None
+
+    @property
+    def tokens(self) -> Tensor:
+        return self.packed[:, : 1 + self.width]
+
+    @property
+    def parents(self) -> Tensor:
+        return self.packed[:, 1 + self.width: 2 + 2 * self.width]
+
+    @property
+    def counts(self) -> Tensor:
+        return self.packed[:, 2 + 2 * self.width]
+
+    def on_host(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """(tokens, parents, counts, scores) on the host (waits for the copy, once)."""
+        if self._host is None:
+            packed, w = self.host.wait()[0], self.width
+            self._host = (packed[:, : 1 + w], packed[:, 1 + w: 2 + 2 * w], packed[:, 2 + 2 * w],
+                          packed.view(torch.float64)[:, 3 + 2 * w:])
+            self._token_lists, self._count_list = self._host[0].tolist(), self._host[2].tolist()
+        return self._host
+
+    def token_list(self, row: int) -> list[int]:
+        """Row `row`'s node tokens, cut to its count, as a list (the verifier's commit reads them)."""
+        self.on_host()
+        return self._token_lists[row][: self.num_nodes[row]]
+
+    def failed(self, row: int) -> bool:
+        """Whether row `row`'s draft logits held a NaN (the verifier then ran it as a root-only tree)."""
+        self.on_host()
+        return self._count_list[row] < 0
+
+    def tree(self, row: int, root: int) -> DeviceTree:
+        return DeviceTree(self, row, root)
+
+    def gains(self) -> np.ndarray:
+        """[S, 1 + W]: `expected_gains` of every tree as selected (before a cut), once on the host."""
+        if self._gains is None:
+            self._gains = expected_gains(self.on_host()[3].numpy())
+        return self._gains
+
+
+def expected_gains(scores: np.ndarray) -> np.ndarray:
+    """[S, 1 + W] from the selected nodes' path log-probs [S, W] (NaN: no node): column b is the
+    expected number of drafted tokens a tree cut to its first b nodes gets accepted under greedy
+    verification, if the draft's probabilities were the target's (the sum of those b nodes'
+    path probabilities). The adaptive budget weighs budgets with it (`drafter_svc.budget`)."""
+    probs = np.nan_to_num(np.exp(scores), nan=0.0)
+    return np.concatenate((np.zeros((probs.shape[0], 1)), np.cumsum(probs, axis=1)), axis=1)
+
+
+@dataclass(frozen=True, eq=False)
+class DeviceTree:
+    """Row `row` of `trees`: one session's tree, on the device (see `DeviceTrees`)."""
+
+    trees: DeviceTrees
+    row: int
+    root: int
+
+    @property
+    def num_nodes(self) -> int:
+        """Root included."""
+        return self.trees.num_nodes[self.row]
+
+    @property
+    def tokens(self) -> Tensor:
+        """The node tokens on the host (waits for their copy: by the verify's end it is done)."""
+        return self.trees.on_host()[0][self.row, : self.num_nodes]
+
+    @property
+    def gains(self) -> np.ndarray:
+        """Its `expected_gains` row as selected (the adaptive budget's prior for the next step)."""
+        return self.trees.gains()[self.row]
+
+    @property
+    def failed(self) -> bool:
+        """Whether its draft logits held a NaN (the verifier then ran it as a root-only tree)."""
+        return self.trees.failed(self.row)
+
+    def token_list(self) -> list[int]:
+        """`tokens` as a list, read out once for the whole step."""
+        return self.trees.token_list(self.row)
+
+    def on_host(self) -> DraftTree:
+        """The same tree as retrieve buffers on the host (waits for the copy)."""
+        parents = self.trees.on_host()[1]
+        return DraftTree.from_parents(self.tokens.tolist(), parents[self.row, : self.num_nodes].tolist())
 
 
 @dataclass(frozen=True, eq=False)
@@ -303,6 +425,40 @@ def ancestor_masks(layouts: Sequence[TreeLayout], width: int) -> Tensor:
             cells[cell[:count] + ancestor] = True
     device = layouts[0].parents.device if layouts else torch.device("cpu")
     return torch.from_numpy(masks).to(device)
+
+
+def tree_fields(parents: Tensor, counts: Tensor, max_depth: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """What the verifier needs of R trusted trees, on their device: (next_token, next_sibling,
+    depths) int64 [R, W] and the ancestor masks bool [R, W, W], as `DraftTree.from_parents`,
+    `walk_trees` and `ancestor_masks` give them for the same trees.
+
+    parents [R, W] int64 (node indices, -1 for the root), counts [R] nodes per tree (clamped to
+    [1, W]), max_depth a bound on the trees' depths. Nodes past a tree's count are padding: no
+    links, depth 0, seeing only themselves. A few whole-batch operations and
+    ceil(log2(max_depth)) rounds of pointer jumping, whatever R; no host copy.
+    """
+    rows, width = parents.shape
+    node = torch.arange(width, device=parents.device)
+    valid = node < counts.clamp(1, width)[:, None]
+    linked = valid & (node > 0)
+    up = torch.where(linked, parents.clamp(0, width - 1), node)  # the root and padding point at themselves
+    masks = torch.eye(width, dtype=torch.bool, device=parents.device).repeat(rows, 1, 1)
+    masks.scatter_(2, up[:, :, None], True)
+    jump = up
+    for _ in range(max(max_depth - 1, 0).bit_length()):  # masks[i] holds i's ancestors up to 2**k above
+        masks |= torch.gather(masks, 1, jump[:, :, None].expand(rows, width, width))
+        jump = torch.gather(jump, 1, jump)
+    depths = masks.sum(-1) - 1
+    none = torch.full_like(parents, width)
+
+    def first(links: Tensor) -> Tensor:  # [R, W, W] bool -> the smallest linked column, or -1
+        found = torch.where(links, node, none[:, :, None]).amin(-1)
+        return torch.where(found < width, found, -1)
+
+    child = (up[:, None, :] == node[None, :, None]) & linked[:, None, :]  # [r, p, c]: c is a child of p
+    sibling = ((up[:, None, :] == up[:, :, None]) & (node[None, None, :] > node[None, :, None])
+               & linked[:, None, :] & linked[:, :, None])  # [r, c, c2]: c2 a later sibling of c
+    return first(child), first(sibling), depths, masks
 
 
 def ancestor_mask(parents: Tensor, depths: Tensor) -> Tensor:

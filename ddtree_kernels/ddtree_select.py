@@ -146,22 +146,28 @@ def select_on_device(logq: Tensor, tokens: Tensor, roots: Tensor, budgets: Tenso
     tensors after one copy: tokens and parents [S, 1 + W] (W = the largest budget; columns past
     a session's count are unspecified), counts [S] (root included; -1: a NaN row) and scores
     [S, W] float64 (NaN past count - 1)."""
+    width = int(budgets.max()) if budgets.numel() else 0
+    out = select_rows(logq, tokens, roots, budgets, width).cpu()
+    scores = out.view(torch.float64)[:, 3 + 2 * width:]
+    return out[:, : 1 + width], out[:, 1 + width: 2 + 2 * width], out[:, 2 + 2 * width], scores
+
+
+def select_rows(logq: Tensor, tokens: Tensor, roots: Tensor, budgets: Tensor, width: int) -> Tensor:
+    """`select_on_device`'s results left on the device, queued without waiting (`width`, the
+    largest budget, comes from the host): one int64 row [S, 3 + 3W] per session, tokens (1 + W) |
+    parents (1 + W) | count | scores (W, float64 bits)."""
     num_sessions, num_depths, k = logq.shape
-    width = int(budgets.max()) if num_sessions else 0
     if not 0 < width <= MAX_WIDTH or num_depths == 0 or k == 0:
         raise ValueError(f"the device selection takes 1 to {MAX_WIDTH} nodes, depths and candidates; got "
                          f"budget {width}, {num_depths} depths, {k} candidates")
     cols = 3 + 3 * width  # tokens (1 + W), parents (1 + W), count, scores (W)
     out = torch.empty((num_sessions, cols), dtype=torch.int64, device=logq.device)
-    as_float = out.view(torch.float64)
     if num_sessions:
         _select_kernel[(num_sessions,)](
-            logq.contiguous(), tokens.contiguous(), budgets, roots, out, as_float, num_depths, k, width, cols,
-            DEPTHS=triton.next_power_of_2(max(num_depths, 1)), FRONT=_lanes(width), NODES=_lanes(width),
+            logq.contiguous(), tokens.contiguous(), budgets, roots, out, out.view(torch.float64), num_depths, k,
+            width, cols, DEPTHS=triton.next_power_of_2(max(num_depths, 1)), FRONT=_lanes(width), NODES=_lanes(width),
             num_warps=1 if width <= 62 else 4)
-    host = out.cpu()
-    scores = host.view(torch.float64)[:, 3 + 2 * width:]
-    return host[:, : 1 + width], host[:, 1 + width: 2 + 2 * width], host[:, 2 + 2 * width], scores
+    return out
 
 
 def warm_up(device: torch.device) -> None:

@@ -8,13 +8,17 @@ largest, so a common budget is what the batch's cost depends on. For each candid
     rate(b) = sum over sessions of (1 + alpha * gain_s(b))  /  (overhead + verify(B, 1 + b))
 
 where gain_s(b) is the sum of the draft's path probabilities of the tree's first b nodes
-(`DDTreeSelection.expected_gains`: the accepted length if the draft were calibrated), alpha
+(`common.tree.expected_gains`: the accepted length if the draft were calibrated), alpha
 calibrates that against the acceptance observed, verify(B, T) is the verifier's measured
 step time for B sessions of T nodes (its cost table, `InfoResponse.verify_costs`), and
 overhead is the rest of a step (draft, tree build, link) as observed. Budget 0 (plain
 decoding) is always a candidate, so speculation never plans to be slower than plain
 batched decoding; while it is chosen, every `explore_every`-th step uses the smallest
 non-zero candidate so that alpha keeps being measured.
+
+With the verifier in the drafter's process the trees stay on the device
+(`common.tree.DeviceTrees`), and a step's budget is chosen before its trees reach the host:
+gain_s(b) is then that of the session's previous tree (`drafter.build_trees`).
 
 The planner holds no tensors: the scheduler gives it numbers and applies the budget.
 """
@@ -91,7 +95,7 @@ class BudgetPlanner:
     def choose(self, gains: Sequence[np.ndarray], caps: Sequence[int], batch: int, *, floor_nodes: int = 1,
                fixed_gain: float = 0.0) -> BudgetChoice:
         """The budget for a step of `batch` sessions: the adapting ones have expected gains
-        `gains[s]` (column b: the gain of b nodes, `DDTreeSelection.expected_gains`) and caps
+        `gains[s]` (column b: the gain of b nodes, `common.tree.expected_gains`) and caps
         `caps[s]`; the others keep trees of up to `floor_nodes` nodes (root included) with an
         expected gain of `fixed_gain` in all, or emit one token whatever the budget."""
         cap = max(caps, default=0)

@@ -35,9 +35,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from common.staging import to_device
-from common.tree import DraftTree
-from ddtree_kernels.ddtree_select import MAX_WIDTH, select_on_device
+from common.staging import HostCopy, to_device
+from common.tree import DeviceTree, DeviceTrees, DraftTree, expected_gains
+from ddtree_kernels.ddtree_select import MAX_WIDTH, select_on_device, select_rows
 from ddtree_kernels.draft_topk import top_logprobs
 from ddtree_kernels.tree_sampling import kernel_backend
 
@@ -132,11 +132,8 @@ class DDTreeSelection:
         return _trees(self.tokens, self.parents, num_nodes)
 
     def expected_gains(self) -> np.ndarray:
-        """[S, 1 + width]: column b is the expected number of drafted tokens a tree cut to b
-        nodes gets accepted under greedy verification, if the draft's probabilities were the
-        target's: the sum of the path probabilities of its first b nodes."""
-        probs = np.nan_to_num(np.exp(self.scores), nan=0.0)
-        return np.concatenate((np.zeros((probs.shape[0], 1)), np.cumsum(probs, axis=1)), axis=1)
+        """[S, 1 + width]: `common.tree.expected_gains` of the selected nodes."""
+        return expected_gains(self.scores)
 
 
 def build_ddtrees(block_logits: Tensor, root_tokens: Sequence[int], budgets: Sequence[int]) -> list[DraftTree]:
@@ -252,6 +249,50 @@ def select_ddtrees(block_logits: Tensor, root_tokens: Sequence[int], budgets: Se
     tokens = np.concatenate((roots[:, None], id_tokens[rows, best_id]), axis=1)
     parents = np.concatenate((np.full((num_sessions, 1), -1), node_of_id[rows, id_parents[rows, best_id]]), axis=1)
     return DDTreeSelection(tokens, parents, num_nodes, best_score)
+
+
+def select_device_trees(block_logits: Tensor, root_tokens: Sequence[int], budgets: Sequence[int],
+                        cut: Sequence[int] | None = None) -> list[DeviceTree]:
+    """The trees of `select_ddtrees`, left on the block logits' device for a verifier in this
+    process (`common.tree.DeviceTrees`), each cut to its first 1 + cut[s] nodes (default: as
+    selected; the first b nodes of a tree are the tree of budget b). Where the selection runs on
+    the device (see `select_ddtrees`) nothing here waits for it: the node counts are known without
+    it (`tree_sizes`) and the copy of the trees and scores to the host is queued behind it. A NaN
+    row then shows as count -1, found by the verifier; elsewhere numpy selects the same trees (and
+    raises on a NaN row) and they are moved to the device."""
+    num_sessions, num_depths, vocab_size = block_logits.shape
+    width = max(budgets, default=0)
+    ranks = min(width, vocab_size)
+    cut = list(budgets) if cut is None else [min(c, b) for c, b in zip(cut, budgets)]
+    device = block_logits.device
+    if kernel_backend(device) == "triton" and 0 < width <= MAX_WIDTH and num_depths > 0:
+        values, tokens = top_logprobs(block_logits.detach(), ranks)
+        given = to_device([list(root_tokens), list(budgets)], device, torch.int64)  # one copy
+        packed = select_rows(values, tokens, given[0], given[1], width)
+        selected = tree_sizes(budgets, ranks, num_depths)
+    else:
+        selection = select_ddtrees(block_logits, root_tokens, budgets)
+        width = selection.tokens.shape[1] - 1
+        selected = tuple(selection.num_nodes.tolist())
+        scores = np.ascontiguousarray(selection.scores).view(np.int64)  # float64 bits, as the kernel writes them
+        packed = to_device(torch.from_numpy(np.concatenate(
+            (selection.tokens, selection.parents, selection.num_nodes[:, None], scores), axis=1)), device, torch.int64)
+    num_nodes = tuple(min(n, 1 + c) for n, c in zip(selected, cut))
+    trees = DeviceTrees(packed, width, num_nodes, min(max(cut, default=0), num_depths), HostCopy(packed))
+    return [trees.tree(row, int(root)) for row, root in enumerate(root_tokens)]
+
+
+def tree_sizes(budgets: Sequence[int], ranks: int, num_depths: int) -> tuple[int, ...]:
+    """Each DDTree's node count, root included, without its logits: `budget` drafted nodes,
+    or every prefix there is when there are fewer (`ranks` candidates per depth, `num_depths`
+    depths); -inf log-probs are still selected, and a NaN row raises instead."""
+    prefixes, level = 0, 1
+    for _ in range(num_depths):
+        level *= ranks
+        prefixes += level
+        if prefixes >= max(budgets, default=0):
+            break
+    return tuple(1 + min(budget, prefixes) for budget in budgets)
 
 
 def top_candidates(block_logits: Tensor, ranks: int) -> tuple[np.ndarray, np.ndarray]:

@@ -9,10 +9,11 @@ eagerly.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from common.checkpoint import load_tensors
@@ -21,9 +22,9 @@ from common.devices import device_id
 from common.feature_projection import projection_fingerprint
 from common.protocol import StatusError, VerifiedRows
 from common.staging import rows_of, to_device
-from common.tree import DraftTree
+from common.tree import DeviceTree, DraftTree
 from drafter_svc.budget import BudgetChoice, BudgetPlanner
-from drafter_svc.ddtree import build_chains, select_ddtrees
+from drafter_svc.ddtree import build_chains, select_ddtrees, select_device_trees
 from drafter_svc.draft_graphs import (DraftGraphConfig, DraftGraphs, DraftInputs, DraftRow, context_capacity, draft_step,
                                       feature_dim)
 from drafter_svc.draft_model import DFlashDraftModel, DraftKVPool
@@ -68,17 +69,33 @@ class BlockProposer(Protocol):
     def finish(self, state: object) -> None: ...
 
 
+@dataclass
+class BuiltTrees:
+    """One step's trees (`build_trees`), row i for session i."""
+    trees: list[DraftTree | DeviceTree]
+    choice: BudgetChoice | None = None  # the adaptive budget's, for `BudgetPlanner.observe`
+    # Each DDTree's expected gains as selected (`common.tree.expected_gains`), where the host has
+    # them now (None elsewhere; a DeviceTree's come with its copy: `DeviceTree.gains`).
+    gains: list[np.ndarray | None] = field(default_factory=list)
+
+
 def build_trees(modes: Sequence[DraftMode], block_logits: torch.Tensor, roots: Sequence[int],
                 rooms: Sequence[int], planner: BudgetPlanner | None = None, batch: int = 0,
-                adaptive: Sequence[bool] | None = None) -> tuple[list[DraftTree], BudgetChoice | None]:
+                adaptive: Sequence[bool] | None = None, on_device: bool = False,
+                prior_gains: Sequence[np.ndarray | None] | None = None) -> BuiltTrees:
     """Each drafted session's tree under its mode, with at most `rooms[i]` nodes besides the root.
 
     block_logits [S, D, V], row i for session i. All DDTrees are built in one batched call,
     all chains in another. With a `planner` (the adaptive budget), the DDTrees of the sessions
     marked `adaptive` are selected at most `BudgetPlanner.build_width` wide, then cut to the one
-    budget it chooses for this step of `batch` sessions; its choice is returned for
-    `BudgetPlanner.observe`."""
-    trees: list[DraftTree | None] = [None] * len(modes)
+    budget it chooses for this step of `batch` sessions from their expected gains.
+
+    With `on_device` (a verifier in this process takes them), the DDTrees stay on the device
+    (`select_device_trees`) and nothing waits for the draft. The planner then weighs the gains
+    of the sessions' previous trees (`prior_gains`; a session without one gets their mean): this
+    step's are on the device. Until some session has one, the trees are built on the host."""
+    trees: list[DraftTree | DeviceTree | None] = [None] * len(modes)
+    gains: list[np.ndarray | None] = [None] * len(modes)
     tree_rows, chain_rows = [], []
     for i, (mode, root, room) in enumerate(zip(modes, roots, rooms)):
         if mode.kind == "ar" or room <= 0 or (mode.kind == "tree" and mode.budget == 0):
@@ -97,19 +114,49 @@ def build_trees(modes: Sequence[DraftMode], block_logits: torch.Tensor, roots: S
         if any(adapting):  # select no wider than the planner may choose this step
             width = planner.build_width(max(c for c, a in zip(caps, adapting) if a))
             caps = [min(c, width) if a else c for c, a in zip(caps, adapting)]
+        priors = _with_means([prior_gains[i] for i in tree_rows]) if any(adapting) and prior_gains else None
+        if on_device and (priors is not None or not any(adapting)):
+            cut = caps
+            if any(adapting):
+                choice = _choose(planner, priors, caps, adapting, trees, max(batch, len(modes)))
+                cut = [min(c, choice.budget) if a else c for c, a in zip(caps, adapting)]
+            built = select_device_trees(rows_of(block_logits, tree_rows), [roots[i] for i in tree_rows], caps, cut)
+            for i, tree in zip(tree_rows, built):
+                trees[i] = tree
+            return BuiltTrees(trees, choice, gains)
         selection = select_ddtrees(rows_of(block_logits, tree_rows), [roots[i] for i in tree_rows], caps)
+        selected = list(selection.expected_gains())
         budgets = caps
         if any(adapting):
-            gains = selection.expected_gains()
-            fixed = [j for j, a in enumerate(adapting) if not a]
-            floor = max([1] + [t.num_nodes for t in trees if t is not None] + [1 + caps[j] for j in fixed])
-            choice = planner.choose([gains[j] for j, a in enumerate(adapting) if a],
-                                    [c for c, a in zip(caps, adapting) if a], max(batch, len(modes)),
-                                    floor_nodes=floor, fixed_gain=float(sum(gains[j, caps[j]] for j in fixed)))
+            choice = _choose(planner, selected, caps, adapting, trees, max(batch, len(modes)))
             budgets = [min(c, choice.budget) if a else c for c, a in zip(caps, adapting)]
-        for i, tree in zip(tree_rows, selection.trees(budgets)):
-            trees[i] = tree
-    return trees, choice
+        for i, tree, g in zip(tree_rows, selection.trees(budgets), selected):
+            trees[i], gains[i] = tree, g
+    return BuiltTrees(trees, choice, gains)
+
+
+def _choose(planner: BudgetPlanner, gains: Sequence[np.ndarray], caps: Sequence[int], adapting: Sequence[bool],
+            trees: Sequence[DraftTree | None], batch: int) -> BudgetChoice:
+    """The planner's budget for the adapting DDTrees (gains[j], caps[j] of the j-th DDTree), above
+    the nodes of the trees it may not cut (the other DDTrees, at their caps, and `trees` built)."""
+    fixed = [j for j, a in enumerate(adapting) if not a]
+    floor = max([1] + [t.num_nodes for t in trees if t is not None] + [1 + caps[j] for j in fixed])
+    fixed_gain = float(sum(gains[j][min(caps[j], gains[j].shape[0] - 1)] for j in fixed))
+    return planner.choose([g for g, a in zip(gains, adapting) if a], [c for c, a in zip(caps, adapting) if a],
+                          batch, floor_nodes=floor, fixed_gain=fixed_gain)
+
+
+def _with_means(gains: Sequence[np.ndarray | None]) -> list[np.ndarray] | None:
+    """Each session's expected gains, the mean of the others' where it has none (None: no session
+    has one). Shorter rows are extended with their last value, as `BudgetPlanner.choose` reads them."""
+    known = [g for g in gains if g is not None]
+    if len(known) == len(gains):
+        return list(gains)
+    if not known:
+        return None
+    width = max(g.shape[0] for g in known)
+    mean = np.mean([np.pad(g, (0, width - g.shape[0]), mode="edge") for g in known], axis=0)
+    return [g if g is not None else mean for g in gains]
 
 
 def _raised(result):

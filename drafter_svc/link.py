@@ -273,6 +273,7 @@ class LocalLink(_Lockstep):
     next draft step right behind a verify, from its results there (`verified_on_device`)."""
 
     OWNER = "local"
+    takes_device_trees = True  # the DDTrees stay on the device (`common.tree.DeviceTrees`)
 
     def __init__(self, verifier):
         self.verifier = verifier

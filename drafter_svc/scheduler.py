@@ -17,9 +17,11 @@ The next draft step of the sessions a message carries trees for is queued before
 applied, and the next message's trees take those rows (`_block`): with the verifier in process,
 right behind the verify, from its results on the device (`_draft_behind`), so the device goes
 from the verify to the draft while the host waits for and applies the reply; over a link, as
-soon as the reply comes (`_draft_ahead`). A session's first draft step is queued as soon as
-its context holds the prompt (`_draft_started`), and the prompts a reply prefilled go into
-their contexts in one batched call (`_grow_contexts`).
+soon as the reply comes (`_draft_ahead`). The in-process verifier also takes the trees where
+the selection leaves them, on the device (`common.tree.DeviceTrees`): the next verify is queued
+behind the draft and its tree selection without waiting for either. A session's first draft
+step is queued as soon as its context holds the prompt (`_draft_started`), and the prompts a
+reply prefilled go into their contexts in one batched call (`_grow_contexts`).
 
 A running session's tokens wait in an outbox until the next step's message is sent, and go to
 the clients while the verifier works on it: their host work (and the request handlers' on
@@ -60,7 +62,7 @@ from common.protocol import (MAX_LOGPROBS, CloseEntry, Entry, ExtendEntry, Exten
                              SamplingParams, StatusError, StepResult, TokenLogprob, TreeEntry, Verified)
 from common import metrics
 from common.tracing import traceparent_of, tracer
-from common.tree import DraftTree
+from common.tree import DeviceTree, DraftTree
 from drafter_svc.budget import BudgetChoice, BudgetPlanner
 from drafter_svc.drafter import BlockProposer, DraftMode, build_trees, join_blocks
 from drafter_svc.link import VerifierLink
@@ -227,6 +229,7 @@ class _Session:
         self.new_features = None
         self.rounds = 0
         self.tree = None  # the tree in flight
+        self.gains = None  # its last DDTree's expected gains as selected: the adaptive budget's prior
         self.undelivered = 0  # its updates waiting in the scheduler's outbox
         # The prompt being prefilled since the last open (chunked prefill: `DraftScheduler.prefill_chunk`),
         # how much of it has been sent and answered, and the sizes of its chunks in flight, oldest first.
@@ -339,6 +342,8 @@ class DraftScheduler:
         # the next draft step goes right behind each verify (`_draft_behind`).
         self._verified_on_device = getattr(link, "verified_on_device", None)
         self._propose_verified = getattr(proposer, "propose_verified", None)
+        # It also takes the trees where the selection leaves them, on the device (`DeviceTrees`).
+        self._device_trees = bool(getattr(link, "takes_device_trees", False))
         self._thread: threading.Thread | None = None
         self._stopped = threading.Event()
         self.steps = 0
@@ -733,15 +738,19 @@ class DraftScheduler:
             draft_s = drafted - start + ahead_s
             metrics.DRAFT_STEP.observe(draft_s)
             with _tracer.start_as_current_span("tree_build"):
-                built, budget = build_trees([s.config.mode for s in sessions], block, [s.root for s in sessions],
-                                            [rooms[i] for i in busy], self.planner, len(drafting),
-                                            [self._adapts(s) for s in sessions])
+                built = build_trees([s.config.mode for s in sessions], block, [s.root for s in sessions],
+                                    [rooms[i] for i in busy], self.planner, len(drafting),
+                                    [self._adapts(s) for s in sessions], on_device=self._device_trees,
+                                    prior_gains=[s.gains for s in sessions])
+                budget = built.choice
                 if budget is not None:
                     trace.get_current_span().set_attribute("tree.budget", budget.budget)
             build_s = time.perf_counter() - drafted
             metrics.TREE_BUILD.observe(build_s)
-            for i, tree in zip(busy, built):
+            for i, s, tree, gains in zip(busy, sessions, built.trees, built.gains):
                 trees[i] = tree
+                if gains is not None:
+                    s.gains = gains
         entries = []
         for s, tree in zip(drafting, trees):
             s.tree = tree = tree if tree is not None else DraftTree.root_only(s.root)
@@ -997,6 +1006,8 @@ class DraftScheduler:
         s.result.acceptance_lengths.append(len(emitted))
         s.result.round_stats.append(RoundStats(len(emitted), s.tree.num_nodes, *timing))
         s.root, s.new_tokens, s.new_features = v.next_token, emitted, v.features[:0] if drafted_ahead else v.features
+        if isinstance(s.tree, DeviceTree):
+            s.gains = s.tree.gains
         if span is not None:
             span.set_attributes({"tree.nodes": s.tree.num_nodes, "accepted": len(v.accepted_tokens)})
         cancelled = bool(s.result.finish_reason)  # ended while this step was in flight: drop its tokens

@@ -53,6 +53,7 @@ def exercise(label) -> None:
     from ddtree_kernels.ddtree_select import select_on_device
     from ddtree_kernels.fused_accept import tree_accept_triton
     from ddtree_kernels.layer_ops import add_rms_norm_triton, qk_norm_rope_store_triton, silu_mul_triton
+    from ddtree_kernels.place_trees import place_trees
     from ddtree_kernels.skinny_gemm import skinny_config, skinny_linear
     from ddtree_kernels.slot_attention import slot_attention_triton
 
@@ -61,6 +62,16 @@ def exercise(label) -> None:
         label(f"select_on_device S={sessions} W={width}")
         select_on_device(torch.zeros(sessions, 15, width), torch.zeros(sessions, 15, width, dtype=i64),
                          torch.zeros(sessions, dtype=i64), torch.full((sessions,), width, dtype=i64))
+    for sessions, width, t in ((1, 15, 16), (32, 15, 16), (32, 15, 32), (8, 63, 64), (4, 127, 128)):
+        label(f"place_trees S={sessions} W={width} T={t}")
+        # The trees are columns of one packed buffer, the outputs views of one flat buffer, as
+        # common.tree.DeviceTrees and verifier_svc/cuda_graphs.py's BatchInputs have them.
+        packed = torch.zeros(sessions, 3 + 3 * width, dtype=i64)
+        ints = torch.zeros(5 * sessions * t + sessions, dtype=i64)
+        out = [ints[k * sessions * t: (k + 1) * sessions * t].view(sessions, t) for k in range(4)]
+        place_trees(packed[:, : 1 + width], packed[:, 1 + width: 2 + 2 * width], packed[:, 2 + 2 * width],
+                    torch.zeros(3, sessions, dtype=i64), min(width, 15), min(1 + width, t), *out,
+                    ints[4 * sessions * t: 4 * sessions * t + sessions], torch.zeros(sessions, t, t, dtype=torch.bool))
     for dtype in (torch.bfloat16, torch.float32):
         name = str(dtype).removeprefix("torch.")
         for t in (1, 9, 65):

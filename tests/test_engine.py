@@ -360,6 +360,7 @@ def test_drafting_ahead_of_a_reply_gives_the_trees_of_drafting_after_it(engine, 
     its own rows, and its new feature rows enter its context once, also when the rows drafted
     ahead go unused (drafted again, from the context as it is)."""
     from common.protocol import TreeEntry, Verified
+    from common.tree import DeviceTree
     from drafter_svc.link import LocalLink
     from drafter_svc.scheduler import DraftScheduler, _DraftAhead
 
@@ -373,8 +374,10 @@ def test_drafting_ahead_of_a_reply_gives_the_trees_of_drafting_after_it(engine, 
 
         class Recording(LocalLink):
             def send(self, entries):
-                sent.append([(e.session_id, e.tree.tokens.tolist(), e.tree.next_token.tolist(),
-                              e.tree.next_sibling.tolist()) for e in entries if isinstance(e, TreeEntry)])
+                trees = [(e.session_id, e.tree.on_host() if isinstance(e.tree, DeviceTree) else e.tree)
+                         for e in entries if isinstance(e, TreeEntry)]
+                sent.append([(sid, t.tokens.tolist(), t.next_token.tolist(), t.next_sibling.tolist())
+                             for sid, t in trees])
                 super().send(entries)
 
         if not behind:

@@ -54,8 +54,10 @@ from torch import Tensor
 
 from common.buckets import KV_ALIGN, auto_kv_buckets, round_up
 from common.protocol import SamplingParams
-from common.staging import StagedInputs
-from common.tree import DraftTree
+from common.staging import StagedInputs, to_device
+from common.tree import DeviceTree, DraftTree, tree_fields
+from ddtree_kernels.place_trees import MAX_BLOCK as PLACE_MAX_BLOCK, place_trees
+from ddtree_kernels.tree_sampling import kernel_backend
 from verifier_svc.accept import accept_batch
 from verifier_svc.target_model import KVCache, TargetModel
 
@@ -113,8 +115,8 @@ class VerifyRow:
 
     slot: int
     past: int  # committed tokens; the root goes to position past
-    tree: DraftTree
-    depths: Tensor  # int64 [n]
+    tree: DraftTree | DeviceTree
+    depths: Tensor | None  # int64 [n]; None for a DeviceTree (its depths are derived on the device)
     sampling: SamplingParams
     coins: Tensor | None = None  # float32 [n + 1] when sampling with coins
     seed: int = 0  # the session's sampling seed (position-keyed sampling)
@@ -171,22 +173,27 @@ class BatchInputs:
         """Stage the rows (masks bool [len(rows), W, W] with W <= T: each tree's ancestor mask in
         the top-left block, padding rows seeing themselves only, as `common.tree.ancestor_masks`
         builds them) and copy them to the device buffers asynchronously; batch rows past
-        len(rows) are padding. A few whole-batch operations, whatever the batch size."""
+        len(rows) are padding. A few whole-batch operations, whatever the batch size. The trees
+        of rows that hold a `DeviceTree` (whose masks are ignored) are staged as root-only padding,
+        then written over on the device (`_place_device_trees`)."""
         self._staging.begin()
         i, f, mask = self._host_ints, self._host_floats, self._host_mask
         b, width = len(rows), masks.shape[-1]
-        sizes = np.array([r.tree.num_nodes for r in rows])
-        row_of = np.repeat(np.arange(b), sizes)  # batch row of every node
+        on_host = [j for j, r in enumerate(rows) if not isinstance(r.tree, DeviceTree)]
+        sizes = np.array([rows[j].tree.num_nodes for j in on_host], dtype=np.int64)
+        row_of = np.repeat(np.array(on_host, dtype=np.int64), sizes)  # batch row of every node
         col_of = np.arange(row_of.size) - np.repeat(np.cumsum(sizes) - sizes, sizes)
         past = np.array([r.past for r in rows])
         for field, value in ((i.tokens, 0), (i.next_token, -1), (i.next_sibling, -1), (i.past, 0), (i.top_k, 0),
                              (i.seed, 0), (i.slot, scratch_slot), (i.positions, 0)):
             field.fill(value)
-        i.tokens[row_of, col_of] = torch.cat([r.tree.tokens for r in rows]).numpy()
-        i.next_token[row_of, col_of] = torch.cat([r.tree.next_token for r in rows]).numpy()
-        i.next_sibling[row_of, col_of] = torch.cat([r.tree.next_sibling for r in rows]).numpy()
         i.positions[:b] = past[:, None]
-        i.positions[row_of, col_of] += torch.cat([r.depths for r in rows]).numpy()
+        if on_host:
+            trees = [rows[j].tree for j in on_host]
+            i.tokens[row_of, col_of] = torch.cat([t.tokens for t in trees]).numpy()
+            i.next_token[row_of, col_of] = torch.cat([t.next_token for t in trees]).numpy()
+            i.next_sibling[row_of, col_of] = torch.cat([t.next_sibling for t in trees]).numpy()
+            i.positions[row_of, col_of] += torch.cat([rows[j].depths for j in on_host]).numpy()
         i.past[:b] = past
         i.slot[:b] = [r.slot for r in rows]
         mask[:] = self._eye
@@ -208,6 +215,40 @@ class BatchInputs:
                     f.coins[j, :n] = rows[j].coins[:n].numpy()
                     f.final_coin[j] = float(rows[j].coins[n])
         self._staging.commit()
+        if len(on_host) < b:
+            self._place_device_trees(rows)
+
+    def _place_device_trees(self, rows: Sequence[VerifyRow]) -> None:
+        """Write the trees of the rows that hold a `DeviceTree` into the device buffers, behind
+        the staged copy: tokens, links, positions (past + depth) and masks, built there from the
+        trees' parents, each cut to its host count (`DeviceTree.num_nodes`). One kernel launch
+        (`ddtree_kernels.place_trees`) where Triton runs, else `common.tree.tree_fields`; nothing
+        waits for the device."""
+        groups: dict[int, list[int]] = {}  # id of the DeviceTrees -> batch rows
+        for j, r in enumerate(rows):
+            if isinstance(r.tree, DeviceTree):
+                groups.setdefault(id(r.tree.trees), []).append(j)
+        ints, device = self.ints, self.tree_mask.device
+        for batch_rows in groups.values():
+            trees = rows[batch_rows[0]].tree.trees
+            width = min(1 + trees.width, self.T)
+            index = to_device([[rows[j].tree.row for j in batch_rows], batch_rows,
+                               [rows[j].tree.num_nodes for j in batch_rows]], device, torch.int64)
+            if kernel_backend(device) == "triton" and width <= PLACE_MAX_BLOCK:
+                place_trees(trees.tokens, trees.parents, trees.counts, index, trees.max_depth, width, ints.tokens,
+                            ints.positions, ints.next_token, ints.next_sibling, ints.past, self.tree_mask)
+                continue
+            src, dst, limit = index
+            counts = trees.counts.index_select(0, src)
+            counts = torch.where(counts < 0, 1, torch.minimum(counts, limit)).clamp(1, width)  # a NaN row: the root
+            next_token, next_sibling, depths, masks = tree_fields(trees.parents.index_select(0, src)[:, :width],
+                                                                  counts, trees.max_depth)
+            valid = self.arange[None, :width] < counts[:, None]
+            ints.tokens[dst, :width] = torch.where(valid, trees.tokens.index_select(0, src)[:, :width], 0)
+            ints.next_token[dst, :width] = next_token
+            ints.next_sibling[dst, :width] = next_sibling
+            ints.positions[dst, :width] = ints.past.index_select(0, dst)[:, None] + depths
+            self.tree_mask[dst, :width, :width] = masks
 
     def fill_dummy(self, scratch_slot: int) -> None:
         """Valid trees for warm-up and capture: B chains of T token-0 nodes in the scratch slot."""

@@ -24,7 +24,7 @@ from torch import Tensor
 
 from common.protocol import SamplingParams, TokenLogprob
 from common.staging import HostCopy, to_device
-from common.tree import DraftTree
+from common.tree import DeviceTree, DraftTree
 from verifier_svc.accept import emitted_logprobs
 from verifier_svc.cuda_graphs import (SAMPLING, BatchInputs, GraphConfig, VerifyGraphs, VerifyRow, cache_length,
                                       verify_step)
@@ -247,8 +247,11 @@ class TargetRunner:
             inp, length = self._eager_inputs(rows, masks)
             outputs = self._run_eager(inp, length, mode)
         result, features, logits = outputs
-        # No path is longer than the deepest tree.
-        width = min(features.shape[1], 1 + int(torch.cat([r.depths for r in rows]).max()))
+        # No path is longer than the deepest tree (for trees on the device: than their bound).
+        walked = [r.depths for r in rows if r.depths is not None]
+        bounds = [r.tree.trees.max_depth for r in rows if r.depths is None]
+        deepest = max(bounds + ([int(torch.cat(walked).max())] if walked else []))
+        width = min(features.shape[1], 1 + deepest)
         features = features[: len(rows), :width]
         wanted = list(with_features) if with_features is not None else [True] * len(rows)
         result = result[: len(rows)]
@@ -267,7 +270,8 @@ class TargetRunner:
         bonus = [v[1] for v in values]
         accepted = []
         for row, path in zip(rows, paths):
-            tokens = row.tree.tokens.tolist()  # a list once: cheaper than a tensor index per row
+            # A list once: cheaper than a tensor index per node (for a DeviceTree, once per step).
+            tokens = row.tree.token_list() if isinstance(row.tree, DeviceTree) else row.tree.tokens.tolist()
             accepted.append([tokens[node] for node in path[1:]])
         b, t, f = features.shape
         index = [i * t + j for i, path in enumerate(paths) if pending.with_features[i] for j in range(len(path))]

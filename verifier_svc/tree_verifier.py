@@ -30,7 +30,7 @@ import torch
 from common.protocol import (MAX_LOGPROBS, CloseEntry, Entry, Extended, ExtendEntry, OpenEntry, Prefilled,
                              SamplingParams, StatusError, StepResult, TreeEntry, Verified, VerifiedRows)
 from common.staging import rows_of
-from common.tree import DraftTree, TreeError, TreeLayout, ancestor_masks, walk_trees
+from common.tree import DeviceTree, DraftTree, TreeError, TreeLayout, ancestor_masks, walk_trees
 from verifier_svc.accept import Stage, accept_roots, draw_coins, emitted_logprobs, no_stage
 from verifier_svc.cuda_graphs import VerifyRow
 from verifier_svc.target_runner import PendingVerify, TargetRunner
@@ -63,6 +63,10 @@ class _Session:
 
 
 Key = tuple[Hashable, int]  # (owner, session id)
+# The layout a `DeviceTree` stands in with for the host's masks: one node, seeing itself (its
+# rows are built on the device).
+_ON_DEVICE = TreeLayout(torch.tensor([-1]), torch.tensor([0]), 0)
+_ONE_NODE = torch.ones(1, 1, 1, dtype=torch.bool)  # the host masks of a step whose trees are all on the device
 
 
 @dataclass
@@ -390,11 +394,17 @@ class TreeVerifier:
 
     def _launch_verify(self, trees: Sequence[tuple[int, Key, TreeEntry]], stage: Stage) -> _CheckedTrees:
         """Check every tree (a bad one closes its session) and queue the good ones' batched verify;
-        `trees` holds (position among the step's entries, key, entry)."""
+        `trees` holds (position among the step's entries, key, entry). Trees from the wire are
+        walked (`walk_trees`); an in-process drafter's `DeviceTree`s are trusted, and their
+        fields are built on the device (`BatchInputs.fill`)."""
         items = [(key, e) for _, key, e in trees]
         outcomes: list[Verified | VerifierError | None] = [None] * len(items)
-        layouts = walk_trees([e.tree for _, e in items], vocab_size=self.vocab_size,
-                             max_nodes=self.limits.max_tree_nodes, max_depth=self.limits.max_tree_depth)
+        wire = [i for i, (_, e) in enumerate(items) if not isinstance(e.tree, DeviceTree)]
+        layouts: list[TreeLayout | TreeError] = [_ON_DEVICE] * len(items)
+        walked = walk_trees([items[i][1].tree for i in wire], vocab_size=self.vocab_size,
+                            max_nodes=self.limits.max_tree_nodes, max_depth=self.limits.max_tree_depth)
+        for i, layout in zip(wire, walked):
+            layouts[i] = layout
         good: list[int] = []
         for i, ((key, e), layout) in enumerate(zip(items, layouts)):
             try:
@@ -411,9 +421,11 @@ class TreeVerifier:
                 s = self._sessions[key]
                 coins = (None if s.sampling.greedy or self.runner.sampling != "sample"
                          else draw_coins(s.generator, e.tree.num_nodes))
-                rows.append(VerifyRow(s.slot, s.length, e.tree, layouts[i].depths, s.sampling, coins, s.seed,
-                                      s.logprobs))
-            masks = ancestor_masks([layouts[i] for i in good], max(r.tree.num_nodes for r in rows))
+                depths = layouts[i].depths if layouts[i] is not _ON_DEVICE else None
+                rows.append(VerifyRow(s.slot, s.length, e.tree, depths, s.sampling, coins, s.seed, s.logprobs))
+            walked = [layouts[i] for i in good]
+            masks = (ancestor_masks(walked, max(r.tree.num_nodes for r in rows))
+                     if any(layout is not _ON_DEVICE for layout in walked) else _ONE_NODE.expand(len(rows), 1, 1))
             with_features = [self._sessions[items[i][0]].features for i in good]
             with stage("launch"):
                 launched = self.runner.launch_verify(rows, masks, with_features)
@@ -432,6 +444,12 @@ class TreeVerifier:
                 key, e = items[i]
                 s = self._sessions[key]
                 path = batch.paths[j]
+                if isinstance(e.tree, DeviceTree) and e.tree.failed:  # run as a root-only tree
+                    outcomes[i] = VerifierError("INTERNAL", f"the drafter's tree for session {e.session_id}: "
+                                                "its draft logits contain NaN")
+                    self.close(key)
+                    offset += len(path) if s.features else 0
+                    continue
                 s.length += len(path)
                 s.next_token = batch.bonus[j]
                 s.rounds += 1
@@ -454,7 +472,7 @@ class TreeVerifier:
         if e.round != session.rounds + 1:
             raise VerifierError("INVALID_ARGUMENT",
                                 f"tree round {e.round} is out of order: expected round {session.rounds + 1}")
-        root = int(e.tree.tokens[0])
+        root = e.tree.root
         if root != session.next_token:
             raise VerifierError("INVALID_ARGUMENT",
                                 f"tree root token {root} is not the last bonus token {session.next_token}")
