@@ -54,6 +54,10 @@ class DraftTree:
     def root(self) -> int:
         return int(self.tokens[0])
 
+    def token_list(self) -> list[int]:
+        """The node tokens as a list (the verifier's commit reads them)."""
+        return self.tokens.tolist()
+
     @classmethod
     def root_only(cls, root: int) -> DraftTree:
         """The tree of a round that drafts nothing: plain decoding of one token."""
@@ -177,9 +181,9 @@ class DeviceTree:
         return self.trees.num_nodes[self.row]
 
     @property
-    def tokens(self) -> Tensor:
-        """The node tokens on the host (waits for their copy: by the verify's end it is done)."""
-        return self.trees.on_host()[0][self.row, : self.num_nodes]
+    def max_depth(self) -> int:
+        """A bound on its depth (the host does not read the tree itself)."""
+        return self.trees.max_depth
 
     @property
     def gains(self) -> np.ndarray:
@@ -192,13 +196,14 @@ class DeviceTree:
         return self.trees.failed(self.row)
 
     def token_list(self) -> list[int]:
-        """`tokens` as a list, read out once for the whole step."""
+        """The node tokens on the host, as a list (waits for their copy, read out once per step:
+        by the verify's end it is done)."""
         return self.trees.token_list(self.row)
 
     def on_host(self) -> DraftTree:
         """The same tree as retrieve buffers on the host (waits for the copy)."""
         parents = self.trees.on_host()[1]
-        return DraftTree.from_parents(self.tokens.tolist(), parents[self.row, : self.num_nodes].tolist())
+        return DraftTree.from_parents(self.token_list(), parents[self.row, : self.num_nodes].tolist())
 
 
 @dataclass(frozen=True, eq=False)

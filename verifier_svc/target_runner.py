@@ -24,7 +24,7 @@ from torch import Tensor
 
 from common.protocol import SamplingParams, TokenLogprob
 from common.staging import HostCopy, to_device
-from common.tree import DeviceTree, DraftTree
+from common.tree import DraftTree
 from verifier_svc.accept import emitted_logprobs
 from verifier_svc.cuda_graphs import (SAMPLING, BatchInputs, GraphConfig, VerifyGraphs, VerifyRow, cache_length,
                                       verify_step)
@@ -249,7 +249,7 @@ class TargetRunner:
         result, features, logits = outputs
         # No path is longer than the deepest tree (for trees on the device: than their bound).
         walked = [r.depths for r in rows if r.depths is not None]
-        bounds = [r.tree.trees.max_depth for r in rows if r.depths is None]
+        bounds = [r.tree.max_depth for r in rows if r.depths is None]
         deepest = max(bounds + ([int(torch.cat(walked).max())] if walked else []))
         width = min(features.shape[1], 1 + deepest)
         features = features[: len(rows), :width]
@@ -270,8 +270,7 @@ class TargetRunner:
         bonus = [v[1] for v in values]
         accepted = []
         for row, path in zip(rows, paths):
-            # A list once: cheaper than a tensor index per node (for a DeviceTree, once per step).
-            tokens = row.tree.token_list() if isinstance(row.tree, DeviceTree) else row.tree.tokens.tolist()
+            tokens = row.tree.token_list()  # a list once: cheaper than a tensor index per node
             accepted.append([tokens[node] for node in path[1:]])
         b, t, f = features.shape
         index = [i * t + j for i, path in enumerate(paths) if pending.with_features[i] for j in range(len(path))]
