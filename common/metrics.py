@@ -75,7 +75,7 @@ VERIFIER_FORWARD = Histogram("ddtree_verifier_verify_forward_seconds",
                              "The batched verify of one step's trees: forward, accept and KV compaction, with the "
                              "results on the host", buckets=_STAGE)
 VERIFIER_PREFILL = Histogram("ddtree_verifier_prefill_seconds",
-                             "One batched prefill of opening sessions, their first tokens sampled, on the host",
+                             "One batched prefill of opening sessions, from its launch to its first tokens on the host",
                              buckets=_STAGE)
 VERIFIER_STEP_BATCH_SIZE = Histogram("ddtree_verifier_step_batch_size", "Trees verified in one step",
                                      buckets=_BATCH)

@@ -27,10 +27,10 @@ from ddtree_kernels.tree_sampling import kernel_backend
 
 SUB = 16  # logits per sub-chunk: the Triton path needs the vocabulary to be a multiple of it
 CHUNK_V = 4096  # vocabulary per program of the pass (a power of two); tests lower it
-# Rows from which `top_logprobs` takes the Triton path. Its ~20 small launches cost about 0.35 ms
-# of host time, more than the reference's device time on few rows (H200, V = 151,936, k = 16:
-# 15 rows 0.18 ms reference against 0.45 ms; 60 rows 0.27 against 0.34; 240 rows 0.83 against
-# 0.45; 480 rows 1.46 against 0.47; bench/draft_topk.py).
+# Rows from which `top_logprobs` takes the Triton path (H200, V = 151,936, per call, bench/draft_topk.py:
+# k = 16, 15 rows 0.17 ms against the reference's 0.22, 240 rows 0.24 against 0.87, 480 rows 0.34
+# against 1.49; k = 64, 15 rows 0.33 against 0.23, 240 rows 0.50 against 0.87). Fewer rows (a
+# few sessions) keep the reference, which serving at one client was measured with.
 TRITON_MIN_ROWS = 128
 
 
@@ -58,8 +58,46 @@ def _row_partials_kernel(x_ptr, sub_max_ptr, part_max_ptr, part_sum_ptr, V, C, N
     tl.store(part_sum_ptr + row * C + chunk, tl.where(has_nan, float("nan"), total))
 
 
+@triton.jit(do_not_specialize=["K"])
+def _row_top_kernel(x_ptr, sub_max_ptr, part_max_ptr, part_sum_ptr, value_ptr, token_ptr, V, C, NSUB, K,
+                    CHUNKS: tl.constexpr, SUBS: tl.constexpr, KP: tl.constexpr, SUB: tl.constexpr):
+    """Per row: its log-sum-exp from the chunks' partials, the K sub-chunks with the largest
+    maxima, then the K largest of their K * SUB logits, each written as (logit - log-sum-exp,
+    token), descending. Ties go to the smaller index; a NaN ranks above everything, as in
+    torch.topk (its row's log-sum-exp is NaN, so are its log-probs)."""
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.arange(0, CHUNKS)
+    part_max = tl.load(part_max_ptr + row * C + c, mask=c < C, other=-float("inf"))
+    part_sum = tl.load(part_sum_ptr + row * C + c, mask=c < C, other=0.0)
+    row_max = tl.max(part_max, axis=0)
+    lse = row_max + tl.log(tl.sum(tl.where(c < C, part_sum * tl.exp(part_max - row_max), 0.0), axis=0))
+    subs = tl.arange(0, SUBS)
+    sub_max = tl.load(sub_max_ptr + row * NSUB + subs, mask=subs < NSUB, other=-float("inf"))
+    sub_max = tl.where(sub_max != sub_max, float("inf"), sub_max)
+    alive = subs < NSUB
+    ranks = tl.arange(0, KP)
+    chosen = tl.zeros([KP], dtype=tl.int32)
+    for i in range(K):
+        best = tl.max(tl.where(alive, sub_max, -float("inf")), axis=0)
+        pos = tl.min(tl.where(alive & (sub_max == best), subs, SUBS), axis=0)
+        chosen = tl.where(ranks == i, pos, chosen)
+        alive = alive & (subs != pos)
+    candidates = chosen[:, None] * SUB + tl.arange(0, SUB)[None, :]  # [KP, SUB] token ids
+    live = (ranks < K)[:, None] & (candidates >= 0)
+    x = tl.load(x_ptr + row * V + candidates, mask=live, other=-float("inf")).to(tl.float32)
+    x = tl.where(x != x, float("inf"), x)
+    for i in range(K):
+        best = tl.max(tl.max(tl.where(live, x, -float("inf")), axis=1), axis=0)
+        token = tl.min(tl.min(tl.where(live & (x == best), candidates, V), axis=1), axis=0)
+        tl.store(value_ptr + row * K + i, best - lse)
+        tl.store(token_ptr + row * K + i, token.to(tl.int64))
+        live = live & (candidates != token)
+
+
 def top_logprobs_triton(logits: Tensor, k: int) -> tuple[Tensor, Tensor]:
-    """`top_logprobs_reference` in one pass over the logits (see the module); V % SUB == 0, k <= V // SUB."""
+    """`top_logprobs_reference` in one pass over the logits and one program per row for the rest
+    (see the module); V % SUB == 0, k <= V // SUB. Two launches, so the host's cost does not
+    grow with the steps: it runs on the drafter's critical path every step."""
     *lead, vocab = logits.shape
     if vocab % SUB or not 0 < k <= vocab // SUB:
         raise ValueError(f"the Triton top-k needs a vocabulary that is a multiple of {SUB} and "
@@ -71,16 +109,32 @@ def top_logprobs_triton(logits: Tensor, k: int) -> tuple[Tensor, Tensor]:
     sub_max = torch.empty((rows, num_subs), dtype=torch.float32, device=dev)
     part_max = torch.empty((rows, num_chunks), dtype=torch.float32, device=dev)
     part_sum = torch.empty_like(part_max)
+    values = torch.empty((rows, k), dtype=torch.float32, device=dev)
+    tokens = torch.empty((rows, k), dtype=torch.int64, device=dev)
     if rows:
         _row_partials_kernel[(rows, num_chunks)](x, sub_max, part_max, part_sum, vocab, num_chunks, num_subs,
                                                  CHUNK=chunk, SUB=SUB)
-    row_max = part_max.amax(dim=1, keepdim=True)
-    lse = row_max[:, 0] + torch.log((part_sum * torch.exp(part_max - row_max)).sum(dim=1))
-    subs = torch.topk(sub_max, k, dim=1).indices
-    candidates = (subs[:, :, None] * SUB + torch.arange(SUB, device=dev)).view(rows, k * SUB)
-    top = torch.topk(x.gather(1, candidates).float(), k, dim=1)
-    tokens = candidates.gather(1, top.indices)
-    return (top.values - lse[:, None]).view(*lead, k), tokens.view(*lead, k)
+        _row_top_kernel[(rows,)](x, sub_max, part_max, part_sum, values, tokens, vocab, num_chunks, num_subs, k,
+                                 CHUNKS=triton.next_power_of_2(num_chunks), SUBS=triton.next_power_of_2(num_subs),
+                                 KP=rank_lanes(k), SUB=SUB, num_warps=8)
+    return values.view(*lead, k), tokens.view(*lead, k)
+
+
+def rank_lanes(k: int) -> int:
+    """The row kernel's lanes for k ranks: one compiled variant for every k up to 16 (the budgets
+    the adaptive planner moves between), a power of two above."""
+    return max(16, triton.next_power_of_2(k))
+
+
+def warm_up(device: torch.device, vocab: int, dtype: torch.dtype, max_k: int = 64) -> None:
+    """Compile both kernels for logits of this vocabulary and dtype, for every k up to `max_k`
+    (one variant per `rank_lanes`), so that no step waits for a compile (about half a second
+    each, which a serving step would pay, and the adaptive budget would read as cost)."""
+    if vocab % SUB:
+        return
+    logits = torch.zeros((1, vocab), dtype=dtype, device=device)
+    for lanes in sorted({rank_lanes(k) for k in range(1, max_k + 1) if k <= vocab // SUB}):
+        top_logprobs_triton(logits, lanes)
 
 
 def top_logprobs(logits: Tensor, k: int) -> tuple[Tensor, Tensor]:

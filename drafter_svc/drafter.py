@@ -29,6 +29,7 @@ from drafter_svc.draft_graphs import (DraftGraphConfig, DraftGraphs, DraftInputs
                                       feature_dim)
 from drafter_svc.draft_model import DFlashDraftModel, DraftKVPool
 from ddtree_kernels.ddtree_select import warm_up as warm_up_selection
+from ddtree_kernels.draft_topk import warm_up as warm_up_top_k
 from ddtree_kernels.tree_sampling import kernel_backend
 
 
@@ -200,8 +201,9 @@ class DFlashProposer:
         self.device = embed_tokens.device
         self.pool = DraftKVPool(draft, slots + 1, context_capacity(max_seq_len, self.block_size))
         self.scratch_slot = self.pool.acquire()  # held for good: padding rows of the graphs write there
-        if kernel_backend(self.device) == "triton":
+        if kernel_backend(self.device) == "triton":  # no step waits for a compile
             warm_up_selection(self.device)
+            warm_up_top_k(self.device, lm_head.shape[0], lm_head.dtype)
         use_graphs = cuda_graphs and self.device.type == "cuda"
         self.graphs = (DraftGraphs(draft, embed_tokens, lm_head, self.pool, self.scratch_slot,
                                    graph_config or DraftGraphConfig(), projected=projected_features)

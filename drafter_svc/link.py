@@ -274,6 +274,9 @@ class LocalLink(_Lockstep):
 
     OWNER = "local"
     takes_device_trees = True  # the DDTrees stay on the device (`common.tree.DeviceTrees`)
+    # A step's prompt chunks come in a message of their own, sent behind its trees: their prefill
+    # is queued after the verify, and the trees' reply does not wait for it.
+    takes_prompts_apart = True
 
     def __init__(self, verifier):
         self.verifier = verifier

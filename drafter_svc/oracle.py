@@ -15,8 +15,9 @@ prompts (bench/serve.py writes it). Prompts without a continuation are left alon
 from __future__ import annotations
 
 import json
-import random
+import math
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -24,11 +25,48 @@ import torch
 from common.staging import to_device
 
 
+_MASK = (1 << 64) - 1
+
+
+def _uniform(key: int) -> float:
+    """A uniform float in (0, 1] for `key`: splitmix64's mixing. Seeding a `random.Random` per
+    session and step, as this did before, cost more than the rest of the edit."""
+    z = (key + 0x9E3779B97F4A7C15) & _MASK
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK
+    return 1.0 - ((z ^ (z >> 31)) >> 11) / (1 << 53)
+
+
+@dataclass
+class _Followed:
+    """A session's prompt, its continuation (None: unknown) and how much of its output is known
+    to follow it: the output list it checked and up to where (or that it left the continuation)."""
+    prompt: list[int]  # held so that its id stays this session's while the entry lives
+    truth: list[int] | None
+    output: list[int] | None = None
+    checked: int = 0
+    diverged: bool = False
+
+    def follows(self, out: list[int]) -> bool:
+        """Whether `out` is a prefix of the continuation, checking only what was appended since
+        the last call (outputs only grow; another list or a shorter one is checked whole)."""
+        n = len(out)
+        if out is not self.output or n < self.checked:
+            self.output, self.checked, self.diverged = out, 0, False
+        if not self.diverged and n > self.checked:
+            self.diverged = out[self.checked:n] != self.truth[self.checked:n]
+            self.checked = n
+        return not self.diverged
+
+
 class ControlledAcceptance:
+    MAX_FOLLOWED = 4096  # sessions remembered (the table is cleared past it)
+
     def __init__(self, accept_prob: float, continuations: dict[tuple[int, ...], list[int]], seed: int = 0):
         if not 0.0 <= accept_prob <= 1.0:
             raise ValueError(f"accept_prob must be in [0, 1], got {accept_prob}")
         self.accept_prob, self.continuations, self.seed = accept_prob, continuations, seed
+        self._followed: dict[int, _Followed] = {}  # id(prompt list) -> its session's state
 
     @classmethod
     def load(cls, path: str | Path) -> "ControlledAcceptance":
@@ -40,25 +78,46 @@ class ControlledAcceptance:
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise ValueError(f"bad --bench-oracle file {path}: {exc}") from None
 
+    def _follow(self, prompt: list[int]) -> _Followed:
+        """The state of the session whose prompt list this is (looked up by identity: a session
+        keeps its prompt list, so the continuation's lookup and the output's check run once)."""
+        entry = self._followed.get(id(prompt))
+        if entry is None or entry.prompt is not prompt:
+            if len(self._followed) >= self.MAX_FOLLOWED:
+                self._followed.clear()
+            entry = self._followed[id(prompt)] = _Followed(prompt, self.continuations.get(tuple(prompt)))
+        return entry
+
+    def _run(self, key: int, span: int) -> int:
+        """How many depths from the first hit before the first miss (at most `span`): each depth
+        hits with `accept_prob`, independently, which makes the run geometric; drawn by inverting
+        its distribution, P(run >= j) = p^j, with one uniform per (session, step)."""
+        p = self.accept_prob
+        if p >= 1.0 or span == 0:
+            return span
+        if p <= 0.0:
+            return 0
+        return min(span, int(math.log(_uniform(key)) / math.log(p)))
+
     def __call__(self, prompts: Sequence[list[int]], emitted: Sequence[list[int]], depths: int
                  ) -> Callable[[torch.Tensor], None] | None:
         """Decide the edits of a draft step's block logits [S, depths, V] for sessions with a known
         continuation (the scheduler asks once the step is queued, so this runs while the device
         drafts); returns what applies them (two scatters for the whole batch, queued behind the
-        step), or None when there is nothing to edit."""
+        step), or None when there is nothing to edit. Each (prompt, output length) draws its own
+        coins, so a session's edits do not depend on the batch it is in."""
         hits, misses = [], []  # (session, depth, token)
         for i, (prompt, out) in enumerate(zip(prompts, emitted)):
-            truth = self.continuations.get(tuple(prompt))
+            entry = self._follow(prompt)
+            truth = entry.truth
             n = len(out)  # the root is out[-1] == truth[n - 1]; the block proposes truth[n:]
-            if truth is None or out != truth[:n]:
+            if truth is None or not entry.follows(out):
                 continue
-            rng = random.Random(hash((self.seed, len(prompt), n, tuple(prompt[-8:]))))
-            for d in range(min(depths, len(truth) - n)):
-                if rng.random() < self.accept_prob:
-                    hits.append((i, d, truth[n + d]))
-                else:
-                    misses.append((i, d, truth[n + d]))
-                    break
+            span = min(depths, len(truth) - n)
+            run = self._run(hash((self.seed, len(prompt), n, tuple(prompt[-8:]))), span)
+            hits += [(i, d, truth[n + d]) for d in range(run)]
+            if run < span:
+                misses.append((i, run, truth[n + run]))
         if not hits and not misses:
             return None
         edits = [h + (True,) for h in hits] + [m + (False,) for m in misses]

@@ -185,6 +185,7 @@ class _InFlight:
     build_s: float = 0.0
     rpc_started: float = field(default_factory=time.perf_counter)  # made as its verify RPC starts (metrics)
     behind: _DraftAhead | None = None  # the next draft step of its sessions, queued behind its verify
+    apart: bool = False  # prompt chunks sent apart from a message of trees (`DraftScheduler._send`)
 
     def end(self) -> None:
         for span in (*self.rounds.values(), self.rpc_span, self.step_span):
@@ -342,8 +343,10 @@ class DraftScheduler:
         # the next draft step goes right behind each verify (`_draft_behind`).
         self._verified_on_device = getattr(link, "verified_on_device", None)
         self._propose_verified = getattr(proposer, "propose_verified", None)
-        # It also takes the trees where the selection leaves them, on the device (`DeviceTrees`).
+        # It also takes the trees where the selection leaves them, on the device (`DeviceTrees`),
+        # and a step's prompt chunks in a message of their own (`_send`).
         self._device_trees = bool(getattr(link, "takes_device_trees", False))
+        self._prompts_apart = bool(getattr(link, "takes_prompts_apart", False))
         self._thread: threading.Thread | None = None
         self._stopped = threading.Event()
         self.steps = 0
@@ -480,18 +483,24 @@ class DraftScheduler:
         message's reply is read before the next is sent. Pipelined: up to `pipeline_groups`
         messages are in flight (two by default, each with about half of the running sessions),
         so the draft of one group overlaps the others' verification, its round trip included.
+        Over a link that takes prompts apart (in process), a step's prompt chunks follow its
+        trees in a message of their own, which holds no place among those.
         """
         self._take_commands()
         for s in [s for s in self._running.values() if s.result.finish_reason and not s.in_flight]:
             self._finish(s)  # cancelled meanwhile
         depth = self.pipeline_groups if self._pipelining() else 1
-        sent = len(self._inflight) < depth and self._send()
+        sent = self._holding() < depth and self._send()
         while len(self._inflight) < depth + self.prefill_ahead and self._send_chunks_ahead():
             sent = True
-        if self._inflight and (len(self._inflight) >= depth or not sent):
+        if self._inflight and (self._holding() >= depth or not sent):
             self._receive()
             return True
         return sent
+
+    def _holding(self) -> int:
+        """Messages in flight that hold one of the `depth` places (prompts sent apart do not)."""
+        return sum(1 for m in self._inflight if not m.apart)
 
     def _pipelining(self) -> bool:
         return self.pipelined and len(self._running) + len(self._waiting) >= self.pipeline_min_sessions
@@ -512,6 +521,14 @@ class DraftScheduler:
             ready = ready[: -(-total // self.pipeline_groups)]
         if not entries and not ready:
             return False
+        if self._prompts_apart and chunks and ready:
+            # The trees first, their next draft step queued behind their verify, then the prompts:
+            # their prefill runs on the device after that, and the trees' reply need not wait for
+            # it, so the next message is built and queued while the device prefills.
+            self._send_message(entries[: len(entries) - len(chunks)], [], ready)
+            if not self._inflight:  # the link failed: the sessions recover (`_link_failed`)
+                return True
+            return self._send_message(chunks, chunking, [], apart=True)
         return self._send_message(entries, chunking, ready)
 
     def _send_chunks_ahead(self) -> bool:
@@ -522,8 +539,10 @@ class DraftScheduler:
         chunking, entries = self._prompt_chunks(ahead_only=True)
         return bool(entries) and self._send_message(entries, chunking, [])
 
-    def _send_message(self, entries: list[Entry], chunking: list[_Session], ready: list[_Session]) -> bool:
-        """Draft the ready sessions' trees, add them to `entries` and send the message."""
+    def _send_message(self, entries: list[Entry], chunking: list[_Session], ready: list[_Session],
+                      apart: bool = False) -> bool:
+        """Draft the ready sessions' trees, add them to `entries` and send the message (`apart`:
+        prompt chunks sent behind a message of trees)."""
         started = time.perf_counter()
         step_span = _tracer.start_span("draft_step", attributes={"sessions": len(ready)})
         with trace.use_span(step_span, end_on_exit=False):
@@ -534,7 +553,7 @@ class DraftScheduler:
         for s in chunking + ready:
             s.in_flight += 1
         message = _InFlight(chunking + ready, {s.sid: s.epoch for s in chunking + ready}, rounds, step_span,
-                            rpc_span, started, drafted.budget, drafted.draft_s, drafted.build_s)
+                            rpc_span, started, drafted.budget, drafted.draft_s, drafted.build_s, apart=apart)
         self._inflight.append(message)
         try:
             self.link.send(entries)

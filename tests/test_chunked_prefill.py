@@ -120,7 +120,9 @@ class _Recording(LocalLink):
 def test_each_step_stays_within_its_chunk_and_rounds_go_on(engine):
     """Two sessions decode while a 100-token prompt arrives with a 16-token chunk: no message
     carries more than 16 prompt tokens, the long prompt takes several steps (its Open, then
-    Extends), and each of those steps still carries a tree for both decoding sessions."""
+    Extends), and each of those steps still carries a tree for both decoding sessions (the
+    in-process link takes a step's prompt chunks in a message of their own, right behind its
+    trees)."""
     link = _Recording(engine.verifier)
     scheduler = DraftScheduler(link, engine.proposer, max_sessions=4, feature_layer_ids=engine.verifier.feature_layer_ids,
                                queue_timeout_s=60.0, pipelined=False, prefill_chunk=16)
@@ -143,7 +145,9 @@ def test_each_step_stays_within_its_chunk_and_rounds_go_on(engine):
     assert [e.more for e in long_chunks] == [True] * 6 + [False]
     assert isinstance(long_chunks[0], OpenEntry) and all(isinstance(e, ExtendEntry) for e in long_chunks[1:])
     for m in chunk_messages[2:]:  # after both short sessions opened: their rounds go on beside the chunks
-        assert {e.session_id for e in m if isinstance(e, TreeEntry)} == {1, 2}
+        trees = link.messages[next(i for i, x in enumerate(link.messages) if x is m) - 1]
+        assert {e.session_id for e in trees if isinstance(e, TreeEntry)} == {1, 2}
+        assert not any(isinstance(e, TreeEntry) for e in m)
     assert ends[2].tokens == engine.generate(PROMPTS[2], GenerationConfig(4, mode=DraftMode("tree", 4))).tokens
 
 
@@ -283,7 +287,8 @@ def test_a_stale_reply_does_not_touch_the_session_opened_again(engine):
         scheduler.submit(PROMPTS[i], config, lambda item, i=i: ends.__setitem__(i, item))
     for _ in range(3):
         scheduler.step()
-    b_entries = [[type(e).__name__ for e in m if e.session_id == 2] for m in link.messages]
+    b_entries = [[type(e).__name__ for e in m if e.session_id == 2] for m in link.messages
+                 if any(e.session_id == 2 for e in m)]
     assert b_entries[:3] == [["OpenEntry"], ["ExtendEntry"], ["OpenEntry"]]  # re-opened before the stale reply
     scheduler.run_until_idle()
     assert verifier.close_owner("other") == 3
@@ -381,3 +386,36 @@ def test_a_reply_whose_first_token_differs_from_its_notice_fails_the_session(eng
     assert isinstance(updates[-1], StatusError) and updates[-1].status == "INTERNAL"
     assert "differs from its notice" in updates[-1].message
     assert engine.verifier.free_capacity == 4
+
+
+def test_a_prompt_sent_apart_has_its_first_token_out_before_its_first_tree(engine):
+    """In process a new prompt goes in a message of its own behind the decoding sessions' trees;
+    its first token reaches the client when that reply is applied (the trees' next message was
+    sent before it), before the message that carries the session's first tree."""
+    out = {1: [], 2: [], 3: []}
+
+    class Watching(_Recording):
+        seen_at_first_tree = None
+
+        def send(self, entries):
+            first_tree = any(isinstance(e, TreeEntry) and e.session_id == 3 for e in entries)
+            if self.seen_at_first_tree is None and first_tree:
+                self.seen_at_first_tree = [getattr(u, "tokens", None) for u in out[3]]
+            super().send(entries)
+
+    link = Watching(engine.verifier)
+    scheduler = DraftScheduler(link, engine.proposer, max_sessions=4,
+                               feature_layer_ids=engine.verifier.feature_layer_ids,
+                               eos_token_ids=engine.eos_token_ids, queue_timeout_s=60.0, pipelined=False)
+    config = GenerationConfig(24, mode=DraftMode("tree", 4))
+    for sid, prompt in ((1, PROMPTS[0]), (2, PROMPTS[1])):
+        scheduler.submit(prompt, config, out[sid].append)
+    for _ in range(3):  # both decoding
+        scheduler.step()
+    scheduler.submit(PROMPTS[2], config, out[3].append)
+    scheduler.run_until_idle()
+    opens = [m for m in link.messages if any(isinstance(e, OpenEntry) and e.session_id == 3 for e in m)]
+    assert len(opens) == 1 and not any(isinstance(e, TreeEntry) for e in opens[0])  # apart from the trees
+    want = engine.generate(PROMPTS[2], config).tokens
+    assert link.seen_at_first_tree == [want[:1]]
+    assert out[3][-1].tokens == want

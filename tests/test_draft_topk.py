@@ -122,3 +122,18 @@ def test_bench_reports_both_paths(tmp_path):
     assert row["same_values"] and row["max_logq_diff"] < 1e-5 and row["rows"] == 15
     assert row["reference_us"] > 0 and row["triton_us"] > 0 and row["build_trees_wall_us"] > 0
     assert json.loads(out.read_text())["rows"] == res["rows"]
+
+
+def test_warm_up_compiles_one_variant_per_rank_lanes(monkeypatch):
+    """Every k up to 16 shares one compiled variant of the row kernel (the adaptive budget moves
+    between them step by step), and the warm-up runs each variant up to its max_k once."""
+    assert {draft_topk.rank_lanes(k) for k in range(1, 17)} == {16}
+    assert [draft_topk.rank_lanes(k) for k in (17, 32, 33, 64)] == [32, 32, 64, 64]
+    draft_topk.warm_up(torch.device(DEVICE), 16 * 64, torch.float32, max_k=20)  # runs for real
+    calls = []
+    monkeypatch.setattr(draft_topk, "top_logprobs_triton", lambda logits, k: calls.append((tuple(logits.shape), k)))
+    draft_topk.warm_up(torch.device(DEVICE), 16 * 64, torch.bfloat16, max_k=40)
+    assert calls == [((1, 16 * 64), 16), ((1, 16 * 64), 32), ((1, 16 * 64), 64)]
+    calls.clear()
+    draft_topk.warm_up(torch.device(DEVICE), 16 * 64 + 3, torch.bfloat16)  # no Triton path for this vocabulary
+    assert calls == []

@@ -1,10 +1,11 @@
 """The engine's invariants on tiny random checkpoints: greedy == autoregressive, seeds,
 alone and batched with other sessions (the same scheduler and verifier step as the services)."""
+import collections
 import dataclasses
 
 import pytest
 
-from common.protocol import SamplingParams
+from common.protocol import SamplingParams, TreeEntry
 from drafter_svc.drafter import DraftMode
 from drafter_svc.generate import LocalEngine
 from drafter_svc.scheduler import GenerationConfig
@@ -125,15 +126,22 @@ def test_more_requests_than_slots_queue_and_complete(engine):
 def test_pipelined_rounds_change_no_output(engine, groups):
     """Pipelined (`groups` link messages in flight, that share of the sessions each, new sessions
     joining as others end) gives every session exactly its lockstep tokens, greedy and seeded,
-    and has `groups` messages in flight at a time; capacity comes back in full."""
+    and has `groups` messages of trees in flight at a time (prompt chunks go apart, behind
+    them); capacity comes back in full."""
     from drafter_svc.link import LocalLink
 
     class CountingLink(LocalLink):
         most = 0
+        trees = collections.deque()  # whether each message in flight carries trees
 
         def send(self, entries):
             super().send(entries)
-            self.most = max(self.most, self.in_flight)
+            self.trees.append(any(isinstance(e, TreeEntry) for e in entries))
+            self.most = max(self.most, sum(self.trees))
+
+        def receive(self, on_notice=None):
+            self.trees.popleft()
+            return super().receive(on_notice)
 
     requests = [(PROMPTS[i % len(PROMPTS)] + [i], GenerationConfig(N - 2 * (i % 4), mode=mode))
                 for i, mode in enumerate(MODES + MODES[2:])]

@@ -359,7 +359,8 @@ def test_the_verifiers_step_time_is_kept_only_when_plausible(seconds, kept):
 
 class _StepVerifier:
     """A TreeVerifier's begin / finish, recorded: each step is a real `PendingStep` (a prompt
-    chunk makes it exclusive) whose results are its entries' session ids."""
+    chunk here stands for a verify whose logits its finish reads: exclusive) whose results are
+    its entries' session ids."""
 
     def __init__(self):
         self.calls = []
@@ -371,8 +372,8 @@ class _StepVerifier:
         ids = [e.session_id for _, e in entries]
         self.calls.append(("begin", ids))
         step = PendingStep(keys=frozenset((owner, e.session_id) for owner, e in entries), size=len(entries))
-        step.chunks = [(i, (owner, e.session_id), e) for i, (owner, e) in enumerate(entries)
-                       if isinstance(e, ExtendEntry)]
+        if any(isinstance(e, ExtendEntry) for _, e in entries):
+            step.verify = types.SimpleNamespace(launched=types.SimpleNamespace(exclusive=True))
         return step
 
     def finish(self, step):

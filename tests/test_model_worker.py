@@ -171,19 +171,28 @@ def test_other_links_and_the_running_sessions_wait_for_the_running_step(config):
         assert [r.session_id for r in results] == [5, 2] and all(isinstance(r.outcome, Verified) for r in results)
 
 
-def test_nothing_begins_behind_a_step_with_prefills(config):
+def test_a_message_begins_behind_a_step_with_prefills(config):
+    """A step's prefills are queued on the device with its verify (a first token's logprobs are
+    read from a copy of its logits): the link's next message begins behind it at once, and the
+    results are those of the messages one step after another."""
     with GatedWorker(config) as w:
         roots = w.open_all("L", [1], config)
-        a = w.post("L", 2, [TreeEntry(1, 1, tree(roots[1])), opening(2, config)])  # exclusive: it prefills
+        asking = OpenEntry(4, PROMPTS[1], SamplingParams(), "", tuple(config.feature_layer_ids), 2)
+        first = [TreeEntry(1, 1, tree(roots[1])), opening(2, config), asking]
+        a = w.post("L", 2, first)
         w.wait_begun(2)
         b = w.post("L", 3, [opening(3, config)])
-        time.sleep(0.3)
-        assert len(w.gates) == 2
+        w.wait_begun(3)
+        assert w.events[-2:] == [("begin", 1), ("begin", 2)] and not a.done()
         w.gates[1].set()
-        a.result(30)
-        w.release(2)
-        b.result(30)
-        assert w.events[-3:] == [("finish", 1), ("begin", 2), ("finish", 2)]
+        w.gates[2].set()
+        a.result(30), b.result(30)
+        assert w.events[-2:] == [("finish", 1), ("finish", 2)]
+    want = sequential(config, [("L", [opening(1, config)]), ("L", first), ("L", [opening(3, config)])])
+    same(w.outcomes[1], want[1])
+    same(w.outcomes[2], want[2])
+    (got,), (wanted,) = w.outcomes[1][2].outcome.logprobs, want[1][2].outcome.logprobs
+    assert got.logprob == pytest.approx(wanted.logprob, abs=1e-5) and len(got.top) == 2
 
 
 def test_a_prefill_steps_replies_are_encoded_while_the_next_step_runs(config, monkeypatch):

@@ -592,8 +592,8 @@ def test_worker_batches_messages_of_all_links_into_one_step(server, stub, local,
 
 
 def test_one_batched_forward_per_step(local, layers):
-    """TreeVerifier.step: the step's opens share one prefill (forward + sample); all trees share
-    one launched forward, one wait for it and one commit."""
+    """TreeVerifier.step: the step's opens share one prefill (forward + sample queued, then one
+    read of its results); all trees share one launched forward, one wait for it and one commit."""
     stages = []
 
     def stage(name):
@@ -603,7 +603,7 @@ def test_one_batched_forward_per_step(local, layers):
     owner = object()
     try:
         opened = local.step([(owner, opening(1, layers)), (owner, opening(2, layers, PROMPTS[2]))], stage=stage)
-        assert stages == ["prefill", "forward", "sample"]
+        assert stages == ["prefill", "forward", "sample", "prefilled"]
         stages.clear()
         trees = [(owner, TreeEntry(r.session_id, 1, small_tree(r.outcome.token))) for r in opened]
         assert all(isinstance(r.outcome, Verified) for r in local.step(trees, stage=stage))

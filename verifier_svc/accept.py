@@ -103,9 +103,10 @@ def accept_batch(mode: str, tokens: Tensor, next_token: Tensor, next_sibling: Te
 
 def accept_roots(roots: list[DraftTree], logits: Tensor, sampling: list[SamplingParams], *,
                  seeds: list[int] | None = None, positions: list[int] | None = None,
-                 coins: list[Tensor | None] | None = None) -> list[int]:
-    """The first token of B new sessions: root-only trees (their prompts' last tokens) accepted
-    in one batched call on the prompts' last logits [B, V]. Greedy rows take the argmax, sampled
+                 coins: list[Tensor | None] | None = None) -> Tensor:
+    """The first token of B new sessions [B], on the logits' device (queued, not waited for):
+    root-only trees (their prompts' last tokens) accepted in one batched call on the prompts'
+    last logits [B, V]. Greedy rows take the argmax, sampled
     rows a sample of their filtered distribution: position-keyed with `seeds` and the roots'
     `positions` (prompt length - 1), or with coins from `draw_coins(g, 1)`."""
     b, dev = len(roots), logits.device
@@ -126,7 +127,7 @@ def accept_roots(roots: list[DraftTree], logits: Tensor, sampling: list[Sampling
         extra.update(coins=c[:, :1].contiguous(), final_coin=c[:, 1].contiguous())
     with torch.inference_mode():
         result, _ = accept_batch(mode, tokens, links, links, logits[:, None], logits.new_zeros(b, 1, 0), **extra)
-    return result[:, 1].tolist()
+    return result[:, 1]
 
 
 def emitted_logprobs(logits: Tensor, tokens: list[int], sampling: list[SamplingParams],

@@ -161,6 +161,7 @@ class _Running:
     pending: PendingStep | None = None
     launched: float | None = None  # perf_counter at its verify's launch (the forward histogram runs from here)
     in_prefill: bool = False  # inside a "prefill" stage: its "forward" is not a verify's
+    prefill_launched: float | None = None  # perf_counter at its first prefill's launch (until its "prefilled")
 
     @property
     def owners(self) -> set[Hashable]:
@@ -177,9 +178,10 @@ class ModelWorker:
     does not wait for that host work. A message from another link alone waits for the running
     step and goes into the next one with whatever arrives meanwhile, as without overlap, so
     that messages batch; so does a message that touches a running step's sessions, and every
-    message behind an `exclusive` step (one with prefills or logprobs) or a close. A waiter
-    thread wakes the worker when a step's results are on the host; steps finish in the order
-    they began.
+    message behind an `exclusive` step (one whose verify's logits are read for logprobs when it
+    finishes) or a close (a step's prefills are queued with its verify and do not hold the next
+    step back). A waiter thread wakes the worker when a step's results are on the host; steps
+    finish in the order they began.
     """
 
     max_running = 2  # steps begun and not finished: the one on the device and the next, queued behind it
@@ -197,7 +199,7 @@ class ModelWorker:
         self._waits: queue.SimpleQueue[_Running | None] = queue.SimpleQueue()  # begun steps, for the waiter
         self._waiter = (threading.Thread(target=self._wait_for_results, name=f"{name}-waiter", daemon=True)
                         if self.overlap else None)
-        # Encodes the replies of exclusive steps (`_answer`) while the next step runs; each link's
+        # Encodes the replies of steps with prompts (`_answer`) while the next step runs; each link's
         # writer sends its replies in message order whichever thread finished them.
         self._encoder = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"{name}-encoder")
         # Spans of model steps measure device time: wait for the device before they end.
@@ -415,8 +417,8 @@ class ModelWorker:
 
     def _answer(self, run: _Running, outcomes: list[StepResult | None], step_s: float) -> None:
         """Close the sessions refused while decoding, send the notices of the prompts completed
-        (`encode_link_notice`), then encode and send each message's reply: on this thread, or for an
-        exclusive step, whose replies carry prompt features (megabytes), on the encoder thread, so
+        (`encode_link_notice`), then encode and send each message's reply: on this thread, or for a
+        step with prompts, whose replies carry their features (megabytes), on the encoder thread, so
         that the next step (a prompt's next chunk, say) need not wait for that."""
         steps, span = run.steps, run.span
         for s in steps:  # an entry refused while decoding fails its session too
@@ -445,7 +447,7 @@ class ModelWorker:
                 _resolve(s.notice, result=notice)
             answers.append((s, out))
         encode = functools.partial(self._encode_replies, answers, span, step_s)
-        if run.pending.exclusive:
+        if run.pending.has_prompts:
             self._encoder.submit(encode)
         else:
             encode()
@@ -480,14 +482,18 @@ class ModelWorker:
 
     @contextlib.contextmanager
     def _stage(self, run: _Running, name: str) -> Iterator[None]:
-        """A span for one part of a step (the TreeVerifier's `stage` hook), and the histogram of a
-        prefill or of a verify (from its "launch" to the end of its "forward": its results on the host)."""
+        """A span for one part of a step (the TreeVerifier's `stage` hook), and the histograms of its
+        prefills (from the first one's "prefill", where it is queued, to the end of each
+        "prefilled": its first tokens on the host) and of its verify (from its "launch" to the end of its
+        "forward": its results on the host)."""
         prefill = name == "prefill"
         verify = not run.in_prefill
         run.in_prefill |= prefill
         start = time.perf_counter()
         if verify and name == "launch":
             run.launched = start
+        if prefill and run.prefill_launched is None:
+            run.prefill_launched = start
         try:
             with _tracer.start_as_current_span(name) as span:
                 yield
@@ -497,8 +503,8 @@ class ModelWorker:
             if prefill:
                 run.in_prefill = False
         end = time.perf_counter()
-        if prefill:
-            metrics.VERIFIER_PREFILL.observe(end - start)
+        if name == "prefilled" and run.prefill_launched is not None:
+            metrics.VERIFIER_PREFILL.observe(end - run.prefill_launched)
         elif verify and name == "forward" and run.launched is not None:
             metrics.VERIFIER_FORWARD.observe(end - run.launched)
 

@@ -29,7 +29,7 @@ import torch
 
 from common.protocol import (MAX_LOGPROBS, CloseEntry, Entry, Extended, ExtendEntry, OpenEntry, Prefilled,
                              SamplingParams, StatusError, StepResult, TreeEntry, Verified, VerifiedRows)
-from common.staging import rows_of
+from common.staging import HostCopy, rows_of
 from common.tree import DeviceTree, DraftTree, TreeError, TreeLayout, ancestor_masks, walk_trees
 from verifier_svc.accept import Stage, accept_roots, draw_coins, emitted_logprobs, no_stage
 from verifier_svc.cuda_graphs import VerifyRow
@@ -82,13 +82,28 @@ class _CheckedTrees:
 
 
 @dataclass
+class _LaunchedPrefill:
+    """One batched prefill queued on the device (`TreeVerifier._launch_prefill`): its chunks (each
+    at its position among the step's entries), the first tokens of the prompts it ends and the
+    chunks' features on their way to the host, and a copy of the ending rows' logits while a
+    session wants their logprobs (a later step may replay the graph that wrote them)."""
+    group: list[tuple[int, Key, OpenEntry | ExtendEntry, torch.Tensor]]
+    sessions: list[_Session]
+    last: list[int]  # the chunks (indices into `group`) that end their prompts
+    copy: HostCopy  # the first tokens [len(last)], then the features unless `features` holds them
+    sizes: list[int]  # each chunk's feature rows (0 for a session that wants none)
+    features: torch.Tensor | None = None  # [sum of sizes, F] on the device (`features_on_device`)
+    logits: torch.Tensor | None = None  # the ending rows' last logits [len(last), V], for logprobs
+
+
+@dataclass
 class PendingStep:
     """A step between `TreeVerifier.begin` and `finish`: results known so far, its trees' verify
-    on the device, and the prompt chunks that `finish` prefills."""
+    and its prompt chunks' prefills queued on the device."""
     keys: frozenset[Key]  # the sessions it touches
     size: int  # entries
     results: dict[int, StepResult] = field(default_factory=dict)
-    chunks: list[tuple[int, Key, OpenEntry | ExtendEntry]] = field(default_factory=list)
+    prefills: list[_LaunchedPrefill] = field(default_factory=list)
     verify: _CheckedTrees | None = None
 
     @property
@@ -96,23 +111,30 @@ class PendingStep:
         return self.verify.launched if self.verify is not None else None
 
     @property
+    def has_prompts(self) -> bool:
+        """Whether it prefills prompt chunks (its replies carry their features)."""
+        return bool(self.prefills)
+
+    @property
     def exclusive(self) -> bool:
-        """Whether no other step may begin before this one is finished: its prefills (run by
-        `finish`) would queue behind that step's forward, or its logits would be overwritten."""
-        return bool(self.chunks) or (self._launched is not None and self._launched.exclusive)
+        """Whether no other step may begin before this one is finished: its verify's logits, read
+        when it finishes (for logprobs), would be overwritten."""
+        return self._launched is not None and self._launched.exclusive
 
     def admits(self, keys: frozenset[Key] | set[Key]) -> bool:
         """Whether a step touching the sessions `keys` may begin before this one is finished."""
         return not self.exclusive and self.keys.isdisjoint(keys)
 
     def ready(self) -> bool:
-        """Whether `finish` would find the verify's results on the host without waiting."""
-        return self._launched is None or self._launched.ready()
+        """Whether `finish` would find the results on the host without waiting."""
+        return (self._launched is None or self._launched.ready()) and all(p.copy.ready() for p in self.prefills)
 
     def wait(self) -> None:
         """Wait until `ready` (any thread)."""
         if self._launched is not None:
             self._launched.wait()
+        for p in self.prefills:
+            p.copy.wait()
 
     def verified_on_device(self) -> VerifiedRows | None:
         """Its verify's results while still on the device, one row per tree that passed the checks
@@ -161,17 +183,20 @@ class TreeVerifier:
         failed and is closed. `stage` wraps the parts: "launch" (queuing the batched verify:
         forward, accept and KV compaction), "forward" (waiting for its results) and "commit"
         (bookkeeping), and each batched prefill of opens ("prefill", around its "forward" and
-        "sample"). `begin` then `finish`.
+        "sample" queued; then "prefilled", its first tokens and features read). `begin` then
+        `finish`.
         """
         return self.finish(self.begin(entries, stage=stage), stage=stage)
 
     def begin(self, entries: Sequence[tuple[Hashable, Entry]], *, stage: Stage = no_stage) -> PendingStep:
-        """The first half of `step`: the closes, the trees' checks, and the batched verify queued
-        on the device without waiting for it. Until `finish`, another step may begin only if it
-        touches none of this one's sessions and this one is not `exclusive` (`PendingStep.admits`)."""
+        """The first half of `step`: the closes, the checks, and the batched verify and then the
+        prefills queued on the device without waiting for them. Until `finish`, another step may
+        begin only if it touches none of this one's sessions and this one is not `exclusive`
+        (`PendingStep.admits`); the device runs it after this one."""
         pending = PendingStep(keys=frozenset((owner, e.session_id) for owner, e in entries), size=len(entries))
         counts = collections.Counter((owner, e.session_id) for owner, e in entries)
         trees: list[tuple[int, Key, TreeEntry]] = []  # (position among the entries, key, entry)
+        chunks: list[tuple[int, Key, OpenEntry | ExtendEntry]] = []
         for i, (owner, e) in enumerate(entries):
             key = (owner, e.session_id)
             if counts[key] > 1:  # every entry of the session fails, and it is closed
@@ -184,68 +209,69 @@ class TreeVerifier:
             elif isinstance(e, TreeEntry):
                 trees.append((i, key, e))
             else:
-                pending.chunks.append((i, key, e))
+                chunks.append((i, key, e))
         if trees:
             pending.verify = self._launch_verify(trees, stage)
+        if chunks:
+            pending.prefills = self._launch_prefills(chunks, pending.results, stage)
         return pending
 
     def finish(self, pending: PendingStep, *, stage: Stage = no_stage) -> list[StepResult | None]:
-        """The second half of `step`: the verify's results committed, then the prefills."""
+        """The second half of `step`: the verify's results committed, then the prefills' read."""
         results = pending.results
         if pending.verify is not None:
             checked = pending.verify
             for i, (_, e), outcome in zip(checked.positions, checked.items, self._finish_verify(checked, stage)):
                 results[i] = StepResult(e.session_id, outcome)
-        if pending.chunks:
-            chunks = pending.chunks
-            for (i, key, e), outcome in zip(chunks, self.prefill([(key, e) for _, key, e in chunks], stage=stage)):
+        for launched in pending.prefills:
+            for (i, _, e, _), outcome in zip(launched.group, self._finish_prefill(launched, stage)):
                 results[i] = StepResult(e.session_id, outcome)
-                if isinstance(outcome, VerifierError):
-                    self.close(key)
         return [results.get(i) for i in range(pending.size)]
 
     # -- session lifecycle -------------------------------------------------------------
 
-    def prefill(self, items: Sequence[tuple[Key, OpenEntry | ExtendEntry]], *, stage: Stage = no_stage
-                ) -> list[Prefilled | Extended | VerifierError]:
-        """Open new sessions and take prompt chunks: check each, prefill the good ones together (in
-        groups of at most `max_prefill_tokens` padded tokens) and sample the first token of each
-        prompt that is complete."""
-        outcomes: list[Prefilled | Extended | VerifierError | None] = [None] * len(items)
+    def _launch_prefills(self, items: Sequence[tuple[int, Key, OpenEntry | ExtendEntry]],
+                         results: dict[int, StepResult], stage: Stage) -> list[_LaunchedPrefill]:
+        """Open new sessions and take prompt chunks (each at its position among the step's entries):
+        check each (a refused one's error goes to `results`, and its session is closed), then queue
+        the good ones' prefills together (in groups of at most `max_prefill_tokens` padded tokens),
+        each with the first token of every prompt it ends."""
         ready: list[tuple[int, Key, OpenEntry | ExtendEntry, torch.Tensor]] = []
         now = time.monotonic()
         self._refused = {o: t for o, t in self._refused.items() if now - t < self.contention_window_s}
         held = collections.Counter(owner for owner, _ in self._sessions)
         opening = 0  # slots taken by the opens admitted so far
-        for i, (key, e) in enumerate(items):
+        for i, key, e in items:
             try:
                 chunk = self._check_open(key, e) if isinstance(e, OpenEntry) else self._check_extend(key, e)
-            except VerifierError as exc:
-                outcomes[i] = exc
+                if isinstance(e, OpenEntry):
+                    owner, free = key[0], len(self._free_slots) - opening
+                    if free <= 0 or free <= self._kept_for_others(owner, held):
+                        self._refused[owner] = now
+                        raise VerifierError("RESOURCE_EXHAUSTED",
+                                            f"all {self.limits.max_sessions} session slots are in use" if free <= 0
+                                            else "the free session slots are kept for other drafters below their "
+                                                 "fair share")
+                    opening += 1
+                    held[owner] += 1
+                    self._refused.pop(owner, None)
+            except VerifierError as exc:  # the session fails, and is closed if it was open
+                results[i] = StepResult(e.session_id, exc)
+                self.close(key)
                 continue
-            if isinstance(e, OpenEntry):
-                owner, free = key[0], len(self._free_slots) - opening
-                if free <= 0 or free <= self._kept_for_others(owner, held):
-                    reason = (f"all {self.limits.max_sessions} session slots are in use" if free <= 0 else
-                              "the free session slots are kept for other drafters below their fair share")
-                    outcomes[i] = VerifierError("RESOURCE_EXHAUSTED", reason)
-                    self._refused[owner] = now
-                    continue
-                opening += 1
-                held[owner] += 1
-                self._refused.pop(owner, None)
             ready.append((i, key, e, chunk))
         self._open_sessions([(key, e) for _, key, e, _ in ready if isinstance(e, OpenEntry)])
         ready.sort(key=lambda item: item[3].shape[0])  # similar lengths together: less padding
+        launched: list[_LaunchedPrefill] = []
         group: list[tuple[int, Key, OpenEntry | ExtendEntry, torch.Tensor]] = []
         for item in ready:
             if group and not self._fits(group + [item]):
-                self._prefill(group, outcomes, stage)
+                launched.append(self._launch_prefill(group, stage))
                 group = []
             group.append(item)
         if group:
-            self._prefill(group, outcomes, stage)
-        return outcomes
+            launched.append(self._launch_prefill(group, stage))
+        return launched
 
     def _fits(self, group: Sequence[tuple[int, Key, OpenEntry | ExtendEntry, torch.Tensor]]) -> bool:
         """Whether one prefill may take these chunks: at most `max_prefill_tokens` padded tokens, and
@@ -310,17 +336,18 @@ class TreeVerifier:
         return chunk
 
     def _open_sessions(self, opens: Sequence[tuple[Key, OpenEntry]]) -> None:
-        """Give each admitted open a slot and its sampling state (its length stays 0 until prefilled)."""
+        """Give each admitted open a slot and its sampling state (its length counts its chunks once queued)."""
         for key, e in opens:
             seed = e.sampling.seed if e.sampling.seed is not None else secrets.randbits(63)
             self._sessions[key] = _Session(self._free_slots.pop(), e.sampling, seed,
                                            torch.Generator().manual_seed(seed), features=bool(e.feature_layer_ids),
                                            logprobs=e.logprobs, prefilling=True)
 
-    def _prefill(self, group: Sequence[tuple[int, Key, OpenEntry | ExtendEntry, torch.Tensor]],
-                 outcomes: list, stage: Stage) -> None:
-        """One batched prefill of the chunks, then the first token of every prompt it completes in
-        one batched accept of root-only trees."""
+    def _launch_prefill(self, group: Sequence[tuple[int, Key, OpenEntry | ExtendEntry, torch.Tensor]],
+                        stage: Stage) -> _LaunchedPrefill:
+        """Queue one batched prefill of the chunks, then the first token of every prompt it ends (one
+        batched accept of root-only trees) and the copies of both to the host. The sessions' lengths
+        count the chunks from here on (a later step's chunks go after them)."""
         sessions = [self._sessions[key] for _, key, _, _ in group]
         last = [j for j, (_, _, e, _) in enumerate(group) if not e.more]  # chunks that end their prompt
         try:
@@ -331,31 +358,55 @@ class TreeVerifier:
                 with stage("sample"):
                     ending = [sessions[j] for j in last]
                     logits = rows_of(logits, last)
-                    bonus = self._first_tokens(ending, logits, [group[j][3] for j in last]) if last else []
-                    logprobs = self._first_logprobs(ending, logits, bonus) if last else []
+                    tokens = self._first_tokens(ending, logits, [group[j][3] for j in last]) if last else None
                     wanted = [f if s.features else f[:0] for s, f in zip(sessions, features)]
-                    # One device->host copy for the group, not one per session (none when they stay
-                    # on the device; the copy there also frees them from a prefill graph's buffers).
+                    # One copy for the group, not one per session; on the device it also frees them
+                    # from a prefill graph's buffers, which the next step may replay.
                     rows = torch.cat(wanted)
-                    rows = (rows if self.runner.features_on_device else rows.cpu()).split([f.shape[0] for f in wanted])
+                    on_device = self.runner.features_on_device
+                    copied = [t for t in (tokens, None if on_device else rows) if t is not None]
+                    launched = _LaunchedPrefill(list(group), sessions, last, HostCopy(*copied),
+                                                [f.shape[0] for f in wanted], rows if on_device else None,
+                                                logits.clone() if any(s.logprobs is not None for s in ending)
+                                                else None)
         except Exception:
             for _, key, _, _ in group:
                 self.close(key)
             raise
-        first = dict(zip(last, zip(bonus, logprobs)))
-        for j, ((i, _, e, chunk), s, f) in enumerate(zip(group, sessions, rows)):
+        for (_, _, e, chunk), s in zip(group, sessions):
             s.length += chunk.shape[0]
-            if j not in first:
-                outcomes[i] = Extended(features=f)
+            s.prefilling = bool(e.more)  # no chunk after the last one (its first token comes with `finish`)
+        return launched
+
+    def _finish_prefill(self, launched: _LaunchedPrefill, stage: Stage) -> list[Prefilled | Extended]:
+        """A queued prefill's outcomes, in its group's order: the first token (and its logprobs) of
+        each prompt it ended, and every chunk's features."""
+        sessions, last = launched.sessions, launched.last
+        try:
+            with stage("prefilled"):
+                copied = launched.copy.wait()
+                first = copied[0].tolist() if last else []
+                logprobs = self._first_logprobs([sessions[j] for j in last], launched.logits, first) if last else []
+                rows = launched.features if launched.features is not None else copied[-1]
+        except Exception:
+            for _, key, _, _ in launched.group:
+                self.close(key)
+            raise
+        ends = dict(zip(last, zip(first, logprobs)))
+        outcomes: list[Prefilled | Extended] = []
+        for j, (s, f) in enumerate(zip(sessions, rows.split(launched.sizes))):
+            if j not in ends:
+                outcomes.append(Extended(features=f))
                 continue
-            s.next_token, s.prefilling = first[j][0], False
-            outcomes[i] = Prefilled(token=first[j][0], features=f, max_seq_len=self.limits.max_seq_len,
-                                    logprobs=first[j][1])
+            s.next_token = ends[j][0]
+            outcomes.append(Prefilled(token=ends[j][0], features=f, max_seq_len=self.limits.max_seq_len,
+                                      logprobs=ends[j][1]))
+        return outcomes
 
     def _first_tokens(self, sessions: Sequence[_Session], logits: torch.Tensor, chunks: Sequence[torch.Tensor]
-                      ) -> list[int]:
+                      ) -> torch.Tensor:
         """The first generated token of each session whose prompt ends with `chunks` [i], from
-        its last logits [B, V], in one batched accept of root-only trees."""
+        its last logits [B, V], in one batched accept of root-only trees (on the device, queued)."""
         roots = [DraftTree.root_only(c[-1]) for c in chunks]
         sampling = [s.sampling for s in sessions]
         if self.runner.sampling == "keyed":  # the first token's position: the prompt length
