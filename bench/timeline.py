@@ -133,7 +133,7 @@ def _install_verifier(rec: Recorder, served: bool) -> None:
         import drafter_svc.link as link
 
         link.LocalLink.send = rec.host("v.step", link.LocalLink.send)
-        link.LocalLink._finish = rec.host("v.finish", link.LocalLink._finish)  # wait, commit, prefills
+        link.LocalLink._finish = rec.host("v.finish", link.LocalLink._finish)  # wait, commit, prefills read
         return
     import verifier_svc.scheduler as scheduler
     import verifier_svc.server as server

@@ -264,13 +264,14 @@ class _LocalMessage:
 
 class LocalLink(_Lockstep):
     """The in-process verifier: calls a `TreeVerifier` directly (implements `VerifierLink`).
-    Sending a message begins its step (checks, the verify queued on the device), receiving it
-    finishes the step (waits for the device, commits, prefills): between the two the sender's
-    host is free while the device verifies. A message that may not begin beside an unfinished
-    one (`PendingStep.admits`) finishes that one first. In process the whole reply is there at
-    once: no notices. The target features it hands over stay on the verifier's device, where
-    the draft model reads them (`TargetRunner.features_on_device`), and the drafter may queue its
-    next draft step right behind a verify, from its results there (`verified_on_device`)."""
+    Sending a message begins its step (checks, the verify and prefills queued on the device),
+    receiving it finishes the step (waits for the device, commits, reads the prefills): between
+    the two the sender's host is free while the device works. A message that may not begin
+    beside an unfinished one (`PendingStep.admits`) finishes that one first. In process the
+    whole reply is there at once: no notices. The target features it hands over stay on the
+    verifier's device, where the draft model reads them (`TargetRunner.features_on_device`), and
+    the drafter may queue its next draft step right behind a verify, from its results there
+    (`verified_on_device`)."""
 
     OWNER = "local"
     takes_device_trees = True  # the DDTrees stay on the device (`common.tree.DeviceTrees`)
