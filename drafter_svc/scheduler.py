@@ -21,7 +21,10 @@ soon as the reply comes (`_draft_ahead`). The in-process verifier also takes the
 the selection leaves them, on the device (`common.tree.DeviceTrees`): the next verify is queued
 behind the draft and its tree selection without waiting for either. A session's first draft
 step is queued as soon as its context holds the prompt (`_draft_started`), and the prompts a
-reply prefilled go into their contexts in one batched call (`_grow_contexts`).
+reply prefilled go into their contexts in one batched call (`_grow_contexts`). In process,
+requests that arrive while the host waits for a reply are opened at once, their prompts in a
+message of their own queued behind the verify (`_take_arrivals`), so their first tokens do not
+wait for the next message of trees.
 
 A running session's tokens wait in an outbox until the next step's message is sent, and go to
 the clients while the verifier works on it: their host work (and the request handlers' on
@@ -186,6 +189,7 @@ class _InFlight:
     rpc_started: float = field(default_factory=time.perf_counter)  # made as its verify RPC starts (metrics)
     behind: _DraftAhead | None = None  # the next draft step of its sessions, queued behind its verify
     apart: bool = False  # prompt chunks sent apart from a message of trees (`DraftScheduler._send`)
+    trees: int = 0  # the trees it carries
 
     def end(self) -> None:
         for span in (*self.rounds.values(), self.rpc_span, self.step_span):
@@ -283,6 +287,10 @@ class DraftScheduler:
     """Continuous batching on the drafter: `start()` runs it on its own thread, `run_until_idle()`
     in the caller's (the local engine)."""
 
+    # The share of a reply's expected round trip during which requests that arrive are opened at
+    # once (`_take_arrivals`).
+    ARRIVALS_SHARE = 0.8
+
     def __init__(self, link: VerifierLink, proposer: BlockProposer | None, *, max_sessions: int,
                  feature_layer_ids: tuple[int, ...] = (), eos_token_ids: tuple[int, ...] = (),
                  queue_timeout_s: float = 30.0, logits_hook: LogitsHook | None = None, pipelined: bool = True,
@@ -311,6 +319,9 @@ class DraftScheduler:
         if prefill_ahead < 0:
             raise ValueError(f"prefill_ahead must be >= 0, got {prefill_ahead}")
         self.prefill_ahead = prefill_ahead
+        self._prompt_tokens = 0  # prompt tokens sent since the last message of trees (within prefill_chunk)
+        # How long the last messages with trees took from their send to their reply (`_take_arrivals`).
+        self._replies: collections.deque[float] = collections.deque(maxlen=8)
         # After the link fails with UNAVAILABLE, sessions re-open for this long (0: they fail).
         self.recovery_timeout_s = recovery_timeout_s
         self._retry_at = 0.0  # no opens before this (backoff after a failed link)
@@ -484,7 +495,8 @@ class DraftScheduler:
         messages are in flight (two by default, each with about half of the running sessions),
         so the draft of one group overlaps the others' verification, its round trip included.
         Over a link that takes prompts apart (in process), a step's prompt chunks follow its
-        trees in a message of their own, which holds no place among those.
+        trees in a message of their own, which holds no place among those, and requests that
+        arrive while the host waits for a reply are opened at once (`_take_arrivals`).
         """
         self._take_commands()
         for s in [s for s in self._running.values() if s.result.finish_reason and not s.in_flight]:
@@ -494,6 +506,7 @@ class DraftScheduler:
         while len(self._inflight) < depth + self.prefill_ahead and self._send_chunks_ahead():
             sent = True
         if self._inflight and (self._holding() >= depth or not sent):
+            self._take_arrivals()
             self._receive()
             return True
         return sent
@@ -512,6 +525,7 @@ class DraftScheduler:
         entries: list[Entry] = [CloseEntry(sid) for sid in self._ending]
         self._ending = []
         self._expire_waiting()
+        self._prompt_tokens = 0
         chunking, chunks = self._prompt_chunks()
         entries += chunks
         ready = [s for s in self._running.values() if s.open_on_verifier and s.prompt_done and not s.in_flight]
@@ -530,6 +544,24 @@ class DraftScheduler:
                 return True
             return self._send_message(chunks, chunking, [], apart=True)
         return self._send_message(entries, chunking, ready)
+
+    def _take_arrivals(self) -> None:
+        """Over a link that takes prompts apart (in process), while the oldest message, one of
+        trees, is not due (`ARRIVALS_SHARE` of the shortest of the last few such round trips): open
+        the sessions that arrive at once, their prompts (within what is left of the step's
+        `prefill_chunk`) in a message of their own. It is queued behind the verify the host waits
+        for, so their prefill runs before the next verify, and their first tokens come with the
+        next reply read instead of a step later. A reply that comes sooner waits until it is due."""
+        if not (self._prompts_apart and self._replies and self._inflight and self._inflight[0].trees):
+            return
+        due = self._inflight[0].rpc_started + self.ARRIVALS_SHARE * min(self._replies)
+        while True:
+            chunking, chunks = self._prompt_chunks(arrivals_only=True) if self._waiting else ([], [])
+            if chunks:
+                self._send_message(chunks, chunking, [], apart=True)
+            left = due - time.perf_counter()
+            if left <= 0 or not self._take_commands(block=True, timeout=left):
+                return
 
     def _send_chunks_ahead(self) -> bool:
         """While no session decodes, send the next prompt chunks of sessions whose earlier chunks
@@ -553,7 +585,8 @@ class DraftScheduler:
         for s in chunking + ready:
             s.in_flight += 1
         message = _InFlight(chunking + ready, {s.sid: s.epoch for s in chunking + ready}, rounds, step_span,
-                            rpc_span, started, drafted.budget, drafted.draft_s, drafted.build_s, apart=apart)
+                            rpc_span, started, drafted.budget, drafted.draft_s, drafted.build_s, apart=apart,
+                            trees=len(ready))
         self._inflight.append(message)
         try:
             self.link.send(entries)
@@ -576,6 +609,8 @@ class DraftScheduler:
         message.rpc_span.end()
         rpc_s = time.perf_counter() - message.rpc_started
         metrics.VERIFY_RPC.observe(rpc_s)
+        if message.trees:
+            self._replies.append(rpc_s)
         ahead = (self._confirm_behind(message.behind, results, message.epochs) if message.behind is not None
                  else self._draft_ahead(results, message.epochs))
         verify_s = min(self.link.verifier_step_s, rpc_s)
@@ -649,14 +684,16 @@ class DraftScheduler:
         self._backoff = min(max(2 * self._backoff, 0.05), 1.0)
         self._retry_at = time.monotonic() + self._backoff
 
-    def _prompt_chunks(self, ahead_only: bool = False) -> tuple[list[_Session], list[Entry]]:
+    def _prompt_chunks(self, ahead_only: bool = False, arrivals_only: bool = False
+                       ) -> tuple[list[_Session], list[Entry]]:
         """This step's prompt tokens, within `prefill_chunk` of them: the next chunk of each prompt
         already being prefilled (oldest first; while no session decodes, also of prompts whose
         earlier chunks await their reply, up to `prefill_ahead` chunks ahead), then, unless
         `ahead_only`, Open entries for waiting sessions admitted (each with its prompt's first
-        chunk); `ahead_only` takes only prompts with a chunk in flight. Returns the sessions and
-        their entries."""
-        budget = self.prefill_chunk or float("inf")
+        chunk); `ahead_only` takes only prompts with a chunk in flight, `arrivals_only` only the
+        opens, within what the step's earlier messages left of `prefill_chunk`. Returns the sessions
+        and their entries."""
+        budget = (self.prefill_chunk or float("inf")) - (self._prompt_tokens if arrivals_only else 0)
         ahead = 0 if any(s.prompt_done for s in self._running.values()) else self.prefill_ahead
         sessions, entries = [], []
 
@@ -667,10 +704,11 @@ class DraftScheduler:
             s.chunks_in_flight.append(n)
             s.prompt_sent += n
             budget -= n
+            self._prompt_tokens += n
             sessions.append(s)
             return chunk, s.prompt_sent < len(s.chunk_prompt)
 
-        for s in self._running.values():
+        for s in ([] if arrivals_only else self._running.values()):
             # Opened, or its open on the way, with chunks left to send and few enough in flight.
             if (s.chunks_in_flight or s.open_on_verifier and not ahead_only) and budget > 0 \
                     and s.prompt_sent < len(s.chunk_prompt) and len(s.chunks_in_flight) <= ahead \

@@ -4,6 +4,8 @@ the prompt in one piece, alone and batched (float32); every step stays within it
 prompt tokens while the other sessions keep their rounds; bad chunks fail their session only."""
 from __future__ import annotations
 
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -419,3 +421,88 @@ def test_a_prompt_sent_apart_has_its_first_token_out_before_its_first_tree(engin
     want = engine.generate(PROMPTS[2], config).tokens
     assert link.seen_at_first_tree == [want[:1]]
     assert out[3][-1].tokens == want
+
+
+class _SlowReplies(_Recording):
+    """The recording link whose replies to messages of trees take `wait_s` (a device that verifies
+    slowly), noting each send and receive in `events`."""
+
+    def __init__(self, verifier, wait_s: float):
+        super().__init__(verifier)
+        self.wait_s, self.events = wait_s, []
+
+    def send(self, entries):
+        self.events.append(("send", len(self.messages)))
+        super().send(entries)
+
+    def receive(self, on_notice=None):
+        index = len(self.messages) - self.in_flight  # the oldest message in flight
+        if any(isinstance(e, TreeEntry) for e in self.messages[index]):
+            time.sleep(self.wait_s)
+        self.events.append(("receive", index))
+        return super().receive(on_notice)
+
+
+def arrival_during_a_reply(engine, prompts, chunk):
+    """Session 1 decodes over a link whose trees' replies take 0.4 s; sessions 2, 3, ... (`prompts`)
+    arrive 0.1 s into one of them. Checks each output against its session alone; returns the link,
+    the first message that opened an arrival, and the message of trees they arrived during."""
+    link = _SlowReplies(engine.verifier, 0.4)
+    scheduler = DraftScheduler(link, engine.proposer, max_sessions=4,
+                               feature_layer_ids=engine.verifier.feature_layer_ids, eos_token_ids=engine.eos_token_ids,
+                               queue_timeout_s=60.0, pipelined=False, prefill_chunk=chunk)
+    config = GenerationConfig(12, mode=DraftMode("tree", 4))
+    ends = {}
+    requests = [PROMPTS[0][:16]] + list(prompts)
+
+    def submit(sids):
+        for sid in sids:
+            scheduler.submit(requests[sid - 1], config, lambda item, sid=sid: ends.__setitem__(sid, item))
+
+    submit([1])
+    while not any(isinstance(e, TreeEntry) for m in link.messages[-1:] for e in m):  # until a step sends trees
+        scheduler.step()
+    while link.in_flight:  # and their slow reply is read: its round trip is known
+        scheduler.step()
+    during = len(link.messages)  # the trees the next step sends
+    timer = threading.Timer(0.1, submit, (range(2, len(requests) + 1),))
+    timer.start()
+    scheduler.step()
+    timer.join()
+    link.wait_s = 0.0
+    scheduler.run_until_idle()
+    for sid, prompt in enumerate(requests, 1):
+        assert ends[sid].tokens == engine.generate(prompt, config).tokens
+    assert engine.verifier.free_capacity == 4
+    opened = next(i for i, m in enumerate(link.messages)
+                  if any(isinstance(e, OpenEntry) and e.session_id > 1 for e in m))
+    return link, opened, during
+
+
+def test_a_request_arriving_while_a_reply_is_awaited_opens_before_it_is_read(engine):
+    """In process, a request that arrives while the host waits for a reply of trees is opened at
+    once, in a message of its own sent before that reply is read (its prefill is queued behind
+    that verify), not with the next message of trees; the outputs are those of each alone."""
+    link, opened, during = arrival_during_a_reply(engine, [PROMPTS[1]], chunk=0)
+    assert any(isinstance(e, TreeEntry) for e in link.messages[during])
+    assert not any(isinstance(e, TreeEntry) for e in link.messages[opened])
+    assert opened == during + 1  # no message of trees went between
+    assert link.events.index(("send", opened)) < link.events.index(("receive", during))
+
+
+def test_arrivals_stay_within_the_steps_prompt_chunk(engine):
+    """Arrivals during a reply open within what their step left of `prefill_chunk`: a 12-token
+    and a 5-token prompt under a 16-token chunk open at once, the second with a 4-token chunk
+    (the rest follows later); between two messages of trees there are never more than 16
+    prompt tokens."""
+    link, opened, during = arrival_during_a_reply(engine, [PROMPTS[0][:12], PROMPTS[1]], chunk=16)
+    assert link.events.index(("send", opened)) < link.events.index(("receive", during))
+    opens = {e.session_id: e for m in link.messages for e in m if isinstance(e, OpenEntry)}
+    assert (len(opens[2].prompt_ids), opens[2].more) == (12, False)
+    assert (len(opens[3].prompt_ids), opens[3].more) == (4, True)
+    stretch = 0
+    for m in link.messages:
+        if any(isinstance(e, TreeEntry) for e in m):
+            stretch = 0
+        stretch += sum(len(e.prompt_ids) for e in m if isinstance(e, (OpenEntry, ExtendEntry)))
+        assert stretch <= 16
