@@ -551,8 +551,10 @@ class DraftScheduler:
         the sessions that arrive at once, their prompts (within what is left of the step's
         `prefill_chunk`) in a message of their own. It is queued behind the verify the host waits
         for, so their prefill runs before the next verify, and their first tokens come with the
-        next reply read instead of a step later. A reply that comes sooner waits until it is due."""
-        if not (self._prompts_apart and self._replies and self._inflight and self._inflight[0].trees):
+        next reply read instead of a step later. A reply that comes sooner waits until it is due.
+        Nothing waits while no session could open."""
+        if not (self._prompts_apart and self._replies and self._inflight and self._inflight[0].trees) \
+                or self._free_slots() <= 0:  # no arrival could open
             return
         due = self._inflight[0].rpc_started + self.ARRIVALS_SHARE * min(self._replies)
         while True:
@@ -731,10 +733,7 @@ class DraftScheduler:
         opening = []
         if time.monotonic() < self._retry_at:  # the link just failed: wait before opening again
             return opening
-        free = self.max_sessions - len(self._running)
-        if self.proposer is not None:
-            free = min(free, self.proposer.free_slots - sum(1 for s in self._running.values() if s.draft_state is None
-                                                          and s.drafts))
+        free = self._free_slots()
         while self._waiting and free > 0 and tokens > 0:
             s = self._waiting.popleft()
             tokens -= len(s.open_prompt())
@@ -746,6 +745,14 @@ class DraftScheduler:
                 metrics.QUEUE_WAIT.observe(time.perf_counter() - s.start)
             free -= 1
         return opening
+
+    def _free_slots(self) -> int:
+        """How many more sessions may open now: within `max_sessions` and the free draft slots."""
+        free = self.max_sessions - len(self._running)
+        if self.proposer is not None:
+            free = min(free, self.proposer.free_slots - sum(1 for s in self._running.values() if s.draft_state is None
+                                                          and s.drafts))
+        return free
 
     def _expire_waiting(self) -> None:
         now = time.monotonic()

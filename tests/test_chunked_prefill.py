@@ -429,14 +429,16 @@ class _SlowReplies(_Recording):
 
     def __init__(self, verifier, wait_s: float):
         super().__init__(verifier)
-        self.wait_s, self.events = wait_s, []
+        self.wait_s, self.events, self.times = wait_s, [], {}
 
     def send(self, entries):
         self.events.append(("send", len(self.messages)))
+        self.times[self.events[-1]] = time.perf_counter()
         super().send(entries)
 
     def receive(self, on_notice=None):
         index = len(self.messages) - self.in_flight  # the oldest message in flight
+        self.times[("receive", index)] = time.perf_counter()
         if any(isinstance(e, TreeEntry) for e in self.messages[index]):
             time.sleep(self.wait_s)
         self.events.append(("receive", index))
@@ -506,3 +508,26 @@ def test_arrivals_stay_within_the_steps_prompt_chunk(engine):
             stretch = 0
         stretch += sum(len(e.prompt_ids) for e in m if isinstance(e, (OpenEntry, ExtendEntry)))
         assert stretch <= 16
+
+
+def test_nothing_waits_for_arrivals_while_no_session_could_open(engine):
+    """With every session slot taken, the host reads a reply of trees as soon as it has sent the
+    next step (an arrival could not open before it anyway); it goes on once the slot is free."""
+    link = _SlowReplies(engine.verifier, 1.0)
+    scheduler = DraftScheduler(link, engine.proposer, max_sessions=1,
+                               feature_layer_ids=engine.verifier.feature_layer_ids, eos_token_ids=engine.eos_token_ids,
+                               queue_timeout_s=60.0, pipelined=False)
+    config = GenerationConfig(12, mode=DraftMode("tree", 4))
+    ends = {}
+    scheduler.submit(PROMPTS[0][:16], config, lambda item: ends.__setitem__(1, item))
+    while not any(isinstance(e, TreeEntry) for m in link.messages[-1:] for e in m):
+        scheduler.step()
+    while link.in_flight:  # the slow reply read: its round trip is known
+        scheduler.step()
+    scheduler.submit(PROMPTS[1], config, lambda item: ends.__setitem__(2, item))
+    slow = len(link.messages)
+    scheduler.step()
+    link.wait_s = 0.0
+    scheduler.run_until_idle()
+    assert link.times[("receive", slow)] - link.times[("send", slow)] < 0.4  # 0.8 s if it waited for arrivals
+    assert ends[2].tokens == engine.generate(PROMPTS[1], config).tokens
