@@ -507,7 +507,8 @@ class DraftScheduler:
             sent = True
         if self._inflight and (self._holding() >= depth or not sent):
             self._take_arrivals()
-            self._receive()
+            if self._inflight:  # (a failed send clears it: `_link_failed`)
+                self._receive()
             return True
         return sent
 
@@ -561,6 +562,8 @@ class DraftScheduler:
             chunking, chunks = self._prompt_chunks(arrivals_only=True) if self._waiting else ([], [])
             if chunks:
                 self._send_message(chunks, chunking, [], apart=True)
+                if not self._inflight:  # the link failed: the sessions recover (`_link_failed`)
+                    return
             left = due - time.perf_counter()
             if left <= 0 or not self._take_commands(block=True, timeout=left):
                 return

@@ -445,21 +445,20 @@ class _SlowReplies(_Recording):
         return super().receive(on_notice)
 
 
-def arrival_during_a_reply(engine, prompts, chunk):
-    """Session 1 decodes over a link whose trees' replies take 0.4 s; sessions 2, 3, ... (`prompts`)
-    arrive 0.1 s into one of them. Checks each output against its session alone; returns the link,
-    the first message that opened an arrival, and the message of trees they arrived during."""
-    link = _SlowReplies(engine.verifier, 0.4)
-    scheduler = DraftScheduler(link, engine.proposer, max_sessions=4,
+def run_with_arrivals(engine, link, prompts, *, max_sessions=4, chunk=0, at_s=0.1):
+    """Session 1 decodes over `link` (a `_SlowReplies`) until one slow reply of trees has been read;
+    sessions 2, 3, ... (`prompts`) arrive `at_s` into the next one (None: just before it is sent),
+    then all run to their ends with quick replies. Returns the prompts and results by session, and
+    the index of that next message of trees."""
+    scheduler = DraftScheduler(link, engine.proposer, max_sessions=max_sessions,
                                feature_layer_ids=engine.verifier.feature_layer_ids, eos_token_ids=engine.eos_token_ids,
                                queue_timeout_s=60.0, pipelined=False, prefill_chunk=chunk)
-    config = GenerationConfig(12, mode=DraftMode("tree", 4))
-    ends = {}
-    requests = [PROMPTS[0][:16]] + list(prompts)
+    requests, ends = {1: PROMPTS[0][:16]}, {}
+    requests.update({sid: p for sid, p in enumerate(prompts, 2)})
 
     def submit(sids):
         for sid in sids:
-            scheduler.submit(requests[sid - 1], config, lambda item, sid=sid: ends.__setitem__(sid, item))
+            scheduler.submit(requests[sid], ARRIVALS_CONFIG, lambda item, sid=sid: ends.__setitem__(sid, item))
 
     submit([1])
     while not any(isinstance(e, TreeEntry) for m in link.messages[-1:] for e in m):  # until a step sends trees
@@ -467,14 +466,30 @@ def arrival_during_a_reply(engine, prompts, chunk):
     while link.in_flight:  # and their slow reply is read: its round trip is known
         scheduler.step()
     during = len(link.messages)  # the trees the next step sends
-    timer = threading.Timer(0.1, submit, (range(2, len(requests) + 1),))
-    timer.start()
-    scheduler.step()
-    timer.join()
+    if at_s is None:
+        submit(range(2, len(requests) + 1))
+        scheduler.step()
+    else:
+        timer = threading.Timer(at_s, submit, (range(2, len(requests) + 1),))
+        timer.start()
+        scheduler.step()
+        timer.join()
     link.wait_s = 0.0
     scheduler.run_until_idle()
-    for sid, prompt in enumerate(requests, 1):
-        assert ends[sid].tokens == engine.generate(prompt, config).tokens
+    return requests, ends, during
+
+
+ARRIVALS_CONFIG = GenerationConfig(12, mode=DraftMode("tree", 4))
+
+
+def arrival_during_a_reply(engine, prompts, chunk):
+    """`run_with_arrivals` over replies of 1 s, each output checked against its session alone;
+    returns the link, the first message that opened an arrival, and the message of trees they
+    arrived during."""
+    link = _SlowReplies(engine.verifier, 1.0)  # the arrivals come 0.1 s in, well before 0.8 s (busy machines)
+    requests, ends, during = run_with_arrivals(engine, link, prompts, chunk=chunk)
+    for sid, prompt in requests.items():
+        assert ends[sid].tokens == engine.generate(prompt, ARRIVALS_CONFIG).tokens
     assert engine.verifier.free_capacity == 4
     opened = next(i for i, m in enumerate(link.messages)
                   if any(isinstance(e, OpenEntry) and e.session_id > 1 for e in m))
@@ -514,20 +529,23 @@ def test_nothing_waits_for_arrivals_while_no_session_could_open(engine):
     """With every session slot taken, the host reads a reply of trees as soon as it has sent the
     next step (an arrival could not open before it anyway); it goes on once the slot is free."""
     link = _SlowReplies(engine.verifier, 1.0)
-    scheduler = DraftScheduler(link, engine.proposer, max_sessions=1,
-                               feature_layer_ids=engine.verifier.feature_layer_ids, eos_token_ids=engine.eos_token_ids,
-                               queue_timeout_s=60.0, pipelined=False)
-    config = GenerationConfig(12, mode=DraftMode("tree", 4))
-    ends = {}
-    scheduler.submit(PROMPTS[0][:16], config, lambda item: ends.__setitem__(1, item))
-    while not any(isinstance(e, TreeEntry) for m in link.messages[-1:] for e in m):
-        scheduler.step()
-    while link.in_flight:  # the slow reply read: its round trip is known
-        scheduler.step()
-    scheduler.submit(PROMPTS[1], config, lambda item: ends.__setitem__(2, item))
-    slow = len(link.messages)
-    scheduler.step()
-    link.wait_s = 0.0
-    scheduler.run_until_idle()
+    _, ends, slow = run_with_arrivals(engine, link, [PROMPTS[1]], max_sessions=1, at_s=None)
     assert link.times[("receive", slow)] - link.times[("send", slow)] < 0.4  # 0.8 s if it waited for arrivals
-    assert ends[2].tokens == engine.generate(PROMPTS[1], config).tokens
+    assert ends[2].tokens == engine.generate(PROMPTS[1], ARRIVALS_CONFIG).tokens
+
+
+def test_a_link_failing_under_an_arrivals_open_fails_the_sessions_cleanly(engine):
+    """The link fails on the message that opens an arrival during a reply: every session gets the
+    link's status (no internal error, none left waiting), and the scheduler goes on."""
+
+    class Failing(_SlowReplies):
+        def send(self, entries):
+            if self.in_flight and all(isinstance(e, OpenEntry) for e in entries):
+                raise StatusError("UNAVAILABLE", "the verifier went away")
+            super().send(entries)
+
+    link = Failing(engine.verifier, 1.0)
+    _, ends, _ = run_with_arrivals(engine, link, [PROMPTS[1]])
+    link.close()  # the verifier's slots that the dropped replies held
+    assert [(e.status, e.message) for e in (ends[1], ends[2])] == [("UNAVAILABLE", "the verifier went away")] * 2
+    assert engine.verifier.free_capacity == 4

@@ -117,7 +117,8 @@ def test_bench_reports_both_paths(tmp_path):
     from bench.draft_topk import main
 
     out = tmp_path / "dt.json"
-    res = main(["--small", "--batches", "1", "--reps", "1", "--device", "cpu", "--out-json", str(out)])
+    # The machine's device: on a CUDA machine Triton does not run interpreted, so not on CPU tensors.
+    res = main(["--small", "--batches", "1", "--reps", "1", "--device", DEVICE, "--out-json", str(out)])
     (row,) = res["rows"]
     assert row["same_values"] and row["max_logq_diff"] < 1e-5 and row["rows"] == 15
     assert row["reference_us"] > 0 and row["triton_us"] > 0 and row["build_trees_wall_us"] > 0
