@@ -1,6 +1,7 @@
 """Every Prometheus metric of both services, defined in one place.
 
-Names follow Prometheus conventions: `ddtree_drafter_...` and `ddtree_verifier_...`, base
+Names follow Prometheus conventions: `ddtree_drafter_...` and `ddtree_verifier_...` (and
+`ddtree_kernel_...`, which each process has for itself), base
 units (`_seconds`), counters ending in `_total`. Updates are cheap host-side operations
 (a lock and an add); none waits for a device. Step stage times are host times: on CUDA a
 stage that only launches kernels returns before they finish, and the wait lands in the next
@@ -83,6 +84,14 @@ VERIFIER_SESSIONS = Gauge("ddtree_verifier_sessions", "Sessions open (KV cache s
 VERIFIER_KV_SLOTS = Gauge("ddtree_verifier_kv_slots", "KV cache slots (--max-sessions)")
 VERIFIER_INFLIGHT_STEPS = Gauge("ddtree_verifier_inflight_steps",
                                 "Link messages handed to the model worker and not yet answered")
+
+# -- both services: kernel compiles (hooks in common/compiles.py) ---------------------------------------
+
+KERNEL_COMPILES = Counter("ddtree_kernel_compiles_total",
+                          "Triton kernel compiles in this process (a load from Triton's on-disk cache counts too), "
+                          "by phase: startup, or serving (each one stalled the step that launched it)", ["phase"])
+KERNEL_COMPILE_SECONDS = Histogram("ddtree_kernel_compile_seconds", "One Triton kernel compile, by phase",
+                                   ["phase"], buckets=_LATENCY)
 
 
 def track_inflight_step(future: asyncio.Future) -> None:

@@ -19,6 +19,7 @@ import signal
 
 import torch
 
+from common import compiles
 from common.auth import ApiKeyError, check_api_key, read_api_key
 from common.cli import FlagParser, fail
 from common.config import CheckpointError
@@ -223,6 +224,7 @@ async def run(cfg: DrafterConfig) -> None:
     server, port = await serve(engine, cfg.host, cfg.port, http_port=cfg.http_port or None)
     http = f", HTTP on {cfg.host}:{server.http_port}" if server.http is not None else ""
     freeze_startup_heap()
+    compiles.serving()
     print(f"drafter listening on {cfg.host}:{port}{http} (verifier {cfg.verifier})", flush=True)
     stopping = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -236,6 +238,7 @@ async def run(cfg: DrafterConfig) -> None:
 def main(argv=None) -> None:
     cfg = parse_args(argv)
     setup_logging(cfg.log_level, cfg.log_format)
+    compiles.watch()  # kernel compiles timed; those while serving logged (`compiles.serving`)
     if exporting(cfg.trace_console):
         setup_tracing("drafter", console=cfg.trace_console)
     try:

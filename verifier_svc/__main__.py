@@ -15,6 +15,7 @@ import dataclasses
 import logging
 import signal
 
+from common import compiles
 from common.cli import FlagParser, fail
 from common.config import CheckpointError, check_draft_fits_target, load_draft_config, load_target_config
 from common.heap import freeze_startup_heap
@@ -162,6 +163,7 @@ async def run(config: VerifierConfig, verifier: TreeVerifier) -> str | None:
         loop.add_signal_handler(sig, stop.set)
     served = f", metrics on {config.host}:{server.metrics.port}" if server.metrics is not None else ""
     freeze_startup_heap()
+    compiles.serving()
     print(f"verifier listening on {config.host}:{port}{served}", flush=True)
     await stop.wait()
     logging.getLogger(__name__).info("shutting down (grace %g s)", config.grace_s)
@@ -174,6 +176,7 @@ def main(argv: list[str] | None = None, load=load_runner) -> None:
     module-level function, since tensor-parallel ranks are processes of their own)."""
     config = parse_config(argv)
     setup_logging(config.log_level, config.log_format)
+    compiles.watch()  # kernel compiles timed; those while serving logged (`compiles.serving`)
     with contextlib.ExitStack() as ranks:
         try:
             # Tensor parallel: the other ranks run in processes of their own until this one stops them.
