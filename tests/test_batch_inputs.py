@@ -93,3 +93,22 @@ def test_a_temperature_past_float32_reads_as_inf_without_a_warning(recwarn):
     inp.fill(rows, masks, scratch_slot=99)
     assert inp.floats.temperature[0] == float("inf") and inp.floats.greedy[0] == 0.0
     assert not [w for w in recwarn if issubclass(w.category, RuntimeWarning)]
+
+
+@pytest.mark.parametrize("b,t", [(1, 1), (1, 16), (2, 1), (3, 5), (32, 128)])
+def test_every_field_starts_on_a_16_byte_boundary_and_none_overlap(b, t):
+    """Each field of the packed buffers starts on a 16-byte boundary (kernels launched on a
+    field off one compile a variant of their own while serving), on the device and host twins
+    alike, and the fields tile their buffer without overlapping."""
+    inp = BatchInputs(b, t, torch.device("cpu"), pinned=False)
+    for fields, buffer in ((inp.ints, inp.buffers[0]), (inp.floats, inp.buffers[1])):
+        spans = []
+        for name, view in vars(fields).items():
+            offset = view.data_ptr() - buffer.data_ptr()
+            assert offset % 16 == 0, (name, offset)
+            spans.append((offset, offset + view.numel() * view.element_size()))
+        spans.sort()
+        assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:]))
+        assert spans[-1][1] <= buffer.numel() * buffer.element_size()
+    host = [view.ctypes.data - inp._host_ints.tokens.ctypes.data for view in vars(inp._host_ints).values()]
+    assert host == [view.data_ptr() - inp.buffers[0].data_ptr() for view in vars(inp.ints).values()]

@@ -123,19 +123,29 @@ class VerifyRow:
     logprobs: int | None = None  # the emitted tokens' logprobs and the top N are wanted (None: not)
 
 
+_FIELD_ALIGN = 16  # bytes: each field starts on such a boundary, as Triton's kernels are compiled for
+
+
 class _Fields:
-    """Named contiguous views of one flat buffer (a tensor, or a numpy array), field after field:
-    (name, shape) pairs."""
+    """Named contiguous views of one flat buffer (a tensor, or a numpy array) of `itemsize`-byte
+    elements, field after field, each starting on a 16-byte boundary: (name, shape) pairs. (A
+    kernel launched on a field that starts off one compiles a variant of its own.)"""
 
-    def __init__(self, flat: Tensor | np.ndarray, layout: Sequence[tuple[str, tuple[int, ...]]]):
-        offset = 0
-        for name, shape in layout:
+    def __init__(self, flat: Tensor | np.ndarray, layout: Sequence[tuple[str, tuple[int, ...]]], itemsize: int):
+        for (name, shape), offset in zip(layout, _offsets(layout, itemsize)):
             setattr(self, name, flat[offset: offset + math.prod(shape)].reshape(shape))
-            offset += math.prod(shape)
 
 
-def _layout_size(layout: Sequence[tuple[str, tuple[int, ...]]]) -> int:
-    return sum(math.prod(shape) for _, shape in layout)
+def _offsets(layout: Sequence[tuple[str, tuple[int, ...]]], itemsize: int) -> list[int]:
+    """Each field's first element, and then the buffer's size, in elements."""
+    step, offsets = max(_FIELD_ALIGN // itemsize, 1), [0]
+    for _, shape in layout:
+        offsets.append(-(-(offsets[-1] + math.prod(shape)) // step) * step)
+    return offsets
+
+
+def _layout_size(layout: Sequence[tuple[str, tuple[int, ...]]], itemsize: int) -> int:
+    return _offsets(layout, itemsize)[-1]
 
 
 class BatchInputs:
@@ -151,14 +161,16 @@ class BatchInputs:
         floats = [("coins", (b, t)), ("final_coin", (b,)), ("temperature", (b,)), ("top_p", (b,)),
                   ("greedy", (b,))]
         self._staging = StagedInputs(device, pinned)
-        int_buffer, host_ints = self._staging.buffer(_layout_size(ints), dtype=torch.int64)
-        float_buffer, host_floats = self._staging.buffer(_layout_size(floats), dtype=torch.float32)
+        int_buffer, host_ints = self._staging.buffer(_layout_size(ints, 8), dtype=torch.int64)
+        float_buffer, host_floats = self._staging.buffer(_layout_size(floats, 4), dtype=torch.float32)
         self.tree_mask, host_mask = self._staging.buffer(b, t, t, dtype=torch.bool)
-        self.ints, self.floats = _Fields(int_buffer, ints), _Fields(float_buffer, floats)  # what the graphs read
+        # What the graphs read.
+        self.ints, self.floats = _Fields(int_buffer, ints, 8), _Fields(float_buffer, floats, 4)
         self.buffers = (int_buffer, float_buffer, self.tree_mask)  # the whole step input (tensor parallel ranks copy it)
         # `fill` writes the host twins through numpy views: a few microseconds an operation, where
         # torch's small CPU operations cost several times that (a step's host work is on its critical path).
-        self._host_ints, self._host_floats = _Fields(host_ints.numpy(), ints), _Fields(host_floats.numpy(), floats)
+        self._host_ints = _Fields(host_ints.numpy(), ints, 8)
+        self._host_floats = _Fields(host_floats.numpy(), floats, 4)
         self._host_mask = host_mask.numpy()
         self.arange = torch.arange(t, device=device)
         self._eye = np.eye(t, dtype=bool)
