@@ -588,29 +588,34 @@ async def client(stub, prompts: list[list[int]], budget: int, max_new: int, time
 STEP_PARTS = {"draft": "ddtree_drafter_draft_seconds", "build": "ddtree_drafter_tree_build_seconds",
               "rpc": "ddtree_drafter_verify_rpc_seconds", "vstep": "ddtree_verifier_step_seconds",
               "vfwd": "ddtree_verifier_verify_forward_seconds"}
+# Kernel compiles while serving (each stalled a step), summed over the services.
+COMPILES, COMPILE_SECONDS = "ddtree_kernel_compiles_total", "ddtree_kernel_compile_seconds_sum"
 
 
 def scrape(urls: list[str]) -> dict[str, float]:
-    """The _sum and _count samples of the STEP_PARTS histograms at these /metrics URLs."""
+    """The _sum and _count samples of the STEP_PARTS histograms at these /metrics URLs, and the
+    kernel compiles while serving (COMPILES, COMPILE_SECONDS: summed over the URLs)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     wanted = set(STEP_PARTS.values())
-    values: dict[str, float] = {}
+    values: dict[str, float] = {COMPILES: 0.0, COMPILE_SECONDS: 0.0}
     for url in urls:
         with urllib.request.urlopen(url, timeout=10) as reply:
             text = reply.read().decode()
         for family in text_string_to_metric_families(text):
-            if family.name in wanted:
-                for sample in family.samples:
-                    if sample.name.endswith(("_sum", "_count")):
-                        values[sample.name] = sample.value
+            for sample in family.samples:
+                if family.name in wanted and sample.name.endswith(("_sum", "_count")):
+                    values[sample.name] = sample.value
+                elif sample.name in (COMPILES, COMPILE_SECONDS) and sample.labels.get("phase") == "serving":
+                    values[sample.name] += sample.value
     return values
 
 
 def step_breakdown(before: dict[str, float], after: dict[str, float], wall: float) -> dict[str, float | None]:
     """Per link message over a run (ms: each part's total time / the messages): the drafter's draft
     and tree build, its round trip (rpc) and the verifier's steps (vstep); step = wall / messages,
-    other = step - draft - build - rpc."""
+    other = step - draft - build - rpc; compiles and compile_ms: the kernel compiles while serving
+    in the run (each stalled a step) and their total time."""
     messages = after.get(STEP_PARTS["rpc"] + "_count", 0.0) - before.get(STEP_PARTS["rpc"] + "_count", 0.0)
 
     def per_message(name: str) -> float | None:  # None: nothing observed it (no verifier service)
@@ -624,6 +629,8 @@ def step_breakdown(before: dict[str, float], after: dict[str, float], wall: floa
     parts = [out[k] for k in ("draft_ms", "build_ms", "rpc_ms")]  # the first two are None in plain decoding
     out["other_ms"] = (out["step_ms"] - sum(p or 0.0 for p in parts)
                        if out["step_ms"] is not None and out["rpc_ms"] is not None else None)
+    out["compiles"] = after.get(COMPILES, 0.0) - before.get(COMPILES, 0.0)
+    out["compile_ms"] = 1e3 * (after.get(COMPILE_SECONDS, 0.0) - before.get(COMPILE_SECONDS, 0.0))
     return out
 
 
@@ -771,9 +778,10 @@ def print_table(result: dict) -> None:
           "services' /metrics): step = wall / messages; draft, build = the drafter's draft steps and tree builds; "
           "rpc = its link round trips; vstep = the verifier's steps, vfwd = their batched verifies (forward, "
           "accept, KV compaction); link = rpc - vstep (codec, gRPC, queueing); "
-          "other = step - draft - build - rpc (the drafter's scheduling and deliveries)")
+          "other = step - draft - build - rpc (the drafter's scheduling and deliveries); comp, comp-ms = kernel "
+          "compiles while serving during the run (each stalled a step; the services' logs name them) and their time")
     head = [("setting", 16), ("mode", 5), ("N", 4), ("msgs", 6), ("step", 7), ("draft", 7), ("build", 7),
-            ("rpc", 7), ("vstep", 7), ("vfwd", 7), ("link", 7), ("other", 7)]
+            ("rpc", 7), ("vstep", 7), ("vfwd", 7), ("link", 7), ("other", 7), ("comp", 5), ("comp-ms", 8)]
     print(" ".join(f"{h:>{w}}" for h, w in head))
     for r in result["runs"]:
         b = r.get("step_breakdown") or {}
@@ -781,7 +789,8 @@ def print_table(result: dict) -> None:
         cells = [_cell(r["setting"], 16), _cell(r["mode"], 5), _cell(r["concurrency"], 4),
                  _cell(int(b["messages"]) if "messages" in b else None, 6)] + [
                  _cell(b.get(k), 7, 2) for k in ("step_ms", "draft_ms", "build_ms", "rpc_ms", "vstep_ms", "vfwd_ms")] + [
-                 _cell(link, 7, 2), _cell(b.get("other_ms"), 7, 2)]
+                 _cell(link, 7, 2), _cell(b.get("other_ms"), 7, 2),
+                 _cell(int(b["compiles"]) if "compiles" in b else None, 5), _cell(b.get("compile_ms"), 8, 1)]
         print(" ".join(cells))
     if result.get("repeat_summary"):
         print("\nrepeated runs (--repeats): tok/s median, min and max; spread = (max - min) / median; "

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.serve import STEP_PARTS, parse_args, step_breakdown
+from bench.serve import COMPILE_SECONDS, COMPILES, STEP_PARTS, parse_args, step_breakdown
 
 
 def sample(name: str, total_s: float, count: float) -> dict[str, float]:
@@ -27,6 +27,15 @@ def test_step_breakdown_leaves_out_what_nothing_observed():
                                     **sample(STEP_PARTS["build"], 0.0, 0)}, wall=1.0)
     assert plain["draft_ms"] is None and plain["other_ms"] == pytest.approx(5.0)
     assert step_breakdown(before, before, wall=1.0)["step_ms"] is None  # no message: nothing to split
+    assert (parts["compiles"], parts["compile_ms"]) == (0, 0)  # services that count none (or older ones)
+
+
+def test_step_breakdown_counts_the_kernel_compiles_of_the_run():
+    """The kernel compiles while serving during the run, and their time, from the services' counters."""
+    before = {**sample(STEP_PARTS["rpc"], 1.0, 10), COMPILES: 2.0, COMPILE_SECONDS: 0.5}
+    after = {**sample(STEP_PARTS["rpc"], 2.0, 20), COMPILES: 4.0, COMPILE_SECONDS: 1.0}
+    parts = step_breakdown(before, after, wall=1.0)
+    assert parts["compiles"] == 2 and parts["compile_ms"] == pytest.approx(500.0)
 
 
 def test_colocate_takes_no_link_options(capsys):
