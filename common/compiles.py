@@ -22,6 +22,7 @@ log = logging.getLogger(__name__)
 _state = threading.local()  # the compiles under way on this thread: repr -> start time
 _phase = "startup"
 _installed = False
+_DESCRIPTION_CHARS = 2000  # a log line, not a dump
 
 
 def _started(**kwargs):
@@ -38,7 +39,27 @@ def _finished(**kwargs) -> None:
     metrics.KERNEL_COMPILE_SECONDS.labels(phase).observe(seconds)
     if phase == "serving":
         log.warning("kernel compiled while serving, %.3f s (the step that launched it waited): %s",
-                    seconds, kwargs.get("repr"))
+                    seconds, describe(kwargs))
+
+
+def describe(kwargs: dict) -> str:
+    """The kernel and its specialisation from a compile hook's arguments: its name, constexprs,
+    argument types and specialisation attributes (pointer alignment, integers equal to 1), which
+    say what a warm-up missed. Triton's own `repr` pairs the arguments with the wrong part of the
+    cache key in some versions (e.g. "logq_ptr: ()"), so it is used only where nothing else came."""
+    info = kwargs.get("compile")
+    fn = kwargs.get("fn")
+    if not isinstance(info, dict) or fn is None:
+        return str(kwargs.get("repr"))
+    parts = [f"{getattr(fn, 'name', fn)} num_warps={info.get('num_warps')}"]
+    for label, key in (("constants", "constants"), ("signature", "signature")):
+        if info.get(key):
+            parts.append(f"{label} {info[key]}")
+    configs = info.get("configs") or ()
+    if configs and configs[0]:
+        parts.append(f"attributes {configs[0]}")
+    return "; ".join(parts)[:_DESCRIPTION_CHARS]
+
 
 
 def _chained(first, then):

@@ -29,6 +29,8 @@ gets the count -1: the caller raises, as the host path does.
 """
 from __future__ import annotations
 
+import inspect
+
 import torch
 import triton
 import triton.language as tl
@@ -44,7 +46,17 @@ def _lanes(width: int) -> int:
     return max(MIN_LANES, triton.next_power_of_2(width + 2))
 
 
-@triton.jit(do_not_specialize=["D", "K", "W", "OUT_W"])  # one compile for the budgets a step may take
+# One compiled variant for every step of a lane count: no size is specialised on its value, and
+# no pointer on its alignment (a step's roots and budgets are the two rows of one [2, S] buffer,
+# so at an odd S the budgets start 8 bytes off a 16-byte boundary, and such a step compiled a
+# variant of its own while serving).
+_UNSPECIALISED = {"do_not_specialize": ["D", "K", "W", "OUT_W"]}
+if "do_not_specialize_on_alignment" in inspect.signature(triton.jit).parameters:
+    _UNSPECIALISED["do_not_specialize_on_alignment"] = ["logq_ptr", "tok_ptr", "budget_ptr", "root_ptr", "out_ptr",
+                                                        "score_ptr"]
+
+
+@triton.jit(**_UNSPECIALISED)
 def _select_kernel(logq_ptr, tok_ptr, budget_ptr, root_ptr, out_ptr, score_ptr, D, K, W, OUT_W,
                    DEPTHS: tl.constexpr, FRONT: tl.constexpr, NODES: tl.constexpr):
     s = tl.program_id(0).to(tl.int64)
@@ -170,8 +182,12 @@ def select_rows(logq: Tensor, tokens: Tensor, roots: Tensor, budgets: Tensor, wi
     return out
 
 
-def warm_up(device: torch.device) -> None:
-    """Compile the kernel for the budgets up to 62 (one variant), so that no step waits for it."""
-    one = torch.zeros((1, 1, 1), device=device)
-    select_on_device(one, one.long(), torch.zeros(1, dtype=torch.int64, device=device),
-                     torch.ones(1, dtype=torch.int64, device=device))
+def warm_up(device: torch.device, num_depths: int, max_width: int = 64) -> None:
+    """Compile the kernel for blocks of `num_depths` depths (a constexpr: the draft's block size - 1)
+    and every budget up to `max_width` (one variant per lane count), with the argument types a
+    step passes (float32 log-probs, int64 tokens, roots and budgets), so that no step waits for it."""
+    widths = {_lanes(w): w for w in range(1, min(max_width, MAX_WIDTH) + 1)}  # the widest of each lane count
+    for width in widths.values():
+        logq = torch.zeros((1, num_depths, width), dtype=torch.float32, device=device)
+        given = torch.tensor([[0], [width]], dtype=torch.int64, device=device)  # roots, budgets: as a step's
+        select_rows(logq, torch.zeros_like(logq, dtype=torch.int64), given[0], given[1], width)

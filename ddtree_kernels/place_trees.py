@@ -103,3 +103,17 @@ def place_trees(tokens: Tensor, parents: Tensor, counts: Tensor, rows: Tensor, m
         _place_kernel[(num_rows,)](tokens, parents, counts, rows, num_rows, stride, out_tokens, out_positions,
                                    out_next, out_sibling, past, mask.view(torch.int8), out_tokens.shape[1], width,
                                    max(max_depth, 1), BLOCK=block, num_warps=4)
+
+
+def warm_up(device: torch.device, max_width: int) -> None:
+    """Compile the kernel for every tile it may take for trees of up to `max_width` nodes (one
+    variant per BLOCK, the only thing it is specialised on), so that no verify step waits for it."""
+    for block in sorted({max(16, triton.next_power_of_2(w)) for w in range(1, min(max_width, MAX_BLOCK) + 1)}):
+        width = min(block, max_width)
+        packed = torch.zeros((1, 2 * width + 1), dtype=torch.int64, device=device)
+        packed[0, 2 * width] = 1  # the count: the root alone
+        out = torch.zeros((4, 1, width), dtype=torch.int64, device=device)
+        mask = torch.zeros((1, width, width), dtype=torch.bool, device=device)
+        rows = torch.tensor([[0], [0], [1]], dtype=torch.int64, device=device)  # tree row, batch row, count limit
+        place_trees(packed[:, :width], packed[:, width: 2 * width], packed[:, 2 * width], rows, 1, width,
+                    out[0], out[1], out[2], out[3], out[0, :, 0], mask)

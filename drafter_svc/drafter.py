@@ -202,7 +202,7 @@ class DFlashProposer:
         self.pool = DraftKVPool(draft, slots + 1, context_capacity(max_seq_len, self.block_size))
         self.scratch_slot = self.pool.acquire()  # held for good: padding rows of the graphs write there
         if kernel_backend(self.device) == "triton":  # no step waits for a compile
-            warm_up_selection(self.device)
+            warm_up_selection(self.device, self.block_size - 1)
             warm_up_top_k(self.device, lm_head.shape[0], lm_head.dtype)
         use_graphs = cuda_graphs and self.device.type == "cuda"
         self.graphs = (DraftGraphs(draft, embed_tokens, lm_head, self.pool, self.scratch_slot,

@@ -281,7 +281,7 @@ class LocalLink(_Lockstep):
 
     def __init__(self, verifier):
         self.verifier = verifier
-        verifier.runner.features_on_device = True
+        verifier.runner.take_device_trees(verifier.limits.max_tree_nodes)
         self._sent: collections.deque[_LocalMessage] = collections.deque()
         self.verifier_step_s = 0.0
 

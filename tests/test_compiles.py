@@ -50,6 +50,25 @@ def test_compiles_are_counted_by_phase_and_logged_while_serving(watched, caplog)
     assert count is not None and count >= 1
 
 
+def test_a_serving_compile_is_logged_with_its_specialisation(watched, caplog):
+    """The warning names the kernel, its constexprs, argument types and specialisation attributes
+    from the hook's compile arguments (Triton's repr is used only when they are missing)."""
+    class Info:  # what Triton passes as `fn`
+        name = "_select_kernel"
+
+    compile_args = {"num_warps": 1, "constants": {"DEPTHS": 16}, "signature": {"logq_ptr": "*fp32", "D": "i32"},
+                    "configs": [{(2,): [["tt.divisibility", 16]]}]}
+    compiles.serving()
+    with caplog.at_level(logging.WARNING, logger="common.compiles"):
+        assert not knobs.runtime.jit_cache_hook(repr="_select_kernel[...](logq_ptr: ()", key="k")
+        knobs.runtime.jit_post_compile_hook(repr="_select_kernel[...](logq_ptr: ()", key="k", fn=Info(),
+                                            compile=compile_args)
+    (record,) = caplog.records
+    message = record.getMessage()
+    assert "_select_kernel num_warps=1" in message and "'DEPTHS': 16" in message
+    assert "'logq_ptr': '*fp32'" in message and "tt.divisibility" in message and "logq_ptr: ()" not in message
+
+
 def test_an_earlier_hook_still_decides_whether_to_compile(monkeypatch):
     """Triton skips a compile when the cache hook answers True: a hook set before keeps that say."""
     monkeypatch.setattr(compiles, "_installed", False)

@@ -88,3 +88,25 @@ def test_device_path_refuses_nan_logits_and_leaves_wide_trees_to_the_host(monkey
     monkeypatch.setattr(ddtree, "select_on_device", lambda *args: pytest.fail("a wide tree took the device path"))
     wide = select_ddtrees(logits, [0, 1], [5, 2])
     assert wide.num_nodes.tolist() == [6, 3]
+
+
+def test_the_warm_ups_launch_every_variant_a_step_may_compile(monkeypatch):
+    """`ddtree_select.warm_up` launches the selection once per lane count of the budgets up to its
+    bound, with the drafter's depths and the step's argument types; `place_trees.warm_up` places
+    once per tile width. (That nothing compiles after them is tests/gpu/test_compiles_gpu.py's.)"""
+    import ddtree_kernels.ddtree_select as select_kernel
+    import ddtree_kernels.place_trees as place_kernel
+
+    selected = []
+    monkeypatch.setattr(select_kernel, "select_rows", lambda logq, tokens, roots, budgets, width: selected.append(
+        (tuple(logq.shape), logq.dtype, tokens.dtype, roots.dtype, budgets.dtype, int(budgets[0]), width)))
+    select_kernel.warm_up(torch.device("cpu"), 15, 130)
+    lanes = {select_kernel._lanes(w) for w in range(1, 131)}
+    assert sorted(select_kernel._lanes(s[-1]) for s in selected) == sorted(lanes)  # one launch per variant
+    for shape, logq, tokens, roots, budgets, budget, width in selected:
+        assert shape[1] == 15 and (logq, tokens, roots, budgets) == (torch.float32,) + (torch.int64,) * 3
+        assert budget == width == shape[2]
+    placed = []
+    monkeypatch.setattr(place_kernel, "place_trees", lambda *args: placed.append(args[5]))
+    place_kernel.warm_up(torch.device("cpu"), 100)
+    assert sorted(max(16, 1 << (w - 1).bit_length()) for w in placed) == [16, 32, 64, 128] and max(placed) == 100

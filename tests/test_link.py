@@ -364,7 +364,10 @@ class _StepVerifier:
 
     def __init__(self):
         self.calls = []
-        self.runner = types.SimpleNamespace(features_on_device=False)
+        self.runner = types.SimpleNamespace(features_on_device=False, warmed=None)
+        self.runner.take_device_trees = lambda max_nodes: vars(self.runner).update(features_on_device=True,
+                                                                                   warmed=max_nodes)
+        self.limits = types.SimpleNamespace(max_tree_nodes=33)
 
     def begin(self, entries):
         from verifier_svc.tree_verifier import PendingStep
@@ -394,6 +397,7 @@ def test_local_link_verifies_between_send_and_receive():
     verifier = _StepVerifier()
     link = LocalLink(verifier)
     assert verifier.runner.features_on_device  # the features stay where the draft model reads them
+    assert verifier.runner.warmed == 33  # the place kernel compiled for every tree size it may take
     link.send([CloseEntry(1)])
     link.send([CloseEntry(2)])  # another session: begins beside it
     assert verifier.calls == [("begin", [1]), ("begin", [2])] and link.in_flight == 2

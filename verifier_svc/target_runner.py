@@ -25,6 +25,8 @@ from torch import Tensor
 from common.protocol import SamplingParams, TokenLogprob
 from common.staging import HostCopy, to_device
 from common.tree import DraftTree
+from ddtree_kernels.place_trees import warm_up as warm_up_place_trees
+from ddtree_kernels.tree_sampling import kernel_backend
 from verifier_svc.accept import emitted_logprobs
 from verifier_svc.cuda_graphs import (SAMPLING, BatchInputs, GraphConfig, VerifyGraphs, VerifyRow, cache_length,
                                       verify_step)
@@ -98,6 +100,14 @@ class TargetRunner:
         # The features a verify or a prefill returns stay on the model's device (an in-process
         # drafter reads them there: no copy to the host and back); by default they come to the host.
         self.features_on_device = False
+
+    def take_device_trees(self, max_nodes: int) -> None:
+        """An in-process drafter hands its trees over on the device (`common.tree.DeviceTrees`) and
+        reads the features there: keep them there, and compile the kernel that places such trees
+        (`ddtree_kernels.place_trees`) for every tree size now, not at a serving step."""
+        self.features_on_device = True
+        if kernel_backend(self.device) == "triton":
+            warm_up_place_trees(self.device, max_nodes)
 
     def set_mirror(self, mirror) -> None:
         """Tensor parallelism, rank 0: hand every forward's inputs to the other ranks before running

@@ -13,6 +13,14 @@ from tests.test_compiles import compiled, knobs
 CUDA = torch.cuda.is_available()
 
 
+def _watched_afresh(monkeypatch) -> None:
+    monkeypatch.setattr(compiles, "_installed", False)
+    monkeypatch.setattr(compiles, "_phase", "startup")
+    monkeypatch.setattr(knobs.runtime, "jit_cache_hook", None)
+    monkeypatch.setattr(knobs.runtime, "jit_post_compile_hook", None)
+    assert compiles.watch()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 def test_a_kernel_compiled_while_serving_is_counted_and_logged(monkeypatch, caplog):
@@ -24,11 +32,7 @@ def test_a_kernel_compiled_while_serving_is_counted_and_logged(monkeypatch, capl
         offs = tl.arange(0, BLOCK)
         tl.store(x_ptr + offs, tl.load(x_ptr + offs, mask=offs < n) + 1, mask=offs < n)
 
-    monkeypatch.setattr(compiles, "_installed", False)
-    monkeypatch.setattr(compiles, "_phase", "startup")
-    monkeypatch.setattr(knobs.runtime, "jit_cache_hook", None)
-    monkeypatch.setattr(knobs.runtime, "jit_post_compile_hook", None)
-    assert compiles.watch()
+    _watched_afresh(monkeypatch)
     x = torch.zeros(8, device="cuda")
     startup = compiled("startup")
     _add_one[(1,)](x, 8, BLOCK=8)
@@ -52,11 +56,7 @@ def test_trees_placed_into_every_small_bucket_take_one_compiled_variant(monkeypa
     from ddtree_kernels.place_trees import place_trees
     from verifier_svc.cuda_graphs import BatchInputs
 
-    monkeypatch.setattr(compiles, "_installed", False)
-    monkeypatch.setattr(compiles, "_phase", "startup")
-    monkeypatch.setattr(knobs.runtime, "jit_cache_hook", None)
-    monkeypatch.setattr(knobs.runtime, "jit_post_compile_hook", None)
-    assert compiles.watch()
+    _watched_afresh(monkeypatch)
     width = 16
     packed = torch.zeros((1, 2 * width + 1), dtype=torch.int64, device="cuda")
     packed[0, 2 * width] = 1  # the count: the root alone
@@ -78,3 +78,57 @@ def test_trees_placed_into_every_small_bucket_take_one_compiled_variant(monkeypa
     for inp in placed:
         assert inp.ints.positions[-1, 0].item() == 7 and inp.ints.next_token[-1, 0].item() == -1
         assert inp.tree_mask[-1, 0, 0].item()
+
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_after_the_drafter_warm_ups_no_tree_selection_compiles(monkeypatch, caplog):
+    """The drafter's warm-ups (`ddtree_select.warm_up` for its block's depths, the top-k's) cover
+    what a step launches: the host-built and the device-kept selections, at 1 to 3 sessions (odd
+    counts put the budgets 8 bytes off a 16-byte boundary) and budgets up to 64, compile nothing."""
+    from ddtree_kernels.ddtree_select import warm_up as warm_up_selection
+    from ddtree_kernels.draft_topk import warm_up as warm_up_top_k
+    from drafter_svc.ddtree import select_ddtrees, select_device_trees
+
+    _watched_afresh(monkeypatch)
+    vocab, depths = 151936, 15
+    warm_up_selection(torch.device("cuda"), depths)
+    warm_up_top_k(torch.device("cuda"), vocab, torch.bfloat16)
+    compiles.serving()
+    serving = compiled("serving")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    with caplog.at_level(logging.WARNING, logger="common.compiles"):
+        for sessions in (1, 2, 3):
+            logits = torch.randn((sessions, depths, vocab), generator=gen, device="cuda").to(torch.bfloat16)
+            for budget in (1, 7, 15, 62, 63, 64):
+                budgets = [budget] * sessions
+                select_ddtrees(logits, list(range(sessions)), budgets)
+                trees = select_device_trees(logits, list(range(sessions)), budgets)
+                assert trees[0].trees.host.wait()[0].shape[0] == sessions  # waits for the selection
+    assert compiled("serving") == serving, [r.getMessage() for r in caplog.records]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_after_the_place_warm_up_no_tree_size_compiles(monkeypatch, caplog):
+    """`place_trees.warm_up` (an in-process verifier's start-up) compiles every tile: trees of 1 to
+    128 nodes then place without a compile."""
+    from ddtree_kernels.place_trees import place_trees, warm_up
+    from verifier_svc.cuda_graphs import BatchInputs
+
+    _watched_afresh(monkeypatch)
+    warm_up(torch.device("cuda"), 128)
+    compiles.serving()
+    serving = compiled("serving")
+    with caplog.at_level(logging.WARNING, logger="common.compiles"):
+        for width in (1, 8, 16, 17, 31, 32, 33, 64, 65, 100, 128):
+            packed = torch.zeros((1, 2 * width + 1), dtype=torch.int64, device="cuda")
+            packed[0, 2 * width] = 1
+            inp = BatchInputs(1, width, torch.device("cuda"), pinned=True)
+            rows = torch.tensor([[0], [0], [1]], device="cuda")
+            place_trees(packed[:, :width], packed[:, width: 2 * width], packed[:, 2 * width], rows, 1, width,
+                        inp.ints.tokens, inp.ints.positions, inp.ints.next_token, inp.ints.next_sibling,
+                        inp.ints.past, inp.tree_mask)
+            assert inp.tree_mask[0, 0, 0].item()
+    assert compiled("serving") == serving, [r.getMessage() for r in caplog.records]
