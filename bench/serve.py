@@ -587,18 +587,20 @@ async def client(stub, prompts: list[list[int]], budget: int, max_new: int, time
 # Histograms of both services' /metrics whose means per observation make the step breakdown.
 STEP_PARTS = {"draft": "ddtree_drafter_draft_seconds", "build": "ddtree_drafter_tree_build_seconds",
               "rpc": "ddtree_drafter_verify_rpc_seconds", "vstep": "ddtree_verifier_step_seconds",
-              "vfwd": "ddtree_verifier_verify_forward_seconds"}
+              "vfwd": "ddtree_verifier_verify_forward_seconds", "link": "ddtree_drafter_link_seconds"}
 # Kernel compiles while serving (each stalled a step), summed over the services.
 COMPILES, COMPILE_SECONDS = "ddtree_kernel_compiles_total", "ddtree_kernel_compile_seconds_sum"
+ROUNDS = "ddtree_drafter_rounds_total"  # verify rounds that emitted tokens, summed over the sessions
 
 
 def scrape(urls: list[str]) -> dict[str, float]:
-    """The _sum and _count samples of the STEP_PARTS histograms at these /metrics URLs, and the
-    kernel compiles while serving (COMPILES, COMPILE_SECONDS: summed over the URLs)."""
+    """The _sum and _count samples of the STEP_PARTS histograms at these /metrics URLs, the
+    drafters' rounds (ROUNDS) and the kernel compiles while serving (COMPILES, COMPILE_SECONDS),
+    these three summed over the URLs."""
     from prometheus_client.parser import text_string_to_metric_families
 
     wanted = set(STEP_PARTS.values())
-    values: dict[str, float] = {COMPILES: 0.0, COMPILE_SECONDS: 0.0}
+    values: dict[str, float] = {COMPILES: 0.0, COMPILE_SECONDS: 0.0, ROUNDS: 0.0}
     for url in urls:
         with urllib.request.urlopen(url, timeout=10) as reply:
             text = reply.read().decode()
@@ -608,14 +610,18 @@ def scrape(urls: list[str]) -> dict[str, float]:
                     values[sample.name] = sample.value
                 elif sample.name in (COMPILES, COMPILE_SECONDS) and sample.labels.get("phase") == "serving":
                     values[sample.name] += sample.value
+                elif sample.name == ROUNDS:
+                    values[sample.name] += sample.value
     return values
 
 
 def step_breakdown(before: dict[str, float], after: dict[str, float], wall: float) -> dict[str, float | None]:
     """Per link message over a run (ms: each part's total time / the messages): the drafter's draft
-    and tree build, its round trip (rpc) and the verifier's steps (vstep); step = wall / messages,
-    other = step - draft - build - rpc; compiles and compile_ms: the kernel compiles while serving
-    in the run (each stalled a step) and their total time."""
+    and tree build, its round trip (rpc), the link's own part of it (gRPC and codecs, where there
+    is a wire) and the verifier's steps (vstep); step = wall / messages, other = step - draft -
+    build - rpc, queue = rpc - vstep - link (the verifier's wait behind other steps, and hand-offs),
+    link_share = link / step; rounds_per_s: the sessions' verify rounds a second; compiles and
+    compile_ms: the kernel compiles while serving in the run (each stalled a step) and their time."""
     messages = after.get(STEP_PARTS["rpc"] + "_count", 0.0) - before.get(STEP_PARTS["rpc"] + "_count", 0.0)
 
     def per_message(name: str) -> float | None:  # None: nothing observed it (no verifier service)
@@ -629,6 +635,10 @@ def step_breakdown(before: dict[str, float], after: dict[str, float], wall: floa
     parts = [out[k] for k in ("draft_ms", "build_ms", "rpc_ms")]  # the first two are None in plain decoding
     out["other_ms"] = (out["step_ms"] - sum(p or 0.0 for p in parts)
                        if out["step_ms"] is not None and out["rpc_ms"] is not None else None)
+    known = [out[k] for k in ("rpc_ms", "vstep_ms", "link_ms")]
+    out["queue_ms"] = known[0] - known[1] - known[2] if None not in known else None
+    out["link_share"] = out["link_ms"] / out["step_ms"] if out["link_ms"] is not None and out["step_ms"] else None
+    out["rounds_per_s"] = (after.get(ROUNDS, 0.0) - before.get(ROUNDS, 0.0)) / wall if wall > 0 else None
     out["compiles"] = after.get(COMPILES, 0.0) - before.get(COMPILES, 0.0)
     out["compile_ms"] = 1e3 * (after.get(COMPILE_SECONDS, 0.0) - before.get(COMPILE_SECONDS, 0.0))
     return out
@@ -777,19 +787,24 @@ def print_table(result: dict) -> None:
     print("\nstep breakdown of the timed runs, ms per link message (each part's total / the messages; both "
           "services' /metrics): step = wall / messages; draft, build = the drafter's draft steps and tree builds; "
           "rpc = its link round trips; vstep = the verifier's steps, vfwd = their batched verifies (forward, "
-          "accept, KV compaction); link = rpc - vstep (codec, gRPC, queueing); "
-          "other = step - draft - build - rpc (the drafter's scheduling and deliveries); comp, comp-ms = kernel "
-          "compiles while serving during the run (each stalled a step; the services' logs name them) and their time")
+          "accept, KV compaction); link = gRPC and the codecs at both ends (rpc less the time the verifier held "
+          "the message; no wire in process), link% = link / step; queue = rpc - vstep - link (waiting in the "
+          "verifier behind other steps, hand-offs); other = step - draft - build - rpc (the drafter's scheduling "
+          "and deliveries); rnd/s = the sessions' verify rounds a second; comp, comp-ms = kernel compiles while "
+          "serving during the run (each stalled a step; the services' logs name them) and their time")
     head = [("setting", 16), ("mode", 5), ("N", 4), ("msgs", 6), ("step", 7), ("draft", 7), ("build", 7),
-            ("rpc", 7), ("vstep", 7), ("vfwd", 7), ("link", 7), ("other", 7), ("comp", 5), ("comp-ms", 8)]
+            ("rpc", 7), ("vstep", 7), ("vfwd", 7), ("link", 7), ("link%", 6), ("queue", 7), ("other", 7),
+            ("rnd/s", 7), ("comp", 5), ("comp-ms", 8)]
     print(" ".join(f"{h:>{w}}" for h, w in head))
     for r in result["runs"]:
         b = r.get("step_breakdown") or {}
-        link = b["rpc_ms"] - b["vstep_ms"] if b.get("rpc_ms") is not None and b.get("vstep_ms") is not None else None
+        share = 100 * b["link_share"] if b.get("link_share") is not None else None
         cells = [_cell(r["setting"], 16), _cell(r["mode"], 5), _cell(r["concurrency"], 4),
                  _cell(int(b["messages"]) if "messages" in b else None, 6)] + [
-                 _cell(b.get(k), 7, 2) for k in ("step_ms", "draft_ms", "build_ms", "rpc_ms", "vstep_ms", "vfwd_ms")] + [
-                 _cell(link, 7, 2), _cell(b.get("other_ms"), 7, 2),
+                 _cell(b.get(k), 7, 2) for k in ("step_ms", "draft_ms", "build_ms", "rpc_ms", "vstep_ms", "vfwd_ms",
+                                                 "link_ms")] + [
+                 _cell(share, 6, 1), _cell(b.get("queue_ms"), 7, 2), _cell(b.get("other_ms"), 7, 2),
+                 _cell(b.get("rounds_per_s"), 7, 0),
                  _cell(int(b["compiles"]) if "compiles" in b else None, 5), _cell(b.get("compile_ms"), 8, 1)]
         print(" ".join(cells))
     if result.get("repeat_summary"):

@@ -61,6 +61,10 @@ TREE_BUILD = Histogram("ddtree_drafter_tree_build_seconds", "One batched tree bu
 VERIFY_RPC = Histogram("ddtree_drafter_verify_rpc_seconds",
                        "One link message's round trip: from building it to reading the verifier's reply",
                        buckets=_STAGE)
+LINK = Histogram("ddtree_drafter_link_seconds",
+                 "One link message's time on the wire and in the codecs, both ways and at both ends: its round "
+                 "trip less the time the verifier held it (LinkResponse.held_seconds); not observed in process",
+                 buckets=_STAGE)
 STEP = Histogram("ddtree_drafter_step_seconds",
                  "One link message from the start of its drafting to its reply applied (tokens delivered): "
                  "a round of its sessions", buckets=_STAGE)

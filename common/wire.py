@@ -195,15 +195,17 @@ class EncodedReply:
 
 
 def encode_link_response(step: int, results: Sequence[StepResult], feature_dim: int,
-                         dtype: torch.dtype, step_seconds: float = 0.0, notice: bool = False) -> EncodedReply:
+                         dtype: torch.dtype, step_seconds: float = 0.0, notice: bool = False,
+                         held_seconds: float = 0.0) -> EncodedReply:
     """Results in order, with the features of all of them in one tensor (rows in result order),
-    and the time of the verifier step that made them; serialised.
+    the time of the verifier step that made them and how long the verifier held the message
+    (`LinkResponse.held_seconds`); serialised.
 
     The features (megabytes per step) are copied once, into the serialised reply: the message
     is serialised without them and their field appended after it (protobuf's wire format allows
     a message's fields in any order), instead of copying them into the message and then into its
     serialisation."""
-    msg = pb.LinkResponse(step=step, step_seconds=step_seconds, notice=notice)
+    msg = pb.LinkResponse(step=step, step_seconds=step_seconds, notice=notice, held_seconds=held_seconds)
     rows = []
     for r in results:
         o = r.outcome

@@ -51,6 +51,10 @@ class VerifierLink(Protocol):
     unanswered one; both raise StatusError when the link itself fails."""
 
     verifier_step_s: float  # the verifier's step that answered the last message received (0: unknown)
+    # How long the verifier held that message, from its decoding to its reply's encoding
+    # (`LinkResponse.held_seconds`; 0: unknown, or no wire in between): the round trip less this
+    # is the link's own time, gRPC and the codecs.
+    verifier_held_s: float
     up: bool  # False once the link knows that no verifier answers (a failure that raised says so itself)
 
     def send(self, entries: Sequence[Entry]) -> None: ...
@@ -152,6 +156,11 @@ def check_notice(entries: Sequence[Entry], results: Sequence[StepResult]) -> Non
         seen.add(r.session_id)
 
 
+def _seconds(value: float) -> float:
+    """A time the verifier reports, used only in statistics: a bad value becomes unknown (0)."""
+    return value if math.isfinite(value) and 0.0 <= value < 3600.0 else 0.0
+
+
 class GrpcLink(_Lockstep):
     """A verifier behind gRPC (implements `VerifierLink`); `stub` comes from `verifier_stub`."""
 
@@ -165,7 +174,7 @@ class GrpcLink(_Lockstep):
         self._unanswered: collections.deque[tuple[int, Sequence[Entry]]] = collections.deque()
         self._lock = threading.Lock()
         self.bytes_sent = self.bytes_received = 0
-        self.verifier_step_s = 0.0
+        self.verifier_step_s = self.verifier_held_s = 0.0
 
     def _connect(self) -> None:
         self._requests = queue.SimpleQueue()
@@ -211,8 +220,8 @@ class GrpcLink(_Lockstep):
                 raise StatusError("INTERNAL", f"bad reply from the verifier: {exc}") from None
             if on_notice is not None:
                 on_notice(results)
-        seconds = reply.step_seconds  # only reported in statistics: a bad value becomes unknown
-        self.verifier_step_s = seconds if math.isfinite(seconds) and 0.0 <= seconds < 3600.0 else 0.0
+        self.verifier_step_s = _seconds(reply.step_seconds)
+        self.verifier_held_s = _seconds(reply.held_seconds)
         return results
 
     def _next_reply(self) -> bytes:
@@ -284,6 +293,7 @@ class LocalLink(_Lockstep):
         verifier.runner.take_device_trees(verifier.limits.max_tree_nodes)
         self._sent: collections.deque[_LocalMessage] = collections.deque()
         self.verifier_step_s = 0.0
+        self.verifier_held_s = 0.0  # no wire: nothing to tell apart
 
     @property
     def in_flight(self) -> int:

@@ -346,15 +346,17 @@ def test_bad_notices_end_the_link(notices, needle):
 @pytest.mark.parametrize("seconds, kept", [(0.0125, 0.0125), (float("nan"), 0.0), (-1.0, 0.0), (float("inf"), 0.0),
                                            (1e9, 0.0)])
 def test_the_verifiers_step_time_is_kept_only_when_plausible(seconds, kept):
-    """LinkResponse.step_seconds only feeds statistics; a bad value becomes unknown (0), the results stand."""
+    """LinkResponse.step_seconds and held_seconds only feed statistics; a bad value becomes unknown
+    (0), the results stand."""
     from drafter_svc.link import GrpcLink
 
     reply = encode_link_response(1, [StepResult(1, Verified([4], 5, features(2, 1), 1))], WIDTH, torch.float32,
-                                 step_seconds=seconds)
+                                 step_seconds=seconds, held_seconds=2 * seconds)
     link = GrpcLink(_CannedStub([reply]), vocab_size=VOCAB, feature_dim=WIDTH, max_seq_len=64)
     link.send([TreeEntry(1, 1, chain([3, 4]))])
     results = link.receive()
     assert results[0].outcome.next_token == 5 and link.verifier_step_s == kept
+    assert link.verifier_held_s == 2 * kept
 
 
 class _StepVerifier:

@@ -65,6 +65,7 @@ DRAFTER_FAMILIES = {
     "ddtree_drafter_queue_wait_seconds": "histogram", "ddtree_drafter_draft_seconds": "histogram",
     "ddtree_drafter_tree_build_seconds": "histogram", "ddtree_drafter_verify_rpc_seconds": "histogram",
     "ddtree_drafter_step_batch_size": "histogram", "ddtree_drafter_step_seconds": "histogram",
+    "ddtree_drafter_link_seconds": "histogram",
 }
 VERIFIER_FAMILIES = {
     "ddtree_verifier_step_seconds": "histogram", "ddtree_verifier_step_batch_size": "histogram",
@@ -109,6 +110,12 @@ def test_a_completion_moves_the_counters_by_its_usage(client, drafter, services)
     assert moved(before, after, "ddtree_drafter_verify_rpc_seconds_count") >= rounds + 1  # the open, every tree
     assert moved(before, after, "ddtree_drafter_step_seconds_count") == moved(
         before, after, "ddtree_drafter_verify_rpc_seconds_count")
+    # Every reply over gRPC says how long the verifier held its message: the link's own time is
+    # observed for each, and is a part of the round trips.
+    assert moved(before, after, "ddtree_drafter_link_seconds_count") == moved(
+        before, after, "ddtree_drafter_verify_rpc_seconds_count")
+    assert 0 < moved(before, after, "ddtree_drafter_link_seconds_sum") < moved(
+        before, after, "ddtree_drafter_verify_rpc_seconds_sum")
     assert value(after, "ddtree_drafter_active_sessions") == 0
     # The verifier verified every round's tree and ran the open; the closed session freed its slot.
     assert moved(verifier_before, verifier_after, "ddtree_verifier_step_batch_size_sum") == rounds

@@ -1091,6 +1091,8 @@ def test_pipelined_messages_are_answered_in_order(stub, twin, layers, config):
             link.post(encode_link_request(20 + i, [tree]))
         replies = [link.recv() for _ in trees]
         assert [r.step for r in replies] == [20, 21]
+        # Each message was held from its decoding to its reply's encoding: around its whole step.
+        assert all(0 < r.step_seconds <= r.held_seconds for r in replies)
         want = local(trees[:1]) + local(trees[1:])  # one message of a link per worker step
         assert_same([outcome(decode(r)[0]) for r in replies], [outcome(r) for r in want], exact=True)
         link.send([CloseEntry(1), CloseEntry(2)])

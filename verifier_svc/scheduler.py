@@ -59,6 +59,7 @@ class LinkStep:
     future: asyncio.Future | None = None  # its reply (an EncodedReply)
     notice: asyncio.Future | None = None  # for a message that ends a prompt: the notice ahead of its reply, or None
     received_bytes: int = 0
+    decoded: float = field(default_factory=time.perf_counter)  # when its message was decoded (LinkResponse.held_seconds)
 
     @property
     def ends_prompts(self) -> bool:
@@ -459,7 +460,8 @@ class ModelWorker:
         with trace.use_span(span, end_on_exit=True), _tracer.start_as_current_span("encode"):
             for s, out in answers:
                 try:
-                    replies.append(encode_link_response(s.step, out, self.feature_dim, self.dtype, step_s))
+                    replies.append(encode_link_response(s.step, out, self.feature_dim, self.dtype, step_s,
+                                                        held_seconds=time.perf_counter() - s.decoded))
                 except Exception:
                     log.exception("encoding a link response failed")
                     replies.append(VerifierError("INTERNAL", "internal error in the verifier; see its log"))

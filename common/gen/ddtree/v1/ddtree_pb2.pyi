@@ -326,18 +326,20 @@ class SessionResult(_message.Message):
     def __init__(self, session_id: _Optional[int] = ..., prefilled: _Optional[_Union[Prefilled, _Mapping]] = ..., verified: _Optional[_Union[Verified, _Mapping]] = ..., error: _Optional[_Union[Error, _Mapping]] = ..., extended: _Optional[_Union[Extended, _Mapping]] = ...) -> None: ...
 
 class LinkResponse(_message.Message):
-    __slots__ = ("step", "results", "features", "step_seconds", "notice")
+    __slots__ = ("step", "results", "features", "step_seconds", "notice", "held_seconds")
     STEP_FIELD_NUMBER: _ClassVar[int]
     RESULTS_FIELD_NUMBER: _ClassVar[int]
     FEATURES_FIELD_NUMBER: _ClassVar[int]
     STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
     NOTICE_FIELD_NUMBER: _ClassVar[int]
+    HELD_SECONDS_FIELD_NUMBER: _ClassVar[int]
     step: int
     results: _containers.RepeatedCompositeFieldContainer[SessionResult]
     features: Tensor
     step_seconds: float
     notice: bool
-    def __init__(self, step: _Optional[int] = ..., results: _Optional[_Iterable[_Union[SessionResult, _Mapping]]] = ..., features: _Optional[_Union[Tensor, _Mapping]] = ..., step_seconds: _Optional[float] = ..., notice: _Optional[bool] = ...) -> None: ...
+    held_seconds: float
+    def __init__(self, step: _Optional[int] = ..., results: _Optional[_Iterable[_Union[SessionResult, _Mapping]]] = ..., features: _Optional[_Union[Tensor, _Mapping]] = ..., step_seconds: _Optional[float] = ..., notice: _Optional[bool] = ..., held_seconds: _Optional[float] = ...) -> None: ...
 
 class InfoRequest(_message.Message):
     __slots__ = ()
