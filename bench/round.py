@@ -150,21 +150,6 @@ class _TimedQueue:
         return self.inner.get(*args, **kwargs)
 
 
-class _TimedReplies:
-    """The link's reply iterator, stamping when a reply has arrived (and been parsed)."""
-
-    def __init__(self, inner, stamps: dict):
-        self.inner, self.stamps = inner, stamps
-
-    def __iter__(self):
-        return self
-
-    def __next__(self):
-        reply = next(self.inner)
-        self.stamps["received"] = time.perf_counter()
-        return reply
-
-
 class TimedLink(GrpcLink):
     """GrpcLink's send + receive split into message encode, the wire exchange and reply decode
     (+ checks); the scheduler runs in lockstep here, so one message is in flight at a time."""
@@ -177,7 +162,11 @@ class TimedLink(GrpcLink):
     def _connect(self) -> None:
         super()._connect()
         self._requests = _TimedQueue(self._requests, self._stamps)
-        self._replies = _TimedReplies(self._replies, self._stamps)
+
+    def _next_reply(self):
+        data, arrived = super()._next_reply()
+        self._stamps["received"] = arrived  # the link's reader thread took it off the stream then
+        return data, arrived
 
     def send(self, entries) -> None:
         self._stamps.clear()

@@ -141,6 +141,7 @@ def _install_verifier(rec: Recorder, served: bool) -> None:
     worker = scheduler.ModelWorker
     worker._begin = rec.host("v.begin", worker._begin)  # tree checks, inputs, the verify queued
     worker._finish = rec.host("v.finish", worker._finish)  # wait for results, commit, answer
+    server.decode_message = rec.host("v.parse", server.decode_message)  # a link message's bytes parsed
     server.decode_link_request = rec.host("v.decode", server.decode_link_request)
     scheduler.encode_link_response = rec.host("v.encode", scheduler.encode_link_response)
     scheduler.encode_link_notice = rec.host("v.notice", scheduler.encode_link_notice)  # first tokens ahead
@@ -177,6 +178,11 @@ def _install_drafter(rec: Recorder) -> None:
     # In process: the selection queued, its trees left on the device (nothing waits).
     drafter.select_device_trees = rec.host("d.select_queued", drafter.select_device_trees)
     link.GrpcLink.receive = rec.host("d.wait", link.GrpcLink.receive)  # blocked on the reply, then decode
+    # Over gRPC, a message's own parts: encoded; the reply's bytes awaited, parsed and decoded.
+    link.encode_link_request = rec.host("d.encode", link.encode_link_request)
+    link.GrpcLink._next_reply = rec.host("d.next", link.GrpcLink._next_reply)
+    link.parse_link_response = rec.host("d.parse", link.parse_link_response)
+    link.decode_link_response = rec.host("d.decode", link.decode_link_response)
     # A reply's prompt chunks into their draft contexts.
     drafter.DFlashProposer.take_prompts = rec.host("d.prompts", drafter.DFlashProposer.take_prompts)
 

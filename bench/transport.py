@@ -112,8 +112,8 @@ def _verifier_process(port_out, rows: int, trace: bool, sessions: int, seq_len: 
     # Replies and notices without rows (a close-only message, first tokens ahead of their prompt's
     # features) carry an empty tensor of the features' width.
     verifier_svc.scheduler.encode_link_response = (
-        lambda step, results, feature_dim, dtype, step_s=0.0: encode_link_response(step, results, FEATURE_DIM,
-                                                                                  torch.bfloat16, step_s))
+        lambda step, results, feature_dim, dtype, step_s=0.0, **kw: encode_link_response(
+            step, results, FEATURE_DIM, torch.bfloat16, step_s, **kw))
     verifier_svc.scheduler.encode_link_notice = (
         lambda step, results, feature_dim, dtype: encode_link_notice(step, results, FEATURE_DIM, torch.bfloat16))
 

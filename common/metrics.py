@@ -63,7 +63,8 @@ VERIFY_RPC = Histogram("ddtree_drafter_verify_rpc_seconds",
                        buckets=_STAGE)
 LINK = Histogram("ddtree_drafter_link_seconds",
                  "One link message's time on the wire and in the codecs, both ways and at both ends: its round "
-                 "trip less the time the verifier held it (LinkResponse.held_seconds); not observed in process",
+                 "trip to its reply's arrival less the time the verifier held it (LinkResponse.held_seconds), "
+                 "plus the reply's decoding; not observed in process",
                  buckets=_STAGE)
 STEP = Histogram("ddtree_drafter_step_seconds",
                  "One link message from the start of its drafting to its reply applied (tokens delivered): "

@@ -51,10 +51,10 @@ class VerifierLink(Protocol):
     unanswered one; both raise StatusError when the link itself fails."""
 
     verifier_step_s: float  # the verifier's step that answered the last message received (0: unknown)
-    # How long the verifier held that message, from its decoding to its reply's encoding
-    # (`LinkResponse.held_seconds`; 0: unknown, or no wire in between): the round trip less this
-    # is the link's own time, gRPC and the codecs.
-    verifier_held_s: float
+    # That message's own time on the link: gRPC both ways and the encoding and decoding at both
+    # ends, i.e. its round trip to its reply's arrival less the time the verifier held it
+    # (`LinkResponse.held_seconds`), plus the reply's decoding (0: unknown, or no wire in between).
+    link_s: float
     up: bool  # False once the link knows that no verifier answers (a failure that raised says so itself)
 
     def send(self, entries: Sequence[Entry]) -> None: ...
@@ -161,6 +161,20 @@ def _seconds(value: float) -> float:
     return value if math.isfinite(value) and 0.0 <= value < 3600.0 else 0.0
 
 
+def _read_replies(call, replies: queue.SimpleQueue) -> None:
+    """A link stream's reader thread: each reply's bytes and the time they arrived, as they come
+    (the scheduler may be drafting then: the link's time is measured to the arrival, not to the
+    read), then a StatusError saying why the stream ended."""
+    try:
+        for data in call:
+            replies.put((data, time.perf_counter()))
+        replies.put(StatusError("UNAVAILABLE", "verifier closed the link"))
+    except grpc.RpcError as exc:
+        replies.put(status_error(exc))
+    except Exception as exc:  # noqa: BLE001 (whatever ends the stream ends the link, with a status)
+        replies.put(StatusError("UNAVAILABLE", f"verifier link failed: {exc}"))
+
+
 class GrpcLink(_Lockstep):
     """A verifier behind gRPC (implements `VerifierLink`); `stub` comes from `verifier_stub`."""
 
@@ -174,21 +188,24 @@ class GrpcLink(_Lockstep):
         self._unanswered: collections.deque[tuple[int, Sequence[Entry]]] = collections.deque()
         self._lock = threading.Lock()
         self.bytes_sent = self.bytes_received = 0
-        self.verifier_step_s = self.verifier_held_s = 0.0
+        self.verifier_step_s = self.link_s = 0.0
 
     def _connect(self) -> None:
         self._requests = queue.SimpleQueue()
         self._call = self.stub.Link(iter(self._requests.get, _END))
-        self._replies = iter(self._call)
+        self._replies = queue.SimpleQueue()
+        threading.Thread(target=_read_replies, args=(self._call, self._replies), name="verifier-link-reader",
+                         daemon=True).start()
 
     def send(self, entries: Sequence[Entry]) -> None:
         with self._lock:
             if self._call is None:
                 self._connect()
+            sent = time.perf_counter()
             self._steps += 1
             data = encode_link_request(self._steps, entries).SerializeToString()
             self.bytes_sent += len(data)
-            self._unanswered.append((self._steps, entries))
+            self._unanswered.append((self._steps, entries, sent))
             self._requests.put(data)
 
     def receive(self, on_notice: OnNotice | None = None) -> list[StepResult]:
@@ -197,10 +214,11 @@ class GrpcLink(_Lockstep):
                 raise StatusError("UNAVAILABLE", "verifier link lost")
             if not self._unanswered:
                 raise RuntimeError("receive() without a message in flight")
-            step, entries = self._unanswered.popleft()
+            step, entries, sent = self._unanswered.popleft()
         noticed = False
         while True:
-            data = self._next_reply()
+            data, arrived = self._next_reply()
+            decoding = time.perf_counter()
             try:
                 reply, feature_data = parse_link_response(data)  # ValueError (a WireError's base) when corrupt
                 if reply.step != step:
@@ -221,24 +239,26 @@ class GrpcLink(_Lockstep):
             if on_notice is not None:
                 on_notice(results)
         self.verifier_step_s = _seconds(reply.step_seconds)
-        self.verifier_held_s = _seconds(reply.held_seconds)
+        held = _seconds(reply.held_seconds)
+        self.link_s = max(arrived - sent - held, 0.0) + time.perf_counter() - decoding if held else 0.0
         return results
 
-    def _next_reply(self) -> bytes:
-        """The next message on the stream; raises StatusError (and drops the link) when it broke."""
+    def _next_reply(self) -> tuple[bytes, float]:
+        """The next message on the stream and when it arrived; raises StatusError (and drops the
+        link) when the stream broke."""
         with self._lock:
             if self._call is None:  # closed meanwhile
                 raise StatusError("UNAVAILABLE", "verifier link lost")
-            try:
-                data = next(self._replies)
-            except grpc.RpcError as exc:
-                self._drop()
-                raise status_error(exc) from None
-            except StopIteration:
-                self._drop()
-                raise StatusError("UNAVAILABLE", "verifier closed the link") from None
+            replies = self._replies
+        item = replies.get()
+        if isinstance(item, StatusError):
+            with self._lock:
+                if self._replies is replies:  # not reconnected meanwhile
+                    self._drop()
+            raise item
+        data, arrived = item
         self.bytes_received += len(data)
-        return data
+        return data, arrived
 
     def probe(self) -> bool:
         try:
@@ -293,7 +313,7 @@ class LocalLink(_Lockstep):
         verifier.runner.take_device_trees(verifier.limits.max_tree_nodes)
         self._sent: collections.deque[_LocalMessage] = collections.deque()
         self.verifier_step_s = 0.0
-        self.verifier_held_s = 0.0  # no wire: nothing to tell apart
+        self.link_s = 0.0  # no wire
 
     @property
     def in_flight(self) -> int:

@@ -199,7 +199,7 @@ class ReplicaLink:
         self.replicas = list(replicas)
         self.check = check  # raises StatusError when a replica that answers does not serve our model
         self.backoff_s = backoff_s  # (first, largest) wait between probes of a replica that does not answer
-        self.verifier_step_s = self.verifier_held_s = 0.0
+        self.verifier_step_s = self.link_s = 0.0
         self._owner: dict[int, int] = {}  # session id -> the replica it is open (or opening) on
         self._inflight: collections.deque[_Message] = collections.deque()  # oldest first
         self._lock = threading.Lock()  # replica states and sessions, shared with the prober
@@ -265,7 +265,7 @@ class ReplicaLink:
         message = self._inflight.popleft()
         replies: dict[int, Iterator[StepResult]] = {}
         self.verifier_step_s = 0.0
-        held = []
+        links = []
         for i in message.parts:
             if i in message.lost:
                 continue
@@ -277,9 +277,8 @@ class ReplicaLink:
                 continue
             replica.backoff_s = 0.0
             self.verifier_step_s = max(self.verifier_step_s, replica.link.verifier_step_s)
-            held.append(replica.link.verifier_held_s)
-        # The link's own time is one reply's round trip less its hold: known for a message one replica answered.
-        self.verifier_held_s = held[0] if len(held) == 1 else 0.0
+            links.append(replica.link.link_s)
+        self.link_s = links[0] if len(links) == 1 else 0.0  # one link's time: for a message one replica answered
         results = []
         for sid, via in message.asked:
             if isinstance(via, LinkLost):

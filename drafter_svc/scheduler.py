@@ -614,8 +614,8 @@ class DraftScheduler:
         message.rpc_span.end()
         rpc_s = time.perf_counter() - message.rpc_started
         metrics.VERIFY_RPC.observe(rpc_s)
-        if self.link.verifier_held_s > 0.0:
-            metrics.LINK.observe(max(rpc_s - self.link.verifier_held_s, 0.0))
+        if self.link.link_s > 0.0:
+            metrics.LINK.observe(self.link.link_s)
         if message.trees:
             self._replies.append(rpc_s)
         ahead = (self._confirm_behind(message.behind, results, message.epochs) if message.behind is not None

@@ -42,7 +42,7 @@ class FakeLink:
         self.sent: list[list] = []
         self.pending: collections.deque = collections.deque()
         self.fail: StatusError | None = None
-        self.verifier_step_s = self.verifier_held_s = 0.0
+        self.verifier_step_s = self.link_s = 0.0
         self.closed = 0
         self.answers = True
 
