@@ -17,7 +17,9 @@ how long; the device's busy fraction (each service's and their union) over a win
 run (by default its middle 40%, away from start-up and drain); the verifier's idle gaps between
 stretches of its device work; its steps from one verify to the next, those with prompt work
 (a prefill, prompt features into draft contexts) apart from the others, and for the others
-where the time between two verifies goes; and an excerpt of the timeline.
+where the time between two verifies goes; over gRPC, where a link message's own time goes
+(encodes, decodes, the way up and the way down, and the verifier's hold); and an excerpt of
+the timeline.
 Measurement only: the wrappers add a few microseconds per call.
 """
 from __future__ import annotations
@@ -279,6 +281,7 @@ def report(directory: str, window: tuple[float, float] = (0.3, 0.7), excerpt_ms:
     out["verifier_gaps_ms"] = ({"count": len(gaps), "mean": sum(gaps) / len(gaps), "p50": gaps[len(gaps) // 2],
                                 "p90": gaps[int(len(gaps) * 0.9)], "max": gaps[-1]} if gaps else {"count": 0})
     out["steps"] = _steps(runs, verifiers, drafter, lo, hi)
+    out["link"] = _link_messages(runs[verifiers[0]][1], runs[drafter][1], lo, hi)
     start = (lo + hi) // 2
     excerpt = []
     for path in [*verifiers, drafter]:
@@ -313,6 +316,61 @@ def _steps(runs: dict, verifiers: list[str], drafter: str, lo: int, hi: int) -> 
             for kind, v in parts.items()}
 
 
+LINK_PARTS = ("encode", "up", "verifier decode", "held", "verifier encode", "down", "down, reply awaited",
+              "drafter decode")
+
+
+def _link_messages(verifier: list, drafter: list, lo: int, hi: int) -> dict:
+    """Over gRPC, where each link message's time went, p50 ms over the messages sent in the window:
+    the drafter's encoding; up (from its end to the verifier's parse: serialisation, the request
+    thread, gRPC, the servicer's read); the verifier's parse and decode; held (to its reply's
+    encoding: the queue and the step); the reply's encoding; down (from its end to the drafter
+    holding the bytes: the hand-off to the event loop, the write, gRPC, and the drafter's read,
+    late when it was drafting), and down for the messages whose reply it was already awaiting;
+    the drafter's parse and decode. Messages pair with the verifier's decodes and encodes in
+    order (one link), and with the drafter's reads past any notice ahead of a reply."""
+    rows = lambda who, name: sorted((a, b) for n, a, b in who if n == name)  # noqa: E731
+    encodes = rows(drafter, "d.encode")
+    if not encodes:
+        return {"count": 0}  # in process: no wire
+    since = lambda spans: [s for s in spans if s[0] >= encodes[0][0]]  # noqa: E731 (this drafter's link)
+    parses, decodes, replies = since(rows(verifier, "v.parse")), since(rows(verifier, "v.decode")), since(
+        rows(verifier, "v.encode"))
+    notices = [a for a, _ in since(rows(verifier, "v.notice"))]
+    reads, drafter_parses, drafter_decodes = rows(drafter, "d.next"), rows(drafter, "d.parse"), rows(drafter, "d.decode")
+    parts: dict[str, list[float]] = {name: [] for name in LINK_PARTS}
+    late = 0
+    read = iter(reads)
+    previous_reply = encodes[0][0]
+    for sent, decoded, reply in zip(encodes, decodes, replies):
+        if any(previous_reply <= t < reply[0] for t in notices):
+            next(read, None)  # the notice's read, ahead of the reply's
+        previous_reply = reply[1]
+        got = next(read, None)
+        if got is None:
+            break
+        if not lo <= sent[0] <= hi:
+            continue
+        parse = max((p for p in parses if sent[1] <= p[0] <= decoded[0]), default=decoded)
+        after = [d for d in drafter_parses if d[0] >= got[1]][:1] + [d for d in drafter_decodes if d[0] >= got[1]][:1]
+        ms = lambda a, b: (b - a) / 1e6  # noqa: E731
+        parts["encode"].append(ms(*sent))
+        parts["up"].append(ms(sent[1], parse[0]))
+        parts["verifier decode"].append(ms(parse[0], decoded[1]))
+        parts["held"].append(ms(decoded[1], reply[0]))
+        parts["verifier encode"].append(ms(*reply))
+        parts["down"].append(ms(reply[1], got[1]))
+        if got[0] <= reply[1]:
+            parts["down, reply awaited"].append(ms(reply[1], got[1]))
+        else:
+            late += 1
+        if len(after) == 2:
+            parts["drafter decode"].append(ms(after[0][0], after[1][1]))
+    count = len(parts["encode"])
+    return {"count": count, "read_late_share": late / count if count else None,
+            **{name: sorted(v)[len(v) // 2] if v else None for name, v in parts.items()}}
+
+
 def print_report(res: dict) -> None:
     print(f"window: {res['window_ms']:.0f} ms of the last drafter's run")
     for role, names in res["services"].items():
@@ -331,6 +389,11 @@ def print_report(res: dict) -> None:
     for kind, step in res.get("steps", {}).items():
         print(f"  {kind:13s} {step['count']:5d} steps" + "".join(f", {name} {value:.3f}" for name, value in step.items()
                                                             if name != "count"))
+    link = res.get("link", {})
+    if link.get("count"):
+        print(f"\na link message over gRPC, p50 ms ({link['count']} messages; the drafter read "
+              f"{link['read_late_share']:.0%} of the replies after they were encoded):")
+        print("  " + ", ".join(f"{name} {link[name]:.3f}" for name in LINK_PARTS if link.get(name) is not None))
     print("\nexcerpt (ms from the window's middle; the drafter's rows indented)")
     for a, b, role, name in res["excerpt"]:
         print(f"{'' if role == 'verifier' else ' ' * 36}{a:8.2f} {b:8.2f} {b - a:6.2f} {name}")

@@ -92,3 +92,35 @@ def test_report_splits_steps_by_prompt_work(tmp_path):
     assert without["count"] == 6 and without["period"] == pytest.approx(10.0)
     assert without["verify"] == pytest.approx(6.0) and without["verify end -> draft"] == pytest.approx(0.0)
     assert without["draft"] == pytest.approx(2.0) and without["draft end -> next verify"] == pytest.approx(2.0)
+
+
+def test_report_splits_each_link_message_over_grpc(tmp_path):
+    """Per message over gRPC: the drafter's encode, up to the verifier's parse, its decode, the
+    hold, the reply's encode, down to the drafter's read (late when it was drafting), and the
+    drafter's decode; a notice's read ahead of a reply is skipped."""
+    verifier, drafter = [], []
+    for k in range(10):  # a message every 10 ms
+        t = k * 10 * MS
+        drafter += [["d.send", t, t + MS], ["d.encode", t, t + MS // 2]]
+        verifier += [["v.parse", t + MS, t + MS + MS // 10], ["v.decode", t + MS + MS // 10, t + 2 * MS],
+                     ["v.encode", t + 6 * MS, t + 7 * MS]]
+        if k == 4:  # a notice ahead of this reply, read first
+            verifier.append(["v.notice", t + 5 * MS, t + 5 * MS + MS // 10])
+            drafter.append(["d.next", t + 5 * MS, t + 5 * MS + MS // 2])
+        read_from = t + 8 * MS if k % 2 else t + 3 * MS  # odd messages: read after the reply was encoded
+        drafter += [["d.next", read_from, t + 9 * MS], ["d.parse", t + 9 * MS, t + 9 * MS + MS // 10],
+                    ["d.decode", t + 9 * MS + MS // 10, t + 9 * MS + MS // 2]]
+    write(tmp_path / "1.jsonl", "verifier", verifier)
+    write(tmp_path / "2.jsonl", "drafter", drafter)
+    link = report(str(tmp_path), (0.0, 1.0))["link"]
+    assert link["count"] == 10 and link["read_late_share"] == pytest.approx(0.5)
+    assert link["encode"] == pytest.approx(0.5) and link["up"] == pytest.approx(0.5)
+    assert link["verifier decode"] == pytest.approx(1.0) and link["held"] == pytest.approx(4.0)
+    assert link["verifier encode"] == pytest.approx(1.0) and link["down"] == pytest.approx(2.0)
+    assert link["down, reply awaited"] == pytest.approx(2.0) and link["drafter decode"] == pytest.approx(0.5)
+
+
+def test_report_has_no_link_split_in_process(tmp_path):
+    write(tmp_path / "1.jsonl", "verifier", [["g.verify", 0, 100 * MS]])
+    write(tmp_path / "2.jsonl", "drafter", [["d.send", 0, MS], ["d.send", 10 * MS, 11 * MS]])
+    assert report(str(tmp_path), (0.0, 1.0))["link"] == {"count": 0}
