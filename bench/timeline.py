@@ -337,7 +337,8 @@ def _link_messages(verifier: list, drafter: list, lo: int, hi: int) -> dict:
     parses, decodes, replies = since(rows(verifier, "v.parse")), since(rows(verifier, "v.decode")), since(
         rows(verifier, "v.encode"))
     notices = [a for a, _ in since(rows(verifier, "v.notice"))]
-    reads, drafter_parses, drafter_decodes = rows(drafter, "d.next"), rows(drafter, "d.parse"), rows(drafter, "d.decode")
+    reads, drafter_parses = rows(drafter, "d.next"), rows(drafter, "d.parse")
+    drafter_decodes = rows(drafter, "d.decode")
     parts: dict[str, list[float]] = {name: [] for name in LINK_PARTS}
     late = 0
     read = iter(reads)

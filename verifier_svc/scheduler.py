@@ -59,7 +59,7 @@ class LinkStep:
     future: asyncio.Future | None = None  # its reply (an EncodedReply)
     notice: asyncio.Future | None = None  # for a message that ends a prompt: the notice ahead of its reply, or None
     received_bytes: int = 0
-    decoded: float = field(default_factory=time.perf_counter)  # when its message was decoded (LinkResponse.held_seconds)
+    decoded: float = field(default_factory=time.perf_counter)  # its message decoded (LinkResponse.held_seconds)
 
     @property
     def ends_prompts(self) -> bool:
