@@ -185,7 +185,8 @@ class GrpcLink(_Lockstep):
         self._call = None
         self._replies = None
         self._steps = 0
-        self._unanswered: collections.deque[tuple[int, Sequence[Entry]]] = collections.deque()
+        # (step, entries, when it was sent) of each message not yet answered, oldest first
+        self._unanswered: collections.deque[tuple[int, Sequence[Entry], float]] = collections.deque()
         self._lock = threading.Lock()
         self.bytes_sent = self.bytes_received = 0
         self.verifier_step_s = self.link_s = 0.0
@@ -253,9 +254,10 @@ class GrpcLink(_Lockstep):
         item = replies.get()
         if isinstance(item, StatusError):
             with self._lock:
-                if self._replies is replies:  # not reconnected meanwhile
+                closed = self._call is None or self._replies is not replies  # closed (or reconnected) meanwhile
+                if not closed:
                     self._drop()
-            raise item
+            raise StatusError("UNAVAILABLE", "verifier link lost") if closed else item
         data, arrived = item
         self.bytes_received += len(data)
         return data, arrived

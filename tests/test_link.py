@@ -3,9 +3,11 @@ the link codec's round trip: nothing from the wire reaches the draft model unche
 from __future__ import annotations
 
 import collections
+import threading
 import time
 import types
 
+import grpc
 import numpy as np
 import pytest
 import torch
@@ -431,3 +433,54 @@ def test_local_link_verifies_between_send_and_receive():
     assert [r.session_id for r in link.receive()] == [1]
     link.close()
     assert verifier.calls[-2:] == [("finish", [4]), ("close", "local")] and link.in_flight == 0
+
+
+class _Cancelled(grpc.RpcError):
+    def code(self):
+        return grpc.StatusCode.CANCELLED
+
+    def details(self):
+        return "Locally cancelled by application!"
+
+
+class _SilentCall:
+    """A Link stream that answers nothing until cancelled, then fails as gRPC's does."""
+
+    def __init__(self):
+        self.cancelled = threading.Event()
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        self.cancelled.wait(10)
+        raise _Cancelled()
+
+    def cancel(self):
+        self.cancelled.set()
+
+
+def test_closing_the_link_ends_a_receive_that_waits():
+    """A receive waiting on the stream's reader thread ends when another thread closes the link,
+    with UNAVAILABLE ("verifier link lost"), not the cancellation's own status."""
+    from drafter_svc.link import GrpcLink
+
+    stub = types.SimpleNamespace(call=_SilentCall())
+    stub.Link = lambda requests: stub.call
+    link = GrpcLink(stub, vocab_size=VOCAB, feature_dim=WIDTH, max_seq_len=64)
+    link.send([TreeEntry(1, 1, chain([3, 4]))])
+    errors = []
+    waiter = threading.Thread(target=lambda: _catch(link.receive, errors))
+    waiter.start()
+    time.sleep(0.1)
+    link.close()
+    waiter.join(5)
+    assert not waiter.is_alive() and stub.call.cancelled.is_set()
+    assert len(errors) == 1 and errors[0].status == "UNAVAILABLE" and "link lost" in str(errors[0])
+
+
+def _catch(fn, errors):
+    try:
+        fn()
+    except StatusError as exc:
+        errors.append(exc)
