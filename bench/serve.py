@@ -620,7 +620,8 @@ def step_breakdown(before: dict[str, float], after: dict[str, float], wall: floa
     """Per link message over a run (ms: each part's total time / the messages): the drafter's draft
     and tree build, its round trip (rpc), the link's own part of it (gRPC and codecs, where there
     is a wire) and the verifier's steps (vstep); step = wall / messages, other = step - draft -
-    build - rpc, queue = rpc - vstep - link (the verifier's wait behind other steps, and hand-offs),
+    build - rpc, queue = rpc - vstep - link (the verifier's wait behind other steps, hand-offs, and a
+    reply's wait for the drafter's read),
     link_share = link / step; rounds_per_s: the sessions' verify rounds a second; tree_messages and
     trees_per_message: the messages that carry trees, and their mean sessions; compiles and
     compile_ms: the kernel compiles while serving in the run (each stalled a step) and their time."""
@@ -795,7 +796,7 @@ def print_table(result: dict) -> None:
           "rpc = its link round trips; vstep = the verifier's steps, vfwd = their batched verifies (forward, "
           "accept, KV compaction); link = gRPC and the codecs at both ends (rpc less the time the verifier held "
           "the message; no wire in process), link% = link / step; queue = rpc - vstep - link (waiting in the "
-          "verifier behind other steps, hand-offs); other = step - draft - build - rpc (the drafter's scheduling "
+          "verifier behind other steps, hand-offs, a reply waiting for the drafter's read); other = step - draft - build - rpc (the drafter's scheduling "
           "and deliveries); rnd/s = the sessions' verify rounds a second; trees = the mean sessions with a tree in "
           "the messages that carry trees (tmsgs of them); comp, comp-ms = kernel compiles while "
           "serving during the run (each stalled a step; the services' logs name them) and their time")
