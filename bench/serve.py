@@ -796,8 +796,8 @@ def print_table(result: dict) -> None:
           "rpc = its link round trips; vstep = the verifier's steps, vfwd = their batched verifies (forward, "
           "accept, KV compaction); link = gRPC and the codecs at both ends (rpc less the time the verifier held "
           "the message; no wire in process), link% = link / step; queue = rpc - vstep - link (waiting in the "
-          "verifier behind other steps, hand-offs, a reply waiting for the drafter's read); other = step - draft - build - rpc (the drafter's scheduling "
-          "and deliveries); rnd/s = the sessions' verify rounds a second; trees = the mean sessions with a tree in "
+          "verifier behind other steps, hand-offs, a reply waiting for the drafter's read); other = step - draft - "
+          "build - rpc (the drafter's scheduling and deliveries); rnd/s = the sessions' verify rounds a second; trees = the mean sessions with a tree in "
           "the messages that carry trees (tmsgs of them); comp, comp-ms = kernel compiles while "
           "serving during the run (each stalled a step; the services' logs name them) and their time")
     head = [("setting", 16), ("mode", 5), ("N", 4), ("msgs", 6), ("step", 7), ("draft", 7), ("build", 7),
