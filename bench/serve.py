@@ -797,9 +797,10 @@ def print_table(result: dict) -> None:
           "accept, KV compaction); link = gRPC and the codecs at both ends (rpc less the time the verifier held "
           "the message; no wire in process), link% = link / step; queue = rpc - vstep - link (waiting in the "
           "verifier behind other steps, hand-offs, a reply waiting for the drafter's read); other = step - draft - "
-          "build - rpc (the drafter's scheduling and deliveries); rnd/s = the sessions' verify rounds a second; trees = the mean sessions with a tree in "
-          "the messages that carry trees (tmsgs of them); comp, comp-ms = kernel compiles while "
-          "serving during the run (each stalled a step; the services' logs name them) and their time")
+          "build - rpc (the drafter's scheduling and deliveries); rnd/s = the sessions' verify rounds a second; "
+          "trees = the mean sessions with a tree in the messages that carry trees (tmsgs of them); comp, comp-ms = "
+          "kernel compiles while serving during the run (each stalled a step; the services' logs name them) "
+          "and their time")
     head = [("setting", 16), ("mode", 5), ("N", 4), ("msgs", 6), ("step", 7), ("draft", 7), ("build", 7),
             ("rpc", 7), ("vstep", 7), ("vfwd", 7), ("link", 7), ("link%", 6), ("queue", 7), ("other", 7),
             ("rnd/s", 7), ("tmsgs", 6), ("trees", 6), ("comp", 5), ("comp-ms", 8)]
