@@ -52,14 +52,13 @@ def describe(kwargs: dict) -> str:
     if not isinstance(info, dict) or fn is None:
         return str(kwargs.get("repr"))
     parts = [f"{getattr(fn, 'name', fn)} num_warps={info.get('num_warps')}"]
-    for label, key in (("constants", "constants"), ("signature", "signature")):
+    for key in ("constants", "signature"):
         if info.get(key):
-            parts.append(f"{label} {info[key]}")
+            parts.append(f"{key} {info[key]}")
     configs = info.get("configs") or ()
     if configs and configs[0]:
         parts.append(f"attributes {configs[0]}")
     return "; ".join(parts)[:_DESCRIPTION_CHARS]
-
 
 
 def _chained(first, then):

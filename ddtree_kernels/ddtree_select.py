@@ -29,12 +29,12 @@ gets the count -1: the caller raises, as the host path does.
 """
 from __future__ import annotations
 
-import inspect
-
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+
+from ddtree_kernels.tree_sampling import unspecialised
 
 # Widths (the step's largest budget) the kernel takes: each pop costs a few reductions over
 # about 2 x width lanes, so far wider trees are left to the host path.
@@ -50,13 +50,8 @@ def _lanes(width: int) -> int:
 # no pointer on its alignment (a step's roots and budgets are the two rows of one [2, S] buffer,
 # so at an odd S the budgets start 8 bytes off a 16-byte boundary, and such a step compiled a
 # variant of its own while serving).
-_UNSPECIALISED = {"do_not_specialize": ["D", "K", "W", "OUT_W"]}
-if "do_not_specialize_on_alignment" in inspect.signature(triton.jit).parameters:
-    _UNSPECIALISED["do_not_specialize_on_alignment"] = ["logq_ptr", "tok_ptr", "budget_ptr", "root_ptr", "out_ptr",
-                                                        "score_ptr"]
-
-
-@triton.jit(**_UNSPECIALISED)
+@triton.jit(**unspecialised(["D", "K", "W", "OUT_W"],
+                            ["logq_ptr", "tok_ptr", "budget_ptr", "root_ptr", "out_ptr", "score_ptr"]))
 def _select_kernel(logq_ptr, tok_ptr, budget_ptr, root_ptr, out_ptr, score_ptr, D, K, W, OUT_W,
                    DEPTHS: tl.constexpr, FRONT: tl.constexpr, NODES: tl.constexpr):
     s = tl.program_id(0).to(tl.int64)

@@ -19,12 +19,12 @@ count of -1 (draft logits with a NaN) leaves the root alone.
 """
 from __future__ import annotations
 
-import inspect
-
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+
+from ddtree_kernels.tree_sampling import unspecialised
 
 MAX_BLOCK = 128  # widest tree tile a program takes; wider trees take the reference path
 
@@ -32,13 +32,9 @@ MAX_BLOCK = 128  # widest tree tile a program takes; wider trees take the refere
 # its alignment. `BatchInputs` packs a step's fields in one buffer, so in the (1 tree, 1 node)
 # bucket (one session at the adaptive budget's budget 0) some start 8 bytes off a 16-byte
 # boundary, and the first such step compiled a variant of its own while serving.
-_UNSPECIALISED = {"do_not_specialize": ["R", "STRIDE", "T", "WIDTH", "MAX_DEPTH"]}
-if "do_not_specialize_on_alignment" in inspect.signature(triton.jit).parameters:
-    _UNSPECIALISED["do_not_specialize_on_alignment"] = ["tok_ptr", "par_ptr", "cnt_ptr", "rows_ptr", "out_tok",
-                                                        "out_pos", "out_next", "out_sib", "past_ptr", "mask_ptr"]
-
-
-@triton.jit(**_UNSPECIALISED)
+@triton.jit(**unspecialised(["R", "STRIDE", "T", "WIDTH", "MAX_DEPTH"],
+                            ["tok_ptr", "par_ptr", "cnt_ptr", "rows_ptr", "out_tok", "out_pos", "out_next", "out_sib",
+                             "past_ptr", "mask_ptr"]))
 def _place_kernel(tok_ptr, par_ptr, cnt_ptr, rows_ptr, R, STRIDE, out_tok, out_pos, out_next, out_sib, past_ptr,
                   mask_ptr, T, WIDTH, MAX_DEPTH, BLOCK: tl.constexpr):
     r = tl.program_id(0)

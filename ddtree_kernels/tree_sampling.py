@@ -46,6 +46,21 @@ def kernel_backend(device: torch.device) -> str:
     return "triton" if device.type == "cuda" else "reference"
 
 
+def unspecialised(ints: list[str], pointers: list[str]) -> dict:
+    """`triton.jit` options for a kernel compiled once for every step: no integer in `ints` is
+    specialised on its value, and no pointer in `pointers` on its alignment (where this Triton
+    can say so), since a step's views into packed buffers may start off a 16-byte boundary and
+    such a step would compile a variant of its own while serving."""
+    import inspect
+
+    import triton
+
+    options: dict = {"do_not_specialize": ints}
+    if "do_not_specialize_on_alignment" in inspect.signature(triton.jit).parameters:
+        options["do_not_specialize_on_alignment"] = pointers
+    return options
+
+
 # ---------------------------------------------------------------------------------------
 # Argument checking.
 # ---------------------------------------------------------------------------------------
