@@ -6,7 +6,8 @@ acceptance rate. With `--bench-oracle FILE` the drafter still runs its real draf
 own greedy continuation up to a random depth: at depth d = 1, 2, ... the true next token is
 made the top candidate with probability `accept_prob` each, until the first miss, where it
 is removed (so the verifier rejects there). A greedy chain then accepts sum_d p^d tokens on
-average, i.e. τ = 1 + p (1 - p^D) / (1 - p) tokens per round for D = block_size - 1.
+average, i.e. τ = 1 + p (1 - p^D) / (1 - p) tokens per round for D = block_size - 1. The edited
+block is a calibrated draft of that acceptance (see `__call__`).
 
 The file is JSON: {"accept_prob": p, "seed": s, "continuations": [{"prompt_token_ids": [...],
 "tokens": [...]}, ...]}, the continuations taken from a plain greedy pass over the same
@@ -103,10 +104,18 @@ class ControlledAcceptance:
                  ) -> Callable[[torch.Tensor], None] | None:
         """Decide the edits of a draft step's block logits [S, depths, V] for sessions with a known
         continuation (the scheduler asks once the step is queued, so this runs while the device
-        drafts); returns what applies them (two scatters for the whole batch, queued behind the
-        step), or None when there is nothing to edit. Each (prompt, output length) draws its own
-        coins, so a session's edits do not depend on the batch it is in."""
-        hits, misses = [], []  # (session, depth, token)
+        drafts); returns what applies them (a few batched operations queued behind the step, no
+        wait), or None when there is nothing to edit. Each (prompt, output length) draws its own
+        coins, so a session's edits do not depend on the batch it is in.
+
+        Every depth of an edited session's block is replaced by a calibrated draft of this
+        acceptance: the top candidate has probability `accept_prob` (the continuation's next token
+        up to the run; at the miss, where the true token is removed, and past it, another one)
+        and the others share the rest evenly. Its path probabilities are then what the
+        acceptance makes of them on average: they neither tell where a run ends nor give the
+        other candidates, which this acceptance never takes, a chance; the adaptive budget
+        weighs trees as it would with a calibrated real draft."""
+        table = []  # per edited session: its row, its run, and the continuation's next `depths` tokens (-1 past it)
         for i, (prompt, out) in enumerate(zip(prompts, emitted)):
             entry = self._follow(prompt)
             truth = entry.truth
@@ -115,18 +124,26 @@ class ControlledAcceptance:
                 continue
             span = min(depths, len(truth) - n)
             run = self._run(hash((self.seed, len(prompt), n, tuple(prompt[-8:]))), span)
-            hits += [(i, d, truth[n + d]) for d in range(run)]
-            if run < span:
-                misses.append((i, run, truth[n + run]))
-        if not hits and not misses:
+            table.append([i, run, *truth[n: n + span], *([-1] * (depths - span))])
+        if not table:
             return None
-        edits = [h + (True,) for h in hits] + [m + (False,) for m in misses]
+        p = min(max(self.accept_prob, 1e-6), 1.0 - 1e-6)
 
         @torch.inference_mode()  # the block logits are inference tensors
         def apply(logits: torch.Tensor) -> None:
-            # One asynchronous copy of every edit (no wait for the draft forward); a (session, depth)
-            # is edited at most once, so one scatter applies them all.
-            i, d, t, hit = to_device(edits, logits.device, torch.int64).T
-            logits[i, d, t] = torch.where(hit.bool(), logits[i, d].amax(-1) + 10.0, float("-inf")).to(logits.dtype)
+            # The others' logits 0 and the top's log(p / (1 - p) * (V - 1)): P(top) = p. Only
+            # operations that queue without waiting for the device (no indexed assignment of a
+            # Python number, whose value would be copied from the host).
+            boost = math.log(p / (1.0 - p) * (logits.shape[-1] - 1))
+            packed = to_device(table, logits.device, torch.int64)  # one asynchronous copy, no wait
+            rows, run, truth = packed[:, 0], packed[:, 1:2], packed[:, 2:]
+            depth = torch.arange(truth.shape[1], device=logits.device)
+            top = torch.where(depth < run, truth, torch.where(truth == 0, 1, 0))  # past the run, not the true one
+            miss = (depth == run) & (truth >= 0)
+            block = torch.zeros(len(table), *logits.shape[1:], dtype=logits.dtype, device=logits.device)
+            block.scatter_(-1, top[..., None], boost)
+            gone = torch.where(miss, truth, top)[..., None]  # the miss's true token, else the top again
+            block.scatter_(-1, gone, torch.where(miss[..., None], float("-inf"), block.gather(-1, gone)))
+            logits.index_copy_(0, rows, block)
 
         return apply

@@ -50,3 +50,31 @@ def test_edits_follow_the_continuation_and_stop_where_the_output_leaves_it():
     wrong.append(truth[4])  # grows after leaving it: still none
     assert hook([prompt], [wrong], 6) is None
     assert hook([[9, 9]], [[1]], 6) is None  # no continuation known
+
+
+@pytest.mark.parametrize("p", [0.3, 0.8445])
+def test_edited_depths_are_a_calibrated_draft(p):
+    """Every depth of an edited session has a top candidate of probability p (the true token up
+    to the run, another one at the miss, whose true token is gone, and past it) and the other
+    candidates share the rest evenly; a session without a continuation keeps its logits."""
+    torch.manual_seed(0)
+    truth = list(range(100, 140))
+    prompt, unknown = [1, 2, 3], [7, 7]
+    hook = ControlledAcceptance(p, {tuple(prompt): truth}, seed=3)
+    misses = 0
+    for n in range(1, 36, 2):
+        logits = torch.randn(2, 8, 300) * 2.0
+        raw = logits.clone()
+        hook([prompt, unknown], [truth[:n], [5]], 8)(logits)
+        assert torch.equal(logits[1], raw[1])
+        probs = logits[0].softmax(-1)
+        best, top = probs.topk(2, -1)
+        assert torch.allclose(best[:, 0], torch.full((8,), p), atol=1e-3)
+        assert torch.allclose(best[:, 1], (1 - best[:, 0]) / ((probs > 0).sum(-1) - 1))  # the rest, evenly
+        span = min(8, len(truth) - n)
+        run = next((d for d in range(span) if top[d, 0] != truth[n + d]), span)
+        assert top[:run, 0].tolist() == truth[n: n + run]
+        if run < span:  # the miss: its true token is gone
+            assert probs[run, truth[n + run]] == 0.0
+            misses += 1
+    assert misses > 0
