@@ -11,7 +11,10 @@ where gain_s(b) is the sum of the draft's path probabilities of the tree's first
 (`common.tree.expected_gains`: the accepted length if the draft were calibrated), alpha
 calibrates that against the acceptance observed, verify(B, T) is the verifier's measured
 step time for B sessions of T nodes (its cost table, `InfoResponse.verify_costs`), and
-overhead is the rest of a step (draft, tree build, link) as observed. Budget 0 (plain
+overhead is the rest of a step (draft, tree build, link) as observed. With messages of trees
+in flight side by side (pipelined rounds) a step's cost is the time between two replies, not
+its own round trip, which also holds the other messages' verifies: counted as overhead, those
+would make big trees look cheap. Budget 0 (plain
 decoding) is always a candidate, so speculation never plans to be slower than plain
 batched decoding; while it is chosen, every `explore_every`-th step uses the smallest
 non-zero candidate so that alpha keeps being measured.
@@ -121,8 +124,8 @@ class BudgetPlanner:
         return BudgetChoice(best, batch, max(floor_nodes, 1 + min(best, cap)), gain(best))
 
     def observe(self, choice: BudgetChoice, step_s: float, accepted: int) -> None:
-        """What the step took (from drafting to its reply) and how many drafted tokens its
-        sessions got accepted."""
+        """What the step cost (from drafting to its reply, or pipelined, from the previous reply
+        to its own) and how many drafted tokens its sessions got accepted."""
         a = self.smoothing
         bucket = self._bucket(choice.batch)
         rest = max(0.0, step_s - self.verify_time(choice.batch, choice.nodes))

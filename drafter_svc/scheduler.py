@@ -322,6 +322,7 @@ class DraftScheduler:
         self._prompt_tokens = 0  # prompt tokens sent since the last message of trees (within prefill_chunk)
         # How long the last messages with trees took from their send to their reply (`_take_arrivals`).
         self._replies: collections.deque[float] = collections.deque(maxlen=8)
+        self._last_trees_reply = float("-inf")  # when the last message with trees was answered (perf_counter)
         # After the link fails with UNAVAILABLE, sessions re-open for this long (0: they fail).
         self.recovery_timeout_s = recovery_timeout_s
         self._retry_at = 0.0  # no opens before this (backoff after a failed link)
@@ -631,12 +632,18 @@ class DraftScheduler:
         self._set_link(self.link.up)
         with trace.use_span(message.step_span, end_on_exit=True):
             self._apply(results, message.rounds, timing, message.epochs, ahead)
+        now = time.perf_counter()
         if message.budget is not None:
             adapted = {s.sid for s in message.sessions if self._adapts(s)}
             accepted = sum(len(r.outcome.accepted_tokens) for r in results
                            if isinstance(r.outcome, Verified) and r.session_id in adapted)
-            self.planner.observe(message.budget, time.perf_counter() - message.started, accepted)
-        metrics.STEP.observe(time.perf_counter() - message.started)
+            # What the step cost the pipeline: its own round trip, or with messages of trees in
+            # flight side by side the time since the last one's reply (the round trip then also
+            # holds the other messages' verifies, which grow with the budget too).
+            self.planner.observe(message.budget, min(now - message.started, now - self._last_trees_reply), accepted)
+        if message.trees:
+            self._last_trees_reply = now
+        metrics.STEP.observe(now - message.started)
 
     def _adapts(self, s: _Session) -> bool:
         """Whether the adaptive budget may cut this session's DDTree."""

@@ -1,6 +1,7 @@
 """The engine's invariants on tiny random checkpoints: greedy == autoregressive, seeds,
 alone and batched with other sessions (the same scheduler and verifier step as the services)."""
 import collections
+import time
 import dataclasses
 
 import pytest
@@ -182,6 +183,48 @@ def test_pipelining_starts_from_its_session_count(engine, min_sessions, most):
     scheduler.run_until_idle()
     assert [end["items"][-1].tokens for end in ends] == [alone.tokens for alone in lockstep]
     assert link.most == most
+
+
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_the_adaptive_budget_observes_what_a_step_costs_the_pipeline(engine, pipelined):
+    """The planner is given what a step costs: in lockstep its round trip; pipelined (two
+    messages of trees in flight) the time since the previous reply, about half a message's
+    round trip, which holds the other message's verify too (the link waits 40 ms a reply)."""
+    from drafter_svc.budget import BudgetPlanner
+    from drafter_svc.link import LocalLink
+
+    class PacedLink(LocalLink):
+        sent = collections.deque()
+        trips = []  # each message of trees: its send to its reply
+
+        def send(self, entries):
+            super().send(entries)
+            self.sent.append(time.perf_counter() if any(isinstance(e, TreeEntry) for e in entries) else None)
+
+        def receive(self, on_notice=None):
+            time.sleep(0.04)
+            results = super().receive(on_notice)
+            if (sent := self.sent.popleft()) is not None:
+                self.trips.append(time.perf_counter() - sent)
+            return results
+
+    planner = BudgetPlanner({(b, t): 1e-4 for b in (1, 2, 4) for t in (1, 8, 16)})
+    observed = []
+    observe = planner.observe
+    planner.observe = lambda choice, step_s, accepted: observed.append(step_s) or observe(choice, step_s, accepted)
+    requests = [(PROMPTS[i % len(PROMPTS)] + [i], GenerationConfig(N, mode=DraftMode("tree", 8))) for i in range(4)]
+    scheduler = _scheduler(engine, engine.proposer, pipelined=pipelined, planner=planner)
+    scheduler.link = link = PacedLink(engine.verifier)
+    ends = _ends(scheduler, requests)
+    scheduler.run_until_idle()
+    assert all(len(end["items"][-1].tokens) == N for end in ends)
+    assert len(observed) >= 8 and len(link.trips) >= 8
+
+    def median(values):
+        return sorted(values)[len(values) // 2]
+
+    ratio = median(observed[2:-2]) / median(link.trips[2:-2])
+    assert ratio < 0.8 if pipelined else ratio >= 1.0
 
 
 def test_sessions_recover_from_a_lost_verifier_link(engine):
