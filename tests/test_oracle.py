@@ -62,7 +62,7 @@ def test_edited_depths_are_a_calibrated_draft(p):
     prompt, unknown = [1, 2, 3], [7, 7]
     hook = ControlledAcceptance(p, {tuple(prompt): truth}, seed=3)
     misses = 0
-    for n in range(1, 36, 2):
+    for n in [*range(1, 41, 2), 40]:  # to the continuation's end (span 0)
         logits = torch.randn(2, 8, 300) * 2.0
         raw = logits.clone()
         hook([prompt, unknown], [truth[:n], [5]], 8)(logits)
