@@ -592,15 +592,16 @@ STEP_PARTS = {"draft": "ddtree_drafter_draft_seconds", "build": "ddtree_drafter_
 COMPILES, COMPILE_SECONDS = "ddtree_kernel_compiles_total", "ddtree_kernel_compile_seconds_sum"
 ROUNDS = "ddtree_drafter_rounds_total"  # verify rounds that emitted tokens, summed over the sessions
 TREES = "ddtree_drafter_step_batch_size"  # sessions with a tree in each message that carries trees
+BUDGET = "ddtree_drafter_tree_budget"  # the adaptive budget's choice per message (only with a planner)
 
 
 def scrape(urls: list[str]) -> dict[str, float]:
-    """The _sum and _count samples of the STEP_PARTS and TREES histograms at these /metrics URLs, the
+    """The _sum and _count samples of the STEP_PARTS, TREES and BUDGET histograms at these /metrics URLs, the
     drafters' rounds (ROUNDS) and the kernel compiles while serving (COMPILES, COMPILE_SECONDS),
     these three summed over the URLs."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    wanted = {*STEP_PARTS.values(), TREES}
+    wanted = {*STEP_PARTS.values(), TREES, BUDGET}
     values: dict[str, float] = {COMPILES: 0.0, COMPILE_SECONDS: 0.0, ROUNDS: 0.0}
     for url in urls:
         with urllib.request.urlopen(url, timeout=10) as reply:
@@ -623,7 +624,8 @@ def step_breakdown(before: dict[str, float], after: dict[str, float], wall: floa
     build - rpc, queue = rpc - vstep - link (the verifier's wait behind other steps, hand-offs, and a
     reply's wait for the drafter's read),
     link_share = link / step; rounds_per_s: the sessions' verify rounds a second; tree_messages and
-    trees_per_message: the messages that carry trees, and their mean sessions; compiles and
+    trees_per_message: the messages that carry trees, and their mean sessions; budget: the adaptive
+    budget's mean choice (None without one); compiles and
     compile_ms: the kernel compiles while serving in the run (each stalled a step) and their time."""
     messages = after.get(STEP_PARTS["rpc"] + "_count", 0.0) - before.get(STEP_PARTS["rpc"] + "_count", 0.0)
 
@@ -646,6 +648,8 @@ def step_breakdown(before: dict[str, float], after: dict[str, float], wall: floa
     out["tree_messages"] = tree_messages
     out["trees_per_message"] = ((after.get(TREES + "_sum", 0.0) - before.get(TREES + "_sum", 0.0)) / tree_messages
                                 if tree_messages else None)
+    chosen = after.get(BUDGET + "_count", 0.0) - before.get(BUDGET + "_count", 0.0)
+    out["budget"] = ((after[BUDGET + "_sum"] - before.get(BUDGET + "_sum", 0.0)) / chosen if chosen else None)
     out["compiles"] = after.get(COMPILES, 0.0) - before.get(COMPILES, 0.0)
     out["compile_ms"] = 1e3 * (after.get(COMPILE_SECONDS, 0.0) - before.get(COMPILE_SECONDS, 0.0))
     return out
@@ -798,12 +802,13 @@ def print_table(result: dict) -> None:
           "the message; no wire in process), link% = link / step; queue = rpc - vstep - link (waiting in the "
           "verifier behind other steps, hand-offs, a reply waiting for the drafter's read); other = step - draft - "
           "build - rpc (the drafter's scheduling and deliveries); rnd/s = the sessions' verify rounds a second; "
-          "trees = the mean sessions with a tree in the messages that carry trees (tmsgs of them); comp, comp-ms = "
+          "trees = the mean sessions with a tree in the messages that carry trees (tmsgs of them); budget = the "
+          "adaptive budget's mean choice (drafted nodes a tree keeps at most); comp, comp-ms = "
           "kernel compiles while serving during the run (each stalled a step; the services' logs name them) "
           "and their time")
     head = [("setting", 16), ("mode", 5), ("N", 4), ("msgs", 6), ("step", 7), ("draft", 7), ("build", 7),
             ("rpc", 7), ("vstep", 7), ("vfwd", 7), ("link", 7), ("link%", 6), ("queue", 7), ("other", 7),
-            ("rnd/s", 7), ("tmsgs", 6), ("trees", 6), ("comp", 5), ("comp-ms", 8)]
+            ("rnd/s", 7), ("tmsgs", 6), ("trees", 6), ("budget", 6), ("comp", 5), ("comp-ms", 8)]
     print(" ".join(f"{h:>{w}}" for h, w in head))
     for r in result["runs"]:
         b = r.get("step_breakdown") or {}
@@ -815,7 +820,7 @@ def print_table(result: dict) -> None:
                  _cell(share, 6, 1), _cell(b.get("queue_ms"), 7, 2), _cell(b.get("other_ms"), 7, 2),
                  _cell(b.get("rounds_per_s"), 7, 0),
                  _cell(int(b["tree_messages"]) if "tree_messages" in b else None, 6),
-                 _cell(b.get("trees_per_message"), 6, 1),
+                 _cell(b.get("trees_per_message"), 6, 1), _cell(b.get("budget"), 6, 1),
                  _cell(int(b["compiles"]) if "compiles" in b else None, 5), _cell(b.get("compile_ms"), 8, 1)]
         print(" ".join(cells))
     if result.get("repeat_summary"):

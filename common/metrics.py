@@ -71,6 +71,13 @@ STEP = Histogram("ddtree_drafter_step_seconds",
                  "a round of its sessions", buckets=_STAGE)
 STEP_BATCH_SIZE = Histogram("ddtree_drafter_step_batch_size", "Sessions with a tree in one link message",
                             buckets=_BATCH)
+TREE_BUDGET = Histogram("ddtree_drafter_tree_budget",
+                        "The adaptive budget's choice for one link message: the drafted nodes its trees keep at "
+                        "most (0 = plain decoding); observed only with --adaptive-budget",
+                        buckets=(0, 7, 15, 31, 63, 127, 255, 511, 1023))
+BUDGET_CALIBRATION = Gauge("ddtree_drafter_budget_calibration",
+                           "The adaptive budget's calibration: drafted tokens accepted over those the draft's "
+                           "probabilities promised, smoothed (1 = a calibrated draft); set with --adaptive-budget")
 
 # -- verifier (hooks in verifier_svc/scheduler.py; gauges set in verifier_svc/server.py) -------------
 

@@ -641,6 +641,7 @@ class DraftScheduler:
             # flight side by side the time since the last one's reply (the round trip then also
             # holds the other messages' verifies, which grow with the budget too).
             self.planner.observe(message.budget, min(now - message.started, now - self._last_trees_reply), accepted)
+            metrics.BUDGET_CALIBRATION.set(self.planner.alpha)
         if message.trees:
             self._last_trees_reply = now
         metrics.STEP.observe(now - message.started)
@@ -821,6 +822,7 @@ class DraftScheduler:
                 budget = built.choice
                 if budget is not None:
                     trace.get_current_span().set_attribute("tree.budget", budget.budget)
+                    metrics.TREE_BUDGET.observe(budget.budget)
             build_s = time.perf_counter() - drafted
             metrics.TREE_BUILD.observe(build_s)
             for i, s, tree, gains in zip(busy, sessions, built.trees, built.gains):

@@ -189,7 +189,10 @@ def test_pipelining_starts_from_its_session_count(engine, min_sessions, most):
 def test_the_adaptive_budget_observes_what_a_step_costs_the_pipeline(engine, pipelined):
     """The planner is given what a step costs: in lockstep its round trip; pipelined (two
     messages of trees in flight) the time since the previous reply, about half a message's
-    round trip, which holds the other message's verify too (the link waits 40 ms a reply)."""
+    round trip, which holds the other message's verify too (the link waits 40 ms a reply).
+    Its choices and calibration reach the metrics."""
+    from prometheus_client import REGISTRY
+
     from drafter_svc.budget import BudgetPlanner
     from drafter_svc.link import LocalLink
 
@@ -215,10 +218,14 @@ def test_the_adaptive_budget_observes_what_a_step_costs_the_pipeline(engine, pip
     requests = [(PROMPTS[i % len(PROMPTS)] + [i], GenerationConfig(N, mode=DraftMode("tree", 8))) for i in range(4)]
     scheduler = _scheduler(engine, engine.proposer, pipelined=pipelined, planner=planner)
     scheduler.link = link = PacedLink(engine.verifier)
+    chosen = REGISTRY.get_sample_value("ddtree_drafter_tree_budget_count") or 0.0
     ends = _ends(scheduler, requests)
     scheduler.run_until_idle()
     assert all(len(end["items"][-1].tokens) == N for end in ends)
     assert len(observed) >= 8 and len(link.trips) >= 8
+    # Its choices and calibration are exported (/metrics): one choice a message it planned.
+    assert REGISTRY.get_sample_value("ddtree_drafter_tree_budget_count") - chosen == len(observed)
+    assert REGISTRY.get_sample_value("ddtree_drafter_budget_calibration") == planner.alpha
 
     def median(values):
         return sorted(values)[len(values) // 2]

@@ -65,7 +65,8 @@ DRAFTER_FAMILIES = {
     "ddtree_drafter_queue_wait_seconds": "histogram", "ddtree_drafter_draft_seconds": "histogram",
     "ddtree_drafter_tree_build_seconds": "histogram", "ddtree_drafter_verify_rpc_seconds": "histogram",
     "ddtree_drafter_step_batch_size": "histogram", "ddtree_drafter_step_seconds": "histogram",
-    "ddtree_drafter_link_seconds": "histogram",
+    "ddtree_drafter_link_seconds": "histogram", "ddtree_drafter_tree_budget": "histogram",
+    "ddtree_drafter_budget_calibration": "gauge",
 }
 VERIFIER_FAMILIES = {
     "ddtree_verifier_step_seconds": "histogram", "ddtree_verifier_step_batch_size": "histogram",

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.serve import COMPILE_SECONDS, COMPILES, ROUNDS, STEP_PARTS, TREES, parse_args, step_breakdown
+from bench.serve import BUDGET, COMPILE_SECONDS, COMPILES, ROUNDS, STEP_PARTS, TREES, parse_args, step_breakdown
 
 
 def sample(name: str, total_s: float, count: float) -> dict[str, float]:
@@ -28,6 +28,14 @@ def test_step_breakdown_leaves_out_what_nothing_observed():
     assert plain["draft_ms"] is None and plain["other_ms"] == pytest.approx(5.0)
     assert step_breakdown(before, before, wall=1.0)["step_ms"] is None  # no message: nothing to split
     assert (parts["compiles"], parts["compile_ms"]) == (0, 0)  # services that count none (or older ones)
+    assert parts["budget"] is None  # no adaptive budget
+
+
+def test_step_breakdown_gives_the_adaptive_budgets_mean_choice():
+    """The mean of the budgets the planner chose for the run's messages."""
+    before = {**sample(STEP_PARTS["rpc"], 1.0, 10), **sample(BUDGET, 150.0, 10)}
+    after = {**sample(STEP_PARTS["rpc"], 2.0, 50), **sample(BUDGET, 150.0 + 20 * 15 + 20 * 7, 50)}
+    assert step_breakdown(before, after, wall=1.0)["budget"] == pytest.approx(11.0)
 
 
 def test_step_breakdown_counts_the_kernel_compiles_of_the_run():
