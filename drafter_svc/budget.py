@@ -14,10 +14,10 @@ step time for B sessions of T nodes (its cost table, `InfoResponse.verify_costs`
 overhead is the rest of a step (draft, tree build, link) as observed. With messages of trees
 in flight side by side (pipelined rounds) a step's cost is the time between two replies, not
 its own round trip, which also holds the other messages' verifies: counted as overhead, those
-would make big trees look cheap. Budget 0 (plain
-decoding) is always a candidate, so speculation never plans to be slower than plain
-batched decoding; while it is chosen, every `explore_every`-th step uses the smallest
-non-zero candidate so that alpha keeps being measured.
+would make big trees look cheap. Budget 0 (plain decoding) is always a candidate, so
+speculation never plans to be slower than plain batched decoding; while it is chosen, every
+`explore_every`-th step uses the smallest non-zero candidate so that alpha keeps being
+measured.
 
 With the verifier in the drafter's process the trees stay on the device
 (`common.tree.DeviceTrees`), and a step's budget is chosen before its trees reach the host:
