@@ -644,12 +644,13 @@ def step_breakdown(before: dict[str, float], after: dict[str, float], wall: floa
     out["queue_ms"] = known[0] - known[1] - known[2] if None not in known else None
     out["link_share"] = out["link_ms"] / out["step_ms"] if out["link_ms"] is not None and out["step_ms"] else None
     out["rounds_per_s"] = (after.get(ROUNDS, 0.0) - before.get(ROUNDS, 0.0)) / wall if wall > 0 else None
-    tree_messages = after.get(TREES + "_count", 0.0) - before.get(TREES + "_count", 0.0)
-    out["tree_messages"] = tree_messages
-    out["trees_per_message"] = ((after.get(TREES + "_sum", 0.0) - before.get(TREES + "_sum", 0.0)) / tree_messages
-                                if tree_messages else None)
-    chosen = after.get(BUDGET + "_count", 0.0) - before.get(BUDGET + "_count", 0.0)
-    out["budget"] = ((after[BUDGET + "_sum"] - before.get(BUDGET + "_sum", 0.0)) / chosen if chosen else None)
+    def mean(name: str) -> float | None:  # a histogram's mean observation in the run (None: none)
+        count = after.get(name + "_count", 0.0) - before.get(name + "_count", 0.0)
+        return (after[name + "_sum"] - before.get(name + "_sum", 0.0)) / count if count else None
+
+    out["tree_messages"] = after.get(TREES + "_count", 0.0) - before.get(TREES + "_count", 0.0)
+    out["trees_per_message"] = mean(TREES)
+    out["budget"] = mean(BUDGET)
     out["compiles"] = after.get(COMPILES, 0.0) - before.get(COMPILES, 0.0)
     out["compile_ms"] = 1e3 * (after.get(COMPILE_SECONDS, 0.0) - before.get(COMPILE_SECONDS, 0.0))
     return out

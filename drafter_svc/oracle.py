@@ -143,7 +143,7 @@ class ControlledAcceptance:
             block = torch.zeros(len(table), *logits.shape[1:], dtype=logits.dtype, device=logits.device)
             block.scatter_(-1, top[..., None], boost)
             gone = torch.where(miss, truth, top)[..., None]  # the miss's true token, else the top again
-            block.scatter_(-1, gone, torch.where(miss[..., None], float("-inf"), block.gather(-1, gone)))
+            block.scatter_(-1, gone, torch.where(miss, float("-inf"), boost)[..., None].to(block.dtype))
             logits.index_copy_(0, rows, block)
 
         return apply

@@ -1,8 +1,8 @@
 """The engine's invariants on tiny random checkpoints: greedy == autoregressive, seeds,
 alone and batched with other sessions (the same scheduler and verifier step as the services)."""
 import collections
-import time
 import dataclasses
+import time
 
 import pytest
 
