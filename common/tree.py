@@ -24,7 +24,7 @@ the draft step before either has run.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -128,6 +128,11 @@ class DeviceTrees:
     @property
     def counts(self) -> Tensor:
         return self.packed[:, 2 + 2 * self.width]
+
+    def on(self, device: torch.device) -> DeviceTrees:
+        """These trees with `packed` on `device` (self where it is there already): a verifier on
+        another device than the draft (a CPU draft in tests) copies them over before placing them."""
+        return self if self.packed.device == device else replace(self, packed=self.packed.to(device))
 
     def on_host(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """(tokens, parents, counts, scores) on the host (waits for the copy, once)."""

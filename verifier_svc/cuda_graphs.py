@@ -242,7 +242,7 @@ class BatchInputs:
                 groups.setdefault(id(r.tree.trees), []).append(j)
         ints, device = self.ints, self.tree_mask.device
         for batch_rows in groups.values():
-            trees = rows[batch_rows[0]].tree.trees
+            trees = rows[batch_rows[0]].tree.trees.on(device)
             width = min(1 + trees.width, self.T)
             index = to_device([[rows[j].tree.row for j in batch_rows], batch_rows,
                                [rows[j].tree.num_nodes for j in batch_rows]], device, torch.int64)
