@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU tests and the GPU benchmarks in one go, each step's log and JSON into OUTDIR.
 #
-#   bash bench/run_gpu_suite.sh OUTDIR [tests] [verify] [gemm] [attention] [kernels] [draft] [topk] [select] [round] [transport] [serve]
+#   bash bench/run_gpu_suite.sh OUTDIR [tests] [verify] [pdl] [gemm] [attention] [kernels] [draft] [topk] [select] [round] [transport] [serve]
 #
 # With no steps named, runs them all (about 22 minutes on an H200). "tests" is the whole of
 # tests/gpu; "tests-graphs" (tests/gpu/test_cuda_graphs.py) and "tests-rest" (the other files)
@@ -10,7 +10,7 @@
 set -u
 out=${1:?usage: bash bench/run_gpu_suite.sh OUTDIR [steps...]}
 shift
-steps=${*:-tests verify gemm attention kernels draft topk select round transport serve}
+steps=${*:-tests verify pdl gemm attention kernels draft topk select round transport serve}
 mkdir -p "$out"
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 status=0
@@ -21,6 +21,7 @@ for step in $steps; do
         tests-rest) cmd=(python3 -m pytest -q -rsxX -p no:cacheprovider --tb=short tests/gpu
                          --ignore tests/gpu/test_cuda_graphs.py) ;;
         verify) cmd=(python3 bench/verify.py --out-json "$out/verify.json") ;;
+        pdl) cmd=(python3 bench/pdl.py --batches 1,32 --trees 0,15,63 --out-json "$out/pdl.json") ;;
         gemm) cmd=(python3 bench/gemm.py --out-json "$out/gemm.json") ;;
         attention) cmd=(python3 bench/attention.py --batches 1,16,32 --trees 0,16,64 --out-json "$out/attention.json") ;;
         kernels) cmd=(python3 bench/kernels.py --batches 1,4,16,32 --trees 16,64,128 --out-json "$out/kernels.json") ;;

@@ -26,6 +26,8 @@ import triton.language as tl
 from torch import Tensor
 
 from common.layers import apply_rope, rms_norm, silu_mul as silu_mul_reference
+from ddtree_kernels import pdl
+from ddtree_kernels.pdl import pdl_enter
 from ddtree_kernels.tree_sampling import kernel_backend
 
 
@@ -74,7 +76,8 @@ def _rms_scale(x, w, n, eps, OUT: tl.constexpr):
 
 @triton.jit
 def _add_rms_norm_kernel(h_ptr, delta_ptr, w_ptr, h_out_ptr, x_out_ptr, N, eps,
-                         HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr):
+                         HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64) * N
     offs = tl.arange(0, BLOCK)
     valid = offs < N
@@ -98,10 +101,11 @@ def _rope_half(a, b, cos, sin, OUT: tl.constexpr):
 def _qk_norm_rope_store_kernel(qkv_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr,
                                slots_ptr, pos_ptr, eps, T, H, KV,
                                s_slot, s_head, s_pos,
-                               HAS_NORM: tl.constexpr, D: tl.constexpr, HEADS: tl.constexpr):
+                               HAS_NORM: tl.constexpr, D: tl.constexpr, HEADS: tl.constexpr, PDL: tl.constexpr):
     """One program per (token, group of HEADS heads): heads 0 .. H - 1 are queries, heads
     H .. H + KV - 1 handle k and v of a KV head. (One program per head left each a few dozen
     bytes of work: at 512 tokens the launch was ten waves of tiny programs.)"""
+    pdl_enter(PDL)
     token = tl.program_id(0).to(tl.int64)  # b * T + t
     head = tl.program_id(1) * HEADS + tl.arange(0, HEADS)
     b = token // T
@@ -145,8 +149,9 @@ def _qk_norm_rope_store_kernel(qkv_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr, q_out_
 
 
 @triton.jit
-def _silu_mul_kernel(gate_up_ptr, out_ptr, I, BLOCK: tl.constexpr):
+def _silu_mul_kernel(gate_up_ptr, out_ptr, I, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """One program per (row, block of I columns); rounds like the reference: silu, then the product."""
+    pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     valid = cols < I
@@ -166,7 +171,8 @@ def silu_mul_triton(gate_up: Tensor) -> Tensor:
     rows = out.numel() // max(width // 2, 1)
     if out.numel():
         block = min(1024, triton.next_power_of_2(width // 2))
-        _silu_mul_kernel[(rows, triton.cdiv(width // 2, block))](gate_up, out, width // 2, BLOCK=block)
+        _silu_mul_kernel[(rows, triton.cdiv(width // 2, block))](gate_up, out, width // 2, BLOCK=block,
+                                                                 **pdl.launch_options(out.device))
     return out
 
 
@@ -178,7 +184,8 @@ def add_rms_norm_triton(h: Tensor, delta: Tensor | None, weight: Tensor, eps: fl
     rows = h.numel() // n
     if rows:
         _add_rms_norm_kernel[(rows,)](h, h if delta is None else delta.contiguous(), weight, h_out, x_out, n, eps,
-                                      HAS_DELTA=delta is not None, BLOCK=triton.next_power_of_2(n))
+                                      HAS_DELTA=delta is not None, BLOCK=triton.next_power_of_2(n),
+                                      **pdl.launch_options(h.device))
     return h_out, x_out
 
 
@@ -202,7 +209,7 @@ def qk_norm_rope_store_triton(qkv: Tensor, cos: Tensor, sin: Tensor, q_norm: Ten
             qkv.contiguous(), cos.contiguous(), sin.contiguous(), norm, norm if k_norm is None else k_norm,
             q, k_cache, v_cache, slots, cache_pos.contiguous(), eps, t, num_heads, num_kv_heads,
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), HAS_NORM=q_norm is not None, D=d,
-            HEADS=heads)
+            HEADS=heads, **pdl.launch_options(q.device))
     return q
 
 

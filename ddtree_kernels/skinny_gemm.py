@@ -18,6 +18,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from ddtree_kernels import pdl
+from ddtree_kernels.pdl import pdl_enter
 from ddtree_kernels.tree_sampling import kernel_backend
 
 MAX_ROWS = 32
@@ -26,7 +28,8 @@ MAX_ROWS = 32
 @triton.jit
 def _skinny_kernel(x_ptr, w_ptr, out_ptr, M, N, K, s_xm, s_wn, s_om,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr,
-                   IEEE: tl.constexpr):
+                   IEEE: tl.constexpr, PDL: tl.constexpr):
+    pdl_enter(PDL)
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.arange(0, BLOCK_M)
     rk = tl.arange(0, BLOCK_K)
@@ -93,5 +96,6 @@ def skinny_linear(x: Tensor, weight: Tensor, out: Tensor | None = None, tiles: d
         _skinny_kernel[(triton.cdiv(n, block_n),)](
             rows, weight, result, m, n, k, rows.stride(0), weight.stride(0), result.stride(0),
             BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=block_n, BLOCK_K=block_k,
-            EVEN=n % block_n == 0 and k % block_k == 0, IEEE=x.dtype == torch.float32, num_warps=4, **cfg)
+            EVEN=n % block_n == 0 and k % block_k == 0, IEEE=x.dtype == torch.float32, num_warps=4,
+            **pdl.launch_options(x.device), **cfg)
     return out if out is not None else result.view(*x.shape[:-1], n)

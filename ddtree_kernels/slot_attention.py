@@ -25,6 +25,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from ddtree_kernels import pdl
+from ddtree_kernels.pdl import pdl_enter
 from ddtree_kernels.tree_sampling import kernel_backend
 
 
@@ -68,13 +70,14 @@ def _slot_attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, m_ptr, l_ptr, mask_ptr, s
                            GROUP, SPLITS, split_len,
                            s_qb, s_qh, s_qt, s_cs, s_ch, s_cl, s_mb, s_mt, s_ob, s_os, s_ot, s_oh,
                            D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
-                           PARTIAL: tl.constexpr, STAGES: tl.constexpr):
+                           PARTIAL: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr):
     """One program per (KV head, block of GROUP * T query rows, batch row x key split): online
     softmax over the split's cache positions. The key tiles below the row's shared prefix
     (`key_ranges`) are read without the mask, in a loop the compiler pipelines; the tiles from
     there to the last key any row sees read the mask and are skipped when no row of the block
     sees them; the keys after that are not read. PARTIAL: write the unnormalised output and the
     row max / sum of the split (combined by `_combine_splits_kernel`); else the normalised output."""
+    pdl_enter(PDL)
     kvh = tl.program_id(0)
     b = tl.program_id(2) // SPLITS
     split = tl.program_id(2) % SPLITS
@@ -123,9 +126,11 @@ def _slot_attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, m_ptr, l_ptr, mask_ptr, s
 
 
 @triton.jit
-def _combine_splits_kernel(part_ptr, m_ptr, l_ptr, o_ptr, T, H, SPLITS, D: tl.constexpr, BLOCK_S: tl.constexpr):
+def _combine_splits_kernel(part_ptr, m_ptr, l_ptr, o_ptr, T, H, SPLITS, D: tl.constexpr, BLOCK_S: tl.constexpr,
+                           PDL: tl.constexpr):
     """One program per (batch row, token, head): merge the key splits' partial softmaxes.
     Partials [B, SPLITS, T, H, D] and stats [B, SPLITS, T, H] (float32); out [B, T, H, D]."""
+    pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)  # (b * T + t) * H + head
     b = row // (T * H)
     th = row % (T * H)
@@ -246,10 +251,10 @@ def slot_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Te
         mask_u8.stride(0), mask_u8.stride(1), *s_part,
         D=d, BLOCK_M=block_m, BLOCK_N=block_n,
         IEEE=q.dtype == torch.float32 if float32_products is None else float32_products, PARTIAL=splits > 1,
-        STAGES=tiles.stages, num_warps=tiles.warps)
+        STAGES=tiles.stages, num_warps=tiles.warps, **pdl.launch_options(q.device))
     if splits > 1:
         _combine_splits_kernel[(b * t * h,)](part, m_stat, l_stat, out, t, h, splits, D=d,
-                                             BLOCK_S=triton.next_power_of_2(splits))
+                                             BLOCK_S=triton.next_power_of_2(splits), **pdl.launch_options(q.device))
     return out
 
 

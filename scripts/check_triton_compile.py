@@ -50,6 +50,7 @@ def exercise(label) -> None:
     """Call every Triton wrapper in the shapes the server uses; label(text) names the next calls."""
     import torch
 
+    from ddtree_kernels import pdl
     from ddtree_kernels.ddtree_select import select_on_device
     from ddtree_kernels.fused_accept import tree_accept_triton
     from ddtree_kernels.layer_ops import add_rms_norm_triton, qk_norm_rope_store_triton, silu_mul_triton
@@ -58,6 +59,11 @@ def exercise(label) -> None:
     from ddtree_kernels.slot_attention import slot_attention_triton
 
     i32, i64 = torch.int32, torch.int64
+    unforced_pdl = pdl.launch_options
+
+    def forced_pdl(device):
+        return {"PDL": True, "launch_pdl": True}
+
     for sessions, width in ((1, 15), (32, 15), (32, 64), (8, 200)):
         label(f"select_on_device S={sessions} W={width}")
         select_on_device(torch.zeros(sessions, 15, width), torch.zeros(sessions, 15, width, dtype=i64),
@@ -90,32 +96,38 @@ def exercise(label) -> None:
                     label(f"tree_accept_triton {stage} {name} T={t} V={vocab}")
                     tree_accept_triton(logits, *tree, *outputs, **options)
 
-        for t in (1, 16, 32):
-            for n, k in ((6144, 4096), (4096, 12288), (151936, 4096), (1000, 200)):
-                if skinny_config(t, n, k) is not None:
-                    label(f"skinny_linear {name} T={t} N={n} K={k}")
-                    skinny_linear(torch.zeros(t, k, dtype=dtype), torch.zeros(n, k, dtype=dtype))
-        for t in (1, 65):
-            label(f"add_rms_norm_triton {name} T={t}")
-            h, weight = torch.zeros(1, t, 4096, dtype=dtype), torch.ones(4096, dtype=dtype)
-            add_rms_norm_triton(h, h.clone(), weight, 1e-6)
-            add_rms_norm_triton(h, None, weight, 1e-6)
-            label(f"silu_mul_triton {name} T={t}")
-            silu_mul_triton(torch.zeros(1, t, 2 * 12288, dtype=dtype))
-            label(f"qk_norm_rope_store_triton {name} T={t}")
-            heads, kv_heads, d = 32, 8, 128
-            qkv = torch.zeros(1, t, (heads + 2 * kv_heads) * d, dtype=dtype)
-            cos = torch.zeros(1, t, d, dtype=dtype)
-            cache = torch.zeros(2, kv_heads, 256, d, dtype=dtype)
-            slots, positions = torch.zeros(1, dtype=i64), torch.zeros(1, t, dtype=i64)
-            for norm in (torch.ones(d, dtype=dtype), None):
-                for q_heads in (heads, 0):  # 0: keys and values only
-                    qk_norm_rope_store_triton(qkv[..., (heads - q_heads) * d:], cos, cos, norm, norm, 1e-6, q_heads,
-                                              kv_heads, cache, cache, slots, positions)
-            label(f"slot_attention_triton {name} T={t}")
-            q, mask = torch.zeros(1, heads, t, d, dtype=dtype), torch.ones(1, t, 256, dtype=torch.bool)
-            for splits in (1, None):
-                slot_attention_triton(q, cache, cache, slots, mask, splits=splits)
+        # The forward pass's kernels, without and with programmatic dependent launch (which the
+        # interpreter never takes: ddtree_kernels/pdl.py; here the recorder stands in for a GPU's launch).
+        for with_pdl in (False, True):
+            pdl.launch_options = forced_pdl if with_pdl else unforced_pdl
+            tag = " pdl" if with_pdl else ""
+            for t in (1, 16, 32):
+                for n, k in ((6144, 4096), (4096, 12288), (151936, 4096), (1000, 200)):
+                    if skinny_config(t, n, k) is not None:
+                        label(f"skinny_linear {name} T={t} N={n} K={k}{tag}")
+                        skinny_linear(torch.zeros(t, k, dtype=dtype), torch.zeros(n, k, dtype=dtype))
+            for t in (1, 65):
+                label(f"add_rms_norm_triton {name} T={t}{tag}")
+                h, weight = torch.zeros(1, t, 4096, dtype=dtype), torch.ones(4096, dtype=dtype)
+                add_rms_norm_triton(h, h.clone(), weight, 1e-6)
+                add_rms_norm_triton(h, None, weight, 1e-6)
+                label(f"silu_mul_triton {name} T={t}{tag}")
+                silu_mul_triton(torch.zeros(1, t, 2 * 12288, dtype=dtype))
+                label(f"qk_norm_rope_store_triton {name} T={t}{tag}")
+                heads, kv_heads, d = 32, 8, 128
+                qkv = torch.zeros(1, t, (heads + 2 * kv_heads) * d, dtype=dtype)
+                cos = torch.zeros(1, t, d, dtype=dtype)
+                cache = torch.zeros(2, kv_heads, 256, d, dtype=dtype)
+                slots, positions = torch.zeros(1, dtype=i64), torch.zeros(1, t, dtype=i64)
+                for norm in (torch.ones(d, dtype=dtype), None):
+                    for q_heads in (heads, 0):  # 0: keys and values only
+                        qk_norm_rope_store_triton(qkv[..., (heads - q_heads) * d:], cos, cos, norm, norm, 1e-6,
+                                                  q_heads, kv_heads, cache, cache, slots, positions)
+                label(f"slot_attention_triton {name} T={t}{tag}")
+                q, mask = torch.zeros(1, heads, t, d, dtype=dtype), torch.ones(1, t, 256, dtype=torch.bool)
+                for splits in (1, None):
+                    slot_attention_triton(q, cache, cache, slots, mask, splits=splits)
+        pdl.launch_options = unforced_pdl
 
 
 def describe(value):

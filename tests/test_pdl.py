@@ -1,0 +1,31 @@
+"""ddtree_kernels/pdl.py's settings: PDL only on a CUDA GPU of compute capability 9.0+, never in the
+interpreter; the kernels that take it run the same off it (tests/gpu/test_pdl_gpu.py checks the bits
+with it on a GPU)."""
+import pytest
+import torch
+
+from ddtree_kernels import pdl
+from ddtree_kernels.skinny_gemm import skinny_linear
+
+
+def test_no_launch_takes_pdl_off_a_gpu(monkeypatch):
+    for flag in ("", "0", "1", "auto"):
+        monkeypatch.setenv(pdl.ENV, flag)
+        assert pdl.launch_options(torch.device("cpu")) == {"PDL": False, "launch_pdl": False}
+
+
+def test_the_setting_is_checked(monkeypatch):
+    monkeypatch.setenv(pdl.ENV, "yes")
+    with pytest.raises(ValueError, match=pdl.ENV):
+        pdl.enabled(torch.device("cpu"))
+
+
+def test_the_pdl_kernels_run_interpreted_with_pdl_asked_for(monkeypatch):
+    """DDTREE_PDL=1 changes nothing in the interpreter (the kernels take PDL=False there)."""
+    gen = torch.Generator().manual_seed(0)
+    x, w = torch.randn(3, 64, generator=gen), torch.randn(96, 64, generator=gen)
+    want = skinny_linear(x, w, tiles=dict(BLOCK_N=32, BLOCK_K=32, num_stages=1))
+    monkeypatch.setenv(pdl.ENV, "1")
+    got = skinny_linear(x, w, tiles=dict(BLOCK_N=32, BLOCK_K=32, num_stages=1))
+    assert torch.equal(got, want)
+    torch.testing.assert_close(got, x @ w.T, atol=1e-4, rtol=1e-4)
