@@ -11,7 +11,7 @@ Nothing before the wait reads or writes anything another kernel writes, so resul
 bit-identical with PDL on or off (tests/gpu/test_pdl_gpu.py). A kernel that follows a PDL
 kernel without being one itself (PyTorch's, cuBLAS's) launches as usual, after it completes.
 
-    DDTREE_PDL=0|1   off / on (default: on for CUDA devices of compute capability 9.0+)
+    DDTREE_PDL=0|1   off / on (default: on for CUDA devices of compute capability 9.0+, with Triton 3.3+)
 """
 from __future__ import annotations
 
@@ -21,7 +21,22 @@ import os
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+try:  # Triton 3.3 and later; before, no launch takes PDL (`enabled`)
+    from triton.backends.nvidia.compiler import CUDAOptions
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+    SUPPORTED = "launch_pdl" in CUDAOptions.__dataclass_fields__
+except ImportError:
+    SUPPORTED = False
+
+    @triton.jit
+    def gdc_wait():
+        pass
+
+    @triton.jit
+    def gdc_launch_dependents():
+        pass
 
 ENV = "DDTREE_PDL"
 
@@ -51,18 +66,18 @@ def _hopper(index: int) -> bool:
 
 def enabled(device: torch.device) -> bool:
     """Whether a launch on `device` takes PDL: on CUDA devices of compute capability 9.0+ unless
-    DDTREE_PDL=0 (DDTREE_PDL=1 on an older GPU is an error: it has no such launch); never off
-    CUDA or in the Triton interpreter."""
+    DDTREE_PDL=0 (DDTREE_PDL=1 on an older GPU or Triton is an error: it has no such launch);
+    never off CUDA or in the Triton interpreter."""
     flag = _flag()
     if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
         return False
-    hopper = _hopper(device.index if device.index is not None else torch.cuda.current_device())
-    if flag and not hopper:
-        raise ValueError(f"{ENV}=1 needs a GPU of compute capability 9.0 or above")
-    return hopper if flag is None else flag
+    able = SUPPORTED and _hopper(device.index if device.index is not None else torch.cuda.current_device())
+    if flag and not able:
+        raise ValueError(f"{ENV}=1 needs a GPU of compute capability 9.0+ and Triton 3.3+")
+    return able if flag is None else flag
 
 
 def launch_options(device: torch.device) -> dict:
-    """The keyword arguments of a PDL-capable kernel's launch: PDL (its constexpr) and launch_pdl."""
-    on = enabled(device)
-    return {"PDL": on, "launch_pdl": on}
+    """The keyword arguments of a PDL-capable kernel's launch: PDL (its constexpr), and
+    launch_pdl where it is on (a Triton without PDL knows no such option)."""
+    return {"PDL": True, "launch_pdl": True} if enabled(device) else {"PDL": False}

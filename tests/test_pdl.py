@@ -11,7 +11,7 @@ from ddtree_kernels.skinny_gemm import skinny_linear
 def test_no_launch_takes_pdl_off_a_gpu(monkeypatch):
     for flag in ("", "0", "1", "auto"):
         monkeypatch.setenv(pdl.ENV, flag)
-        assert pdl.launch_options(torch.device("cpu")) == {"PDL": False, "launch_pdl": False}
+        assert pdl.launch_options(torch.device("cpu")) == {"PDL": False}
 
 
 def test_the_setting_is_checked(monkeypatch):
