@@ -29,3 +29,12 @@ def test_the_pdl_kernels_run_interpreted_with_pdl_asked_for(monkeypatch):
     got = skinny_linear(x, w, tiles=dict(BLOCK_N=32, BLOCK_K=32, num_stages=1))
     assert torch.equal(got, want)
     torch.testing.assert_close(got, x @ w.T, atol=1e-4, rtol=1e-4)
+
+
+def test_the_verifier_start_up_line_says_whether_kernels_take_pdl(tiny_pair):
+    """Off a Hopper GPU it says nothing of it (tests/gpu/test_pdl_gpu.py checks a GPU's line)."""
+    from verifier_svc.server import VerifierConfig, load_verifier, startup_summary
+
+    verifier = load_verifier(VerifierConfig(target_dir=str(tiny_pair[0]), max_sessions=2, max_seq_len=64))
+    assert "default kernels," in startup_summary(verifier)
+    assert "programmatic dependent launch" not in startup_summary(verifier)

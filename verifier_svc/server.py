@@ -33,7 +33,7 @@ from common.logs import memory_summary
 from common.rpc import VERIFIER_SERVICE, decode_message, pb, pb_grpc
 from common.tls import ServerTls
 from common.wire import LinkLimits, decode_link_request
-from ddtree_kernels import batch_invariant
+from ddtree_kernels import batch_invariant, pdl
 from verifier_svc.cuda_graphs import GraphConfig
 from verifier_svc.scheduler import LinkStep, ModelWorker, SessionTimers
 from verifier_svc.target_model import TargetModel
@@ -230,7 +230,8 @@ def startup_summary(verifier: TreeVerifier) -> str:
     return (f"device {runner.device}, dtype {str(runner.cache.k.dtype).removeprefix('torch.')}, "
             f"KV {runner.num_slots} sessions x {runner.max_seq_len} tokens, "
             f"{graphs} verify CUDA graphs{'' if graphs else ' (eager)'}, {prefills}, "
-            f"{'deterministic' if batch_invariant.enabled() else 'default'} kernels, "
+            f"{'deterministic' if batch_invariant.enabled() else 'default'} kernels"
+            f"{' with programmatic dependent launch' if pdl.enabled(runner.device) else ''}, "
             f"{len(verifier.verify_costs)} verify costs measured, {features}, {memory_summary(runner.device)}")
 
 

@@ -75,3 +75,11 @@ def test_verify_forward_gives_the_same_bits_with_pdl():
     res = bench_pdl.main(["--small", "--trees", "0,15", "--rounds", "1", "--reps", "2"])
     assert len(res["rows"]) == 4
     assert all(r["same_as_off"] and r["replay_ms"] is not None for r in res["rows"])
+
+
+def test_the_start_up_lines_say_pdl_is_on(tiny_pair):
+    from verifier_svc.server import VerifierConfig, load_verifier, startup_summary
+
+    verifier = load_verifier(VerifierConfig(target_dir=str(tiny_pair[0]), device="cuda", max_sessions=2,
+                                            max_seq_len=64, cuda_graphs=False))
+    assert ("default kernels with programmatic dependent launch" in startup_summary(verifier)) == HOPPER
