@@ -54,7 +54,6 @@ def main(argv=None) -> dict:
     device = torch.device(a.device)
     cuda = device.type == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
-    envs = SETTINGS
     batches, trees = sorted(set(_ints(a.batches, [1]))), sorted(set(_ints(a.trees, [0])))
     if min(batches) < 1 or min(trees) < 0:
         p.error("--batches must be >= 1 and --trees >= 0")
@@ -65,7 +64,7 @@ def main(argv=None) -> dict:
         p.error(f"--past {past} + the largest tree do not fit --max-seq-len {max_seq}")
     rounds, reps = a.rounds or (5 if cuda else 1), a.reps or (20 if cuda else 2)
     res: dict = {"device": torch.cuda.get_device_name(device) if cuda else "cpu", "torch": torch.__version__,
-                 "dtype": str(dtype).removeprefix("torch."), "past": past, "settings": envs, "batches": batches,
+                 "dtype": str(dtype).removeprefix("torch."), "past": past, "settings": SETTINGS, "batches": batches,
                  "trees": trees, "rounds": rounds, "reps": reps}
     res["bandwidth"] = measure_bandwidth(device, 2.0 if cuda else 0.05)
     read_bw = res["bandwidth"]["read_TBps"] * 1e12
@@ -85,7 +84,7 @@ def main(argv=None) -> dict:
     runners = {}
     saved = os.environ.get(pdl.ENV)
     try:
-        for label, flag in envs.items():  # each runner's graphs keep the launches of their capture
+        for label, flag in SETTINGS.items():  # each runner's graphs keep the launches of their capture
             os.environ[pdl.ENV] = flag if cuda else "0"  # (off CUDA no launch takes PDL)
             runners[label] = make_runner(model, max(batches), max_seq, headroom, config=config)
             fill_slots(runners[label], prompt, max(batches))
@@ -97,17 +96,17 @@ def main(argv=None) -> dict:
     for batch in batches:
         for budget in trees:
             rows, masks = make_batch(cfg, batch, budget, past, SamplingParams())
-            outputs, times = {}, {label: [] for label in envs}
-            for label in envs:
+            outputs, times = {}, {label: [] for label in SETTINGS}
+            for label in SETTINGS:
                 out = runners[label].graphs.run("forward", rows, masks)  # stages this step's inputs
                 sync(device)
                 outputs[label] = (out.logits.clone(), out.features.clone())
             for _ in range(rounds):
-                for label in envs:  # None on the CPU, where the graph code runs eagerly
+                for label in SETTINGS:  # None on the CPU, where the graph code runs eagerly
                     times[label].append(replay_ms(runners[label], "forward", rows, masks, reps))
             n = max(r.tree.num_nodes for r in rows)
             off = _median(times[OFF])
-            for label in envs:
+            for label in SETTINGS:
                 same = all(torch.equal(x, y) for x, y in zip(outputs[label], outputs[OFF]))
                 ms = _median(times[label])
                 row = {"batch": batch, "tokens": n, "setting": label, "replay_ms": ms, "replay_ms_all": times[label],

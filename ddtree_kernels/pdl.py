@@ -22,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ddtree_kernels.tree_sampling import kernel_backend
+
 try:  # Triton 3.3 and later; before, no launch takes PDL (`enabled`)
     from triton.backends.nvidia.compiler import CUDAOptions
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -81,3 +83,12 @@ def launch_options(device: torch.device) -> dict:
     """The keyword arguments of a PDL-capable kernel's launch: PDL (its constexpr), and
     launch_pdl where it is on (a Triton without PDL knows no such option)."""
     return {"PDL": True, "launch_pdl": True} if enabled(device) else {"PDL": False}
+
+
+def describe(device: torch.device) -> str:
+    """Which kernels launches on `device` run, for the services' start-up lines (which so check
+    DDTREE_KERNELS and DDTREE_PDL before serving)."""
+    on = enabled(device)
+    if kernel_backend(device) == "reference":
+        return "PyTorch references"
+    return "Triton, programmatic dependent launch" if on else "Triton"

@@ -283,10 +283,10 @@ class DrafterEngine:
             return f"no draft model, verifier {self.cfg.verifier}"
         pool = proposer.pool
         graphs = proposer.graphs.num_graphs if proposer.graphs is not None else 0
-        launch = ", programmatic dependent launch" if pdl.enabled(proposer.device) else ""
         return (f"device {proposer.device}, dtype {str(pool.kv.dtype).removeprefix('torch.')}, "
                 f"{pool.num_slots - 1} draft context slots x {pool.capacity} positions, "
-                f"{graphs} draft CUDA graphs{'' if graphs else ' (eager)'}{launch}, verifier {self.cfg.verifier} "
+                f"{graphs} draft CUDA graphs{'' if graphs else ' (eager)'}, kernels: {pdl.describe(proposer.device)}, "
+                f"verifier {self.cfg.verifier} "
                 f"({self.info.max_sessions} sessions x {self.info.max_seq_len} tokens), {memory_summary(proposer.device)}")
 
     def stop(self) -> None:

@@ -31,10 +31,17 @@ def test_the_pdl_kernels_run_interpreted_with_pdl_asked_for(monkeypatch):
     torch.testing.assert_close(got, x @ w.T, atol=1e-4, rtol=1e-4)
 
 
-def test_the_verifier_start_up_line_says_whether_kernels_take_pdl(tiny_pair):
-    """Off a Hopper GPU it says nothing of it (tests/gpu/test_pdl_gpu.py checks a GPU's line)."""
+def test_the_verifier_start_up_line_says_which_kernels_run(monkeypatch, tiny_pair):
+    """On the CPU the references, or Triton's (interpreted) where DDTREE_KERNELS says so, never
+    with PDL; a bad setting stops the start-up (tests/gpu/test_pdl_gpu.py checks a GPU's line)."""
     from verifier_svc.server import VerifierConfig, load_verifier, startup_summary
 
     verifier = load_verifier(VerifierConfig(target_dir=str(tiny_pair[0]), max_sessions=2, max_seq_len=64))
-    assert "default kernels," in startup_summary(verifier)
-    assert "programmatic dependent launch" not in startup_summary(verifier)
+    assert "default kernels (PyTorch references)," in startup_summary(verifier)
+    monkeypatch.setenv("DDTREE_KERNELS", "triton")
+    assert "default kernels (Triton)," in startup_summary(verifier)
+    for name, bad in (("DDTREE_KERNELS", "fast"), (pdl.ENV, "yes")):
+        monkeypatch.setenv(name, bad)
+        with pytest.raises(ValueError, match=name):
+            startup_summary(verifier)
+        monkeypatch.delenv(name)

@@ -230,8 +230,7 @@ def startup_summary(verifier: TreeVerifier) -> str:
     return (f"device {runner.device}, dtype {str(runner.cache.k.dtype).removeprefix('torch.')}, "
             f"KV {runner.num_slots} sessions x {runner.max_seq_len} tokens, "
             f"{graphs} verify CUDA graphs{'' if graphs else ' (eager)'}, {prefills}, "
-            f"{'deterministic' if batch_invariant.enabled() else 'default'} kernels"
-            f"{' with programmatic dependent launch' if pdl.enabled(runner.device) else ''}, "
+            f"{'deterministic' if batch_invariant.enabled() else 'default'} kernels ({pdl.describe(runner.device)}), "
             f"{len(verifier.verify_costs)} verify costs measured, {features}, {memory_summary(runner.device)}")
 
 

@@ -82,4 +82,4 @@ def test_the_start_up_lines_say_pdl_is_on(tiny_pair):
 
     verifier = load_verifier(VerifierConfig(target_dir=str(tiny_pair[0]), device="cuda", max_sessions=2,
                                             max_seq_len=64, cuda_graphs=False))
-    assert ("default kernels with programmatic dependent launch" in startup_summary(verifier)) == HOPPER
+    assert ("default kernels (Triton, programmatic dependent launch)" in startup_summary(verifier)) == HOPPER
