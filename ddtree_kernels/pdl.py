@@ -86,8 +86,8 @@ def launch_options(device: torch.device) -> dict:
 
 
 def describe(device: torch.device) -> str:
-    """Which kernels launches on `device` run, for the services' start-up lines (which so check
-    DDTREE_KERNELS and DDTREE_PDL before serving)."""
+    """Which kernels run on `device`, for the services' start-up lines (so a bad DDTREE_KERNELS
+    or DDTREE_PDL stops the start-up, before any request)."""
     on = enabled(device)
     if kernel_backend(device) == "reference":
         return "PyTorch references"

@@ -77,7 +77,7 @@ def test_verify_forward_gives_the_same_bits_with_pdl():
     assert all(r["same_as_off"] and r["replay_ms"] is not None for r in res["rows"])
 
 
-def test_the_start_up_lines_say_pdl_is_on(tiny_pair):
+def test_the_start_up_line_says_whether_pdl_is_on(tiny_pair):
     from verifier_svc.server import VerifierConfig, load_verifier, startup_summary
 
     verifier = load_verifier(VerifierConfig(target_dir=str(tiny_pair[0]), device="cuda", max_sessions=2,
