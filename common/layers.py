@@ -8,12 +8,16 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from common.config import RopeScaling
+
+if TYPE_CHECKING:
+    from ddtree_kernels.skinny_gemm import SplitSum
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -31,6 +35,19 @@ def linear(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = Non
         return F.linear(x, weight)
     torch.mm(x.reshape(-1, x.shape[-1]), weight.t(), out=out.view(-1, out.shape[-1]))
     return out
+
+
+def residual_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | SplitSum:
+    """x @ weight^T for `add_rms_norm` to add to the residual stream: where the K-split GEMM
+    pays (a GPU, few rows, few output columns: o_proj and down), its float32 partial sums
+    (`ddtree_kernels.skinny_gemm.SplitSum`), which add_rms_norm sums; else `linear`."""
+    from ddtree_kernels import batch_invariant, skinny_gemm  # here: the kernels package imports this module
+
+    if not batch_invariant.enabled():
+        tiles = skinny_gemm.tiles_for(x, weight, split=True)
+        if tiles is not None:
+            return skinny_gemm.split_linear(x, weight, tiles=tiles)
+    return linear(x, weight)
 
 
 class RMSNorm(nn.Module):
@@ -157,11 +174,13 @@ class MLP(nn.Module):
         if silu_mul_impl is not None:
             self.silu_mul = silu_mul_impl
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, into_residual: bool = False) -> torch.Tensor | SplitSum:
+        """The MLP's output; into_residual: in the form `residual_linear` gives, for add_rms_norm."""
+        down = residual_linear if into_residual else linear
         if self.gate_up_weight is None:
             gate, up = linear(x, self.gate_proj.weight), linear(x, self.up_proj.weight)
-            return linear(F.silu(gate) * up, self.down_proj.weight)
-        return linear(self.silu_mul(linear(x, self.gate_up_weight)), self.down_proj.weight)
+            return down(F.silu(gate) * up, self.down_proj.weight)
+        return down(self.silu_mul(linear(x, self.gate_up_weight)), self.down_proj.weight)
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

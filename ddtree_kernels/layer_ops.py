@@ -7,7 +7,9 @@ they cost as much as a third of the pass. Semantics (the `*_reference` functions
 from `common.layers`' plain PyTorch, which the model's eager CPU path runs):
 
     rms_norm(x, w)   = w * (x.float() * rsqrt(mean(x.float()**2) + eps)).to(x.dtype)
-    add_rms_norm     : h = h + delta (in h's dtype); return (h, rms_norm(h, w))
+    add_rms_norm     : h = h + delta (in h's dtype); return (h, rms_norm(h, w)); delta may be a
+        K-split GEMM's float32 partial sums (`skinny_gemm.SplitSum`), added here and
+        rounded to h's dtype before the add, as the GEMM rounds its result
     apply_rope(x)    = x * cos + rotate_half(x) * sin, rotate_half(x) = [-x2, x1]
     qk_norm_rope_store: split the fused projection [B, T, (H + 2 * KV) * D] into q, k, v;
         q, k <- rms_norm per head (Qwen3; skipped when no norm weights are given), then
@@ -28,6 +30,7 @@ from torch import Tensor
 from common.layers import apply_rope, rms_norm, silu_mul as silu_mul_reference
 from ddtree_kernels import pdl
 from ddtree_kernels.pdl import pdl_enter
+from ddtree_kernels.skinny_gemm import SplitSum
 from ddtree_kernels.tree_sampling import kernel_backend
 
 
@@ -36,7 +39,10 @@ from ddtree_kernels.tree_sampling import kernel_backend
 # ---------------------------------------------------------------------------------------
 
 
-def add_rms_norm_reference(h: Tensor, delta: Tensor | None, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+def add_rms_norm_reference(h: Tensor, delta: Tensor | SplitSum | None, weight: Tensor,
+                           eps: float) -> tuple[Tensor, Tensor]:
+    if isinstance(delta, SplitSum):
+        delta = delta.total()
     if delta is not None:
         h = h + delta
     return h, rms_norm(h, weight, eps)
@@ -75,8 +81,9 @@ def _rms_scale(x, w, n, eps, OUT: tl.constexpr):
 
 
 @triton.jit
-def _add_rms_norm_kernel(h_ptr, delta_ptr, w_ptr, h_out_ptr, x_out_ptr, N, eps,
-                         HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+def _add_rms_norm_kernel(h_ptr, delta_ptr, w_ptr, h_out_ptr, x_out_ptr, N, eps, s_split,
+                         HAS_DELTA: tl.constexpr, SPLITS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    """One program per row; delta is SPLITS partial sums s_split apart (one: the delta itself)."""
     pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64) * N
     offs = tl.arange(0, BLOCK)
@@ -84,8 +91,10 @@ def _add_rms_norm_kernel(h_ptr, delta_ptr, w_ptr, h_out_ptr, x_out_ptr, N, eps,
     out_ty = x_out_ptr.dtype.element_ty
     h = tl.load(h_ptr + row + offs, mask=valid, other=0.0)
     if HAS_DELTA:
-        d = tl.load(delta_ptr + row + offs, mask=valid, other=0.0)
-        h = (h.to(tl.float32) + d.to(tl.float32)).to(out_ty)
+        d = tl.load(delta_ptr + row + offs, mask=valid, other=0.0).to(tl.float32)
+        for s in tl.static_range(1, SPLITS):
+            d += tl.load(delta_ptr + s * s_split + row + offs, mask=valid, other=0.0)
+        h = (h.to(tl.float32) + d.to(out_ty).to(tl.float32)).to(out_ty)
         tl.store(h_out_ptr + row + offs, h, mask=valid)
     w = tl.load(w_ptr + offs, mask=valid, other=0.0)
     tl.store(x_out_ptr + row + offs, _rms_scale(h.to(tl.float32), w, N, eps, out_ty), mask=valid)
@@ -176,16 +185,22 @@ def silu_mul_triton(gate_up: Tensor) -> Tensor:
     return out
 
 
-def add_rms_norm_triton(h: Tensor, delta: Tensor | None, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+def add_rms_norm_triton(h: Tensor, delta: Tensor | SplitSum | None, weight: Tensor,
+                        eps: float) -> tuple[Tensor, Tensor]:
     n = h.shape[-1]
     h = h.contiguous()
     h_out = torch.empty_like(h) if delta is not None else h
     x_out = torch.empty_like(h)
     rows = h.numel() // n
+    splits = 1
+    if isinstance(delta, SplitSum):
+        splits, delta = delta.partials.shape[0], delta.partials
+        if delta.shape[1:] != h.shape:
+            raise ValueError(f"partial sums of shape {tuple(delta.shape)} for a residual of {tuple(h.shape)}")
     if rows:
         _add_rms_norm_kernel[(rows,)](h, h if delta is None else delta.contiguous(), weight, h_out, x_out, n, eps,
-                                      HAS_DELTA=delta is not None, BLOCK=triton.next_power_of_2(n),
-                                      **pdl.launch_options(h.device))
+                                      rows * n, HAS_DELTA=delta is not None, SPLITS=splits,
+                                      BLOCK=triton.next_power_of_2(n), **pdl.launch_options(h.device))
     return h_out, x_out
 
 
@@ -224,8 +239,8 @@ def silu_mul(gate_up: Tensor) -> Tensor:
     return impl(gate_up)
 
 
-def add_rms_norm(h: Tensor, delta: Tensor | None, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
-    """(h + delta, rms_norm(h + delta)); delta None: (h, rms_norm(h))."""
+def add_rms_norm(h: Tensor, delta: Tensor | SplitSum | None, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """(h + delta, rms_norm(h + delta)); delta None: (h, rms_norm(h)); a SplitSum delta is its total."""
     impl = add_rms_norm_triton if kernel_backend(h.device) == "triton" else add_rms_norm_reference
     return impl(h, delta, weight, eps)
 

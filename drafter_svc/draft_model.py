@@ -9,7 +9,7 @@ the target's, passed in. Both steps take a batch of sessions (slots) at once.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 from torch import nn
@@ -17,9 +17,12 @@ from torch import nn
 from common.checkpoint import load_tensors
 from common.config import DraftConfig, load_draft_config
 from common.feature_projection import project_features
-from common.layers import MLP, AttentionProjections, RMSNorm, RotaryEmbedding
+from common.layers import MLP, AttentionProjections, RMSNorm, RotaryEmbedding, residual_linear
 from ddtree_kernels.layer_ops import add_rms_norm, project_store, silu_mul
 from ddtree_kernels.slot_attention import slot_attention, slot_attention_ranges
+
+if TYPE_CHECKING:
+    from ddtree_kernels.skinny_gemm import SplitSum
 
 
 class DraftLayer(nn.Module):
@@ -76,7 +79,9 @@ class DraftKVPool:
 
 # One layer's attention of the block over [context, block]: (layer index, its projections,
 # the normalised block x [B, T, hidden], cos, sin) -> the attention output after o_proj.
-BlockAttention = Callable[[int, AttentionProjections, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+# (A SplitSum where o_proj ran as a K-split GEMM: `common.layers.residual_linear`.)
+BlockAttention = Callable[[int, AttentionProjections, torch.Tensor, torch.Tensor, torch.Tensor],
+                          "torch.Tensor | SplitSum"]
 
 
 class DFlashDraftModel(nn.Module):
@@ -135,7 +140,7 @@ class DFlashDraftModel(nn.Module):
         def attention(i: int, attn: AttentionProjections, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
             q = project_store(attn, x, cos, sin, kv[:, i, 0], kv[:, i, 1], slots, positions)
             out = slot_attention(q, kv[:, i, 0], kv[:, i, 1], slots, visible, ranges)
-            return attn.o_proj(out.reshape(b, t, -1))
+            return residual_linear(out.reshape(b, t, -1), attn.o_proj.weight)
 
         return self.block_forward(block_embeds, positions, attention)
 
@@ -150,5 +155,5 @@ class DFlashDraftModel(nn.Module):
         for i, layer in enumerate(self.layers):
             h, x = add_rms_norm(h, pending, layer.input_layernorm.weight, eps)
             h, x = add_rms_norm(h, attention(i, layer.self_attn, x, cos, sin), layer.post_attention_layernorm.weight, eps)
-            pending = layer.mlp(x)
+            pending = layer.mlp(x, into_residual=True)
         return add_rms_norm(h, pending, self.norm.weight, eps)[1]

@@ -55,7 +55,7 @@ def exercise(label) -> None:
     from ddtree_kernels.fused_accept import tree_accept_triton
     from ddtree_kernels.layer_ops import add_rms_norm_triton, qk_norm_rope_store_triton, silu_mul_triton
     from ddtree_kernels.place_trees import place_trees
-    from ddtree_kernels.skinny_gemm import skinny_config, skinny_linear
+    from ddtree_kernels.skinny_gemm import SplitSum, skinny_config, skinny_linear, split_config, split_linear
     from ddtree_kernels.slot_attention import slot_attention_triton
 
     i32, i64 = torch.int32, torch.int64
@@ -106,11 +106,17 @@ def exercise(label) -> None:
                     if skinny_config(t, n, k) is not None:
                         label(f"skinny_linear {name} T={t} N={n} K={k}{tag}")
                         skinny_linear(torch.zeros(t, k, dtype=dtype), torch.zeros(n, k, dtype=dtype))
+            for t in (16, 33, 64):
+                for n, k in ((4096, 4096), (4096, 12288)):
+                    if split_config(t, n, k) is not None:
+                        label(f"split_linear {name} T={t} N={n} K={k}{tag}")
+                        split_linear(torch.zeros(t, k, dtype=dtype), torch.zeros(n, k, dtype=dtype))
             for t in (1, 65):
                 label(f"add_rms_norm_triton {name} T={t}{tag}")
                 h, weight = torch.zeros(1, t, 4096, dtype=dtype), torch.ones(4096, dtype=dtype)
                 add_rms_norm_triton(h, h.clone(), weight, 1e-6)
                 add_rms_norm_triton(h, None, weight, 1e-6)
+                add_rms_norm_triton(h, SplitSum(torch.zeros(2, 1, t, 4096), dtype), weight, 1e-6)
                 label(f"silu_mul_triton {name} T={t}{tag}")
                 silu_mul_triton(torch.zeros(1, t, 2 * 12288, dtype=dtype))
                 label(f"qk_norm_rope_store_triton {name} T={t}{tag}")

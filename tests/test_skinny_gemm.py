@@ -6,8 +6,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from common.layers import linear
-from ddtree_kernels.skinny_gemm import MAX_ROWS, skinny_config, skinny_linear, tiles_for
+from common.layers import MLP, linear, residual_linear
+from ddtree_kernels.layer_ops import add_rms_norm_reference, add_rms_norm_triton
+from ddtree_kernels.skinny_gemm import (MAX_ROWS, MAX_SPLIT_ROWS, MIN_SPLIT_ROWS, SplitSum, skinny_config,
+                                        skinny_linear, split_config, split_linear, tiles_for)
 
 SMALL = dict(BLOCK_N=16, BLOCK_K=32, num_stages=1)  # interpreter-sized tiles
 
@@ -41,3 +43,62 @@ def test_linear_keeps_f_linear_off_the_gpu():
     assert torch.equal(linear(x, w), F.linear(x, w))
     out = torch.empty(5, 12)
     assert linear(x, w, out=out) is out and torch.allclose(out, F.linear(x, w), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("m, n, k, splits", [(1, 48, 64, 2), (5, 100, 96, 2), (16, 64, 130, 2), (33, 40, 64, 3),
+                                             (64, 32, 256, 2), (2, 16, 20, 4)])
+def test_split_linear_sums_to_f_linear(m, n, k, splits):
+    """Each slice's partial sums, added, are the product; so is `total()`, rounded to x's dtype
+    (K not a whole number of tiles per slice, and a slice past K, included)."""
+    gen = torch.Generator().manual_seed(m * 1000 + n + k + splits)
+    x = torch.randn(2, m, k, generator=gen)[1:]  # [1, m, k]
+    w = torch.randn(n, k, generator=gen)
+    got = split_linear(x, w, tiles=SMALL, splits=splits)
+    assert isinstance(got, SplitSum) and got.partials.shape == (splits, 1, m, n)
+    assert got.partials.dtype == torch.float32 and got.dtype == x.dtype
+    torch.testing.assert_close(got.total(), F.linear(x, w), rtol=1e-5, atol=1e-4)
+    half = k // splits
+    if splits == 2 and k % (2 * SMALL["BLOCK_K"]) == 0:  # whole tiles: slice 0 is exactly K's first half
+        torch.testing.assert_close(got.partials[0], F.linear(x[..., :half], w[:, :half]), rtol=1e-5, atol=1e-4)
+
+
+def test_split_tiles_only_where_they_pay():
+    """Split tiles for o_proj's and down's shapes (few output columns) at 16 to 64 rows, none
+    outside them or for wide outputs; `split_linear` refuses what it has no tiles for."""
+    for m in (MIN_SPLIT_ROWS, 33, MAX_SPLIT_ROWS):
+        assert split_config(m, 4096, 4096) and split_config(m, 4096, 12288)
+    assert split_config(MAX_SPLIT_ROWS + 1, 4096, 4096) is None and split_config(MIN_SPLIT_ROWS - 1, 4096, 4096) is None
+    assert split_config(16, 6144, 4096) is None and split_config(16, 151936, 4096) is None
+    with pytest.raises(ValueError):
+        split_linear(torch.randn(MAX_SPLIT_ROWS + 1, 64), torch.randn(32, 64))
+    with pytest.raises(ValueError):
+        split_linear(torch.randn(4, 64), torch.randn(32, 64), tiles=SMALL, splits=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_add_rms_norm_adds_partial_sums_like_their_total(dtype):
+    """add_rms_norm of a SplitSum: the reference adds `total()`; the kernel (interpreter) sums the
+    partials in float32, rounds to h's dtype, adds, and agrees with it."""
+    gen = torch.Generator().manual_seed(11)
+    h = (torch.randn(2, 5, 96, generator=gen) * 3).to(dtype)
+    partials = SplitSum(torch.randn(2, 2, 5, 96, generator=gen), dtype)
+    weight = (1 + 0.1 * torch.randn(96, generator=gen)).to(dtype)
+    want_h, want_x = add_rms_norm_reference(h, partials, weight, 1e-6)
+    assert torch.equal(want_h, h + partials.total())
+    got_h, got_x = add_rms_norm_triton(h, partials, weight, 1e-6)
+    if dtype == torch.float32:
+        assert torch.equal(got_h, want_h)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=4e-2, rtol=2e-2)
+    torch.testing.assert_close(got_h, want_h, **tol)
+    torch.testing.assert_close(got_x, want_x, **tol)
+    with pytest.raises(ValueError):
+        add_rms_norm_triton(h[:, :4], partials, weight, 1e-6)
+
+
+def test_residual_outputs_are_tensors_off_the_gpu():
+    """On a CPU `residual_linear` and the MLP's residual form are the plain products."""
+    x, w = torch.randn(5, 24), torch.randn(12, 24)
+    assert tiles_for(x, w, split=True) is None
+    assert torch.equal(residual_linear(x, w), F.linear(x, w))
+    mlp = MLP(24, 40)
+    assert torch.equal(mlp(x, into_residual=True), mlp(x))

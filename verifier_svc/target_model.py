@@ -22,7 +22,7 @@ from torch import nn
 
 from common.checkpoint import load_tensors
 from common.config import TargetConfig, load_target_config
-from common.layers import MLP, AttentionProjections, RMSNorm, RotaryEmbedding, embedding, linear
+from common.layers import MLP, AttentionProjections, RMSNorm, RotaryEmbedding, embedding, linear, residual_linear
 from ddtree_kernels import batch_invariant
 from ddtree_kernels.layer_ops import add_rms_norm, project_store, silu_mul
 from ddtree_kernels.slot_attention import (slot_attention, slot_attention_ranges, slot_attention_reference,
@@ -151,11 +151,13 @@ class TargetModel(nn.Module):
                 out = attend(q, cache.k[i], cache.v[i], slots, mask, ranges)
             else:
                 out = batch_invariant.logical_attention(q, cache.k[i], cache.v[i], slots, keys)
-            o = linear(out.reshape(*out.shape[:2], -1), attn.o_proj.weight)
-            if self.reduce is not None:
-                o = self.reduce(o)
+            out = out.reshape(*out.shape[:2], -1)
+            if self.reduce is None:  # o_proj's and the MLP's outputs as add_rms_norm adds them
+                o = residual_linear(out, attn.o_proj.weight)
+            else:
+                o = self.reduce(linear(out, attn.o_proj.weight))
             h, x = add_rms_norm(h, o, layer.post_attention_layernorm.weight, cfg.rms_norm_eps)
-            pending = layer.mlp(x) if self.reduce is None else self.reduce(layer.mlp(x))
+            pending = layer.mlp(x, into_residual=True) if self.reduce is None else self.reduce(layer.mlp(x))
         h, x = add_rms_norm(h, pending, self.norm.weight, cfg.rms_norm_eps)
         outputs[len(self.layers) - 1] = x  # hidden_states[-1] is after the final norm
         feats = (torch.cat([outputs[i] for i in self.feature_layer_ids], dim=-1) if self.feature_layer_ids
