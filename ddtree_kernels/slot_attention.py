@@ -158,13 +158,28 @@ class AttentionTiles:
     programs_per_sm: int = 1
 
 
-def attention_tiles(rows: int) -> AttentionTiles:
-    """The tiles for GROUP * T query rows per KV head: 64 rows (16 for decode steps) by 64 keys
-    on 4 warps, 3 stages, key splits for about one program per SM. Measured on an H200 at
-    Qwen3-8B shapes, batches 1 / 16 / 32, trees of 17 and 65, pasts 256 and 1024
-    (bench/attention.py): best or within 10% of the best of the shapes tried at every batched
-    size; blocks of 128 rows, 8 warps, or two programs per SM were slower."""
-    return AttentionTiles(16 if rows <= 16 else 64, 64, 4, 3, programs_per_sm=1)
+SHORT_KEYS = 640  # up to this many keys (ten tiles), small query blocks fill the GPU best
+
+
+def attention_tiles(rows: int, pairs: int = 1, keys: int = 0, multiprocessors: int = 132) -> AttentionTiles:
+    """The tiles for GROUP * T query rows per KV head, in `pairs` (batch row, KV head) pairs, over
+    `keys` keys: 64 keys by 16, 32 or 64 query rows on 4 warps, 3 stages, key splits for about
+    one program per SM. Decode steps (at most 16 rows) take 16-row blocks. Over few keys, the
+    largest block whose programs fill the SMs without key splits, else 16 rows: fewer splits,
+    often none, so less for the merge kernel to read (measured on an H200 at Qwen3-8B shapes:
+    the best of 16, 32 and 64 rows at batches 1 and 4, trees of 16 and 64, pasts 128 and 512;
+    0.53-1.01x the 64-row blocks' time at batches 1 to 16; bench/RESULTS.md, "Attention tiles by
+    the programs they make"). Otherwise, and over more keys (which small blocks re-read once per
+    block), 64 rows: best or within 10% of the best of the shapes tried at batches 1 / 16 / 32,
+    trees of 17 and 65, pasts 256 and 1024 (bench/attention.py)."""
+    if rows <= 16:
+        return AttentionTiles(16, 64, 4, 3)
+    if keys <= SHORT_KEYS:
+        for block in (64, 32):
+            if pairs * -(-rows // block) >= multiprocessors:
+                return AttentionTiles(block, 64, 4, 3)
+        return AttentionTiles(16, 64, 4, 3)
+    return AttentionTiles(64, 64, 4, 3)
 
 
 def key_ranges(mask: Tensor) -> Tensor:
@@ -211,7 +226,7 @@ def slot_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Te
     one program per (KV head, query block) would leave most of the GPU idle.
     float32_products: multiply in float32 (default: for float32 inputs only; bf16/fp16 inputs
     use the tensor cores' native products with float32 accumulation, as flash attention does).
-    tiles: the launch shape (default `attention_tiles(H / KVH * T)`).
+    tiles: the launch shape (default `attention_tiles(H / KVH * T, B * KVH, L)`).
     """
     b, h, t, d = q.shape
     kvh, length = k_cache.shape[1], mask.shape[-1]
@@ -226,7 +241,7 @@ def slot_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Te
     if ranges is None:
         ranges = key_ranges(mask)
     group = h // kvh
-    tiles = tiles or attention_tiles(group * t)
+    tiles = tiles or attention_tiles(group * t, b * kvh, length, _multiprocessors(q.device))
     block_m, block_n = tiles.block_m, tiles.block_n
     m_blocks = triton.cdiv(group * t, block_m)
     key_blocks = triton.cdiv(length, block_n)

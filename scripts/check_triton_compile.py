@@ -56,7 +56,7 @@ def exercise(label) -> None:
     from ddtree_kernels.layer_ops import add_rms_norm_triton, qk_norm_rope_store_triton, silu_mul_triton
     from ddtree_kernels.place_trees import place_trees
     from ddtree_kernels.skinny_gemm import SplitSum, skinny_config, skinny_linear, split_config, split_linear
-    from ddtree_kernels.slot_attention import slot_attention_triton
+    from ddtree_kernels.slot_attention import AttentionTiles, slot_attention_triton
 
     i32, i64 = torch.int32, torch.int64
     unforced_pdl = pdl.launch_options
@@ -132,7 +132,9 @@ def exercise(label) -> None:
                 label(f"slot_attention_triton {name} T={t}{tag}")
                 q, mask = torch.zeros(1, heads, t, d, dtype=dtype), torch.ones(1, t, 256, dtype=torch.bool)
                 for splits in (1, None):
-                    slot_attention_triton(q, cache, cache, slots, mask, splits=splits)
+                    for block in (16, 32, 64):  # attention_tiles' query blocks (which the CPU's count does not pick)
+                        slot_attention_triton(q, cache, cache, slots, mask, splits=splits,
+                                              tiles=AttentionTiles(block, 64, 4, 3))
         pdl.launch_options = unforced_pdl
 
 

@@ -2,7 +2,8 @@
 import pytest
 import torch
 
-from ddtree_kernels.slot_attention import AttentionTiles, key_ranges, slot_attention_reference, slot_attention_triton
+from ddtree_kernels.slot_attention import (SHORT_KEYS, AttentionTiles, attention_tiles, key_ranges,
+                                          slot_attention_reference, slot_attention_triton)
 
 
 def tree_mask(gen: torch.Generator, b: int, t: int, length: int, pasts: list[int]) -> torch.Tensor:
@@ -77,3 +78,15 @@ def test_key_ranges_match_a_plain_scan():
             want_prefix = next((j for j, s in enumerate(shared) if not s), len(shared))
             want_end = max((j + 1 for j, s in enumerate(seen) if s), default=0)
             assert (prefix, end) == (want_prefix, want_end)
+
+
+def test_attention_tiles_fill_the_gpu_over_few_keys():
+    """Decode steps take 16-row blocks; over few keys the largest block whose programs fill 132
+    SMs without key splits, else 16 rows; over many keys, or when 64-row blocks fill the GPU, 64."""
+    sms = 132
+    assert attention_tiles(4, 8, 1024, sms).block_m == 16  # one token, 4 query heads per KV head
+    assert attention_tiles(64, 8, 144, sms).block_m == 16  # batch 1, 16 tokens: 32 programs at most
+    assert attention_tiles(256, 8, 192, sms).block_m == 16  # batch 1, 64 tokens: 128 programs of 16 rows
+    assert attention_tiles(256, 32, 576, sms).block_m == 32  # batch 4, 64 tokens: 128 programs of 64 rows, 256 of 32
+    assert attention_tiles(68, 128, 400, sms).block_m == 64  # batch 16, 17 tokens
+    assert attention_tiles(256, 8, SHORT_KEYS + 1, sms).block_m == 64  # long keys
