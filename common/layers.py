@@ -43,11 +43,8 @@ def residual_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | Spl
     (`ddtree_kernels.skinny_gemm.SplitSum`), which add_rms_norm sums; else `linear`."""
     from ddtree_kernels import batch_invariant, skinny_gemm  # here: the kernels package imports this module
 
-    if not batch_invariant.enabled():
-        tiles = skinny_gemm.tiles_for(x, weight, split=True)
-        if tiles is not None:
-            return skinny_gemm.split_linear(x, weight, tiles=tiles)
-    return linear(x, weight)
+    tiles = None if batch_invariant.enabled() else skinny_gemm.tiles_for(x, weight, split=True)
+    return linear(x, weight) if tiles is None else skinny_gemm.split_linear(x, weight, tiles=tiles)
 
 
 class RMSNorm(nn.Module):

@@ -161,7 +161,7 @@ class AttentionTiles:
 SHORT_KEYS = 640  # up to this many keys (ten tiles), small query blocks fill the GPU best
 
 
-def attention_tiles(rows: int, pairs: int = 1, keys: int = 0, multiprocessors: int = 132) -> AttentionTiles:
+def attention_tiles(rows: int, pairs: int, keys: int, multiprocessors: int) -> AttentionTiles:
     """The tiles for GROUP * T query rows per KV head, in `pairs` (batch row, KV head) pairs, over
     `keys` keys: 64 keys by 16, 32 or 64 query rows on 4 warps, 3 stages, key splits for about
     one program per SM. Decode steps (at most 16 rows) take 16-row blocks. Over few keys, the
@@ -176,7 +176,7 @@ def attention_tiles(rows: int, pairs: int = 1, keys: int = 0, multiprocessors: i
         return AttentionTiles(16, 64, 4, 3)
     if keys <= SHORT_KEYS:
         for block in (64, 32):
-            if pairs * -(-rows // block) >= multiprocessors:
+            if pairs * triton.cdiv(rows, block) >= multiprocessors:
                 return AttentionTiles(block, 64, 4, 3)
         return AttentionTiles(16, 64, 4, 3)
     return AttentionTiles(64, 64, 4, 3)
