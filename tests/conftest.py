@@ -1,10 +1,65 @@
 """Test setup: on machines without CUDA, Triton kernels run in the interpreter."""
 import os
+import threading
 
 import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def _patch_the_language_once_per_launch() -> None:
+    """Triton's interpreter patches the `triton.language` modules a kernel's globals hold when
+    it launches the kernel, and again, in full, on every call of a @triton.jit helper from
+    inside it (InterpretedFunction.__call__), though the patch of those modules is then still in
+    place. That repetition was most of the CPU time of the kernel tests. Inside a launch, a
+    helper whose language modules are already patched skips it now; everything else, the
+    kernels' semantics included, is unchanged. Left alone where the interpreter is laid out
+    otherwise."""
+    try:
+        import inspect
+
+        import triton.language as tl
+        from triton.runtime import interpreter
+    except ImportError:
+        return
+    original_patch = getattr(interpreter, "_patch_lang", None)
+    executor = getattr(interpreter, "GridExecutor", None)
+    if original_patch is None or executor is None or not callable(getattr(executor, "__call__", None)):
+        return
+    original_launch = executor.__call__
+    state = threading.local()
+    languages: dict = {}  # function -> ids of the language modules its globals hold
+
+    class _Nothing:
+        def restore(self) -> None:
+            pass
+
+    def patch_lang(fn):
+        langs = languages.get(fn)
+        if langs is None:
+            langs = languages[fn] = {id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and v in (tl, tl.core)}
+        patched = getattr(state, "patched", None)
+        if patched is None:  # not inside a launch
+            return original_patch(fn)
+        if langs <= patched:  # a helper called by the kernel, its modules patched already
+            return _Nothing()
+        patched |= langs
+        return original_patch(fn)
+
+    def launch(self, *args, **kwargs):
+        state.patched = set()
+        try:
+            return original_launch(self, *args, **kwargs)
+        finally:
+            state.patched = None
+
+    interpreter._patch_lang = patch_lang
+    executor.__call__ = launch
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    _patch_the_language_once_per_launch()
 
 import pytest  # noqa: E402
 

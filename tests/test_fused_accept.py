@@ -3,9 +3,9 @@
 Without CUDA the Triton kernels run in the interpreter (tests/conftest.py), which is slow: the
 vocabularies are small, and the vocabulary chunk is lowered so that every row spans several
 chunks with a ragged last one. Most filter cases keep few candidates per chunk, so that rows
-whose thresholds the candidates cannot decide take the radix search over their whole row;
-some raise its radix to 8 bits (half the levels) to keep the run short; the code is the same
-for any radix.
+whose thresholds the candidates cannot decide take the radix search over their whole row.
+The radix is the kernels' 4 bits but in one case, 8 (the code is the same for any radix; in
+the interpreter 8 bits cost more, in a loop over the digits).
 Outputs must be equal: the fused stage sums in another order than torch, which can only
 matter when a coin falls within rounding of a boundary (not on these seeds).
 """
@@ -178,8 +178,8 @@ def filter_kinds(vocab: int) -> list[tuple[int, float]]:
 FILTER_CASES = [
     # (batch, nodes, V, dtype, chunk, radix bits, tree shape, quantisation levels, candidates per chunk)
     (6, 3, 97, BF16, 32, 4, "random", 0, 4),
-    (5, 4, 300, F32, 128, 8, "deep", 0, 2),
-    (5, 4, 1000, BF16, 256, 8, "random", 5, 8),
+    (5, 4, 300, F32, 128, 4, "deep", 0, 2),
+    (5, 4, 1000, BF16, 256, 4, "random", 5, 8),
     (4, 3, 300, F16, 128, 4, "wide", 0, 32),
     (3, 4, 97, F32, 64, 4, "chain", 3, 4),
     (6, 3, 97, BF16, 64, 8, "chain", 0, 64),
@@ -199,7 +199,7 @@ def test_top_k_top_p_match_reference(repeat, index, case, chunk):
 
 def test_filters_keep_ties_and_long_paths(chunk):
     """Quantised logits tie at the top-k / top-p boundaries; favoured children give long paths."""
-    chunk(32, 8, candidates=4)
+    chunk(32, 4, candidates=4)
     vocab, bs, nodes = 70, 4, 6
     stage = random_stage(7, bs, nodes, vocab, BF16, shape="chain", levels=3, oracle=1.0, boost=12.0)
     params = row_params(vocab, bs, 1, [(2, 1.0), (3, 0.7), (0, 0.5), (vocab - 2, 0.999)])
@@ -308,8 +308,8 @@ def test_top_k_floor_at_the_candidates_boundary(chunk, monkeypatch):
 KEYED_CASES = [
     # (batch, nodes, V, dtype, chunk, radix bits, tree shape, quantisation levels, candidates per chunk)
     (6, 4, 97, BF16, 32, 4, "random", 0, 4),
-    (5, 5, 300, F32, 128, 8, "deep", 0, 32),
-    (4, 6, 200, BF16, 64, 8, "chain", 3, 2),  # ties, also at the filters' boundaries
+    (5, 5, 300, F32, 128, 4, "deep", 0, 32),
+    (4, 6, 200, BF16, 64, 4, "chain", 3, 2),  # ties, also at the filters' boundaries
     (3, 4, 300, F16, 128, 4, "wide", 0, 8),
 ]
 
@@ -341,7 +341,7 @@ def test_keyed_accept_follows_the_noise_to_long_paths(chunk):
     """Trees whose every child holds its node's keyed sample: the walk accepts whole paths."""
     from ddtree_kernels.keyed_sampling import keyed_sample_reference
 
-    chunk(32, 8)
+    chunk(32, 4)
     bs, nodes, vocab = 3, 6, 70
     stage = random_stage(21, bs, nodes, vocab, F32, shape="chain", oracle=0.0)
     del stage["coins"], stage["final_coins"]
