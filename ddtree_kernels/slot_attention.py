@@ -65,12 +65,17 @@ def online_softmax_tile(q, k, v, visible, sm_scale, m_i, l_i, acc, IEEE: tl.cons
     return m_new, l_i, acc
 
 
-@triton.jit
+# The arguments that change with a pass's shape (its tokens, its mask's length, the key splits):
+# not specialised on (Triton would compile a variant per divisibility by 16, and for 1), so an
+# eager pass of any shape (a prompt chunk of any length) takes a variant `warm_up` compiled.
+# ONE_TOKEN (T == 1, a decode step) and PARTIAL (more than one split) keep what the
+# specialisation on 1 gave: T and SPLITS constant there.
+@triton.jit(do_not_specialize=["T", "L", "SPLITS", "s_mb", "s_mt"])
 def _slot_attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, m_ptr, l_ptr, mask_ptr, slots_ptr, ranges_ptr, sm_scale, T, L,
                            GROUP, SPLITS, split_len,
                            s_qb, s_qh, s_qt, s_cs, s_ch, s_cl, s_mb, s_mt, s_ob, s_os, s_ot, s_oh,
                            D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
-                           PARTIAL: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr):
+                           PARTIAL: tl.constexpr, STAGES: tl.constexpr, ONE_TOKEN: tl.constexpr, PDL: tl.constexpr):
     """One program per (KV head, block of GROUP * T query rows, batch row x key split): online
     softmax over the split's cache positions. The key tiles below the row's shared prefix
     (`key_ranges`) are read without the mask, in a loop the compiler pipelines; the tiles from
@@ -78,13 +83,19 @@ def _slot_attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, m_ptr, l_ptr, mask_ptr, s
     sees them; the keys after that are not read. PARTIAL: write the unnormalised output and the
     row max / sum of the split (combined by `_combine_splits_kernel`); else the normalised output."""
     pdl_enter(PDL)
+    tokens = T
+    if ONE_TOKEN:
+        tokens = 1
+    splits = SPLITS
+    if not PARTIAL:
+        splits = 1
     kvh = tl.program_id(0)
-    b = tl.program_id(2) // SPLITS
-    split = tl.program_id(2) % SPLITS
+    b = tl.program_id(2) // splits
+    split = tl.program_id(2) % splits
     rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-    valid = rows < GROUP * T
-    t = rows % T
-    head = kvh * GROUP + rows // T
+    valid = rows < GROUP * tokens
+    t = rows % tokens
+    head = kvh * GROUP + rows // tokens
     d = tl.arange(0, D)
     q = tl.load(q_ptr + b * s_qb + head[:, None] * s_qh + t[:, None] * s_qt + d[None, :], mask=valid[:, None],
                 other=0.0)
@@ -116,7 +127,7 @@ def _slot_attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, m_ptr, l_ptr, mask_ptr, s
             m_i, l_i, acc = online_softmax_tile(q, k, v, visible, sm_scale, m_i, l_i, acc, IEEE)
     out_rows = b * s_ob + split * s_os + t * s_ot + head * s_oh
     if PARTIAL:
-        stat_rows = ((b * SPLITS + split) * T + t) * (GROUP * tl.num_programs(0)) + head
+        stat_rows = ((b * splits + split) * tokens + t) * (GROUP * tl.num_programs(0)) + head
         tl.store(m_ptr + stat_rows, m_i, mask=valid)
         tl.store(l_ptr + stat_rows, l_i, mask=valid)
         tl.store(o_ptr + out_rows[:, None] + d[None, :], acc, mask=valid[:, None])
@@ -125,7 +136,7 @@ def _slot_attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, m_ptr, l_ptr, mask_ptr, s
         tl.store(o_ptr + out_rows[:, None] + d[None, :], out.to(o_ptr.dtype.element_ty), mask=valid[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T", "SPLITS"])
 def _combine_splits_kernel(part_ptr, m_ptr, l_ptr, o_ptr, T, H, SPLITS, D: tl.constexpr, BLOCK_S: tl.constexpr,
                            PDL: tl.constexpr):
     """One program per (batch row, token, head): merge the key splits' partial softmaxes.
@@ -266,11 +277,37 @@ def slot_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Te
         mask_u8.stride(0), mask_u8.stride(1), *s_part,
         D=d, BLOCK_M=block_m, BLOCK_N=block_n,
         IEEE=q.dtype == torch.float32 if float32_products is None else float32_products, PARTIAL=splits > 1,
-        STAGES=tiles.stages, num_warps=tiles.warps, **pdl.launch_options(q.device))
+        STAGES=tiles.stages, ONE_TOKEN=t == 1, num_warps=tiles.warps, **pdl.launch_options(q.device))
     if splits > 1:
         _combine_splits_kernel[(b * t * h,)](part, m_stat, l_stat, out, t, h, splits, D=d,
                                              BLOCK_S=triton.next_power_of_2(splits), **pdl.launch_options(q.device))
     return out
+
+
+def warm_up(k_cache: Tensor, v_cache: Tensor, num_heads: int) -> None:
+    """Compile every variant of the kernels a pass may launch over these caches (one layer's,
+    [slots, KVH, max_len, D]) with `num_heads` query heads: each block size of `attention_tiles`,
+    with and without key splits, and the merge for each power-of-two bound of the split count up
+    to one split per key tile of the cache. The verify graphs compile the shapes they were
+    captured at; eager passes (prompt chunks of any length) would otherwise compile theirs while
+    serving, stalling every session's step for about a second each (measured on an H200)."""
+    d, key_blocks = k_cache.shape[3], k_cache.shape[2] // 64
+    dev = k_cache.device
+    slots = torch.zeros(1, dtype=torch.int64, device=dev)
+
+    def launch(block_m: int, splits: int, tokens: int = 4) -> None:
+        q = torch.zeros(1, num_heads, tokens, d, dtype=k_cache.dtype, device=dev)
+        mask = torch.ones(1, tokens, splits * 64, dtype=torch.bool, device=dev)
+        slot_attention_triton(q, k_cache, v_cache, slots, mask, splits=splits, tiles=AttentionTiles(block_m, 64, 4, 3))
+
+    for splits in (1, 2)[:min(2, key_blocks)]:
+        launch(16, splits, tokens=1)  # decode steps: 16-row blocks
+        for block_m in (16, 32, 64):
+            launch(block_m, splits)
+    bound = 4
+    while bound // 2 < key_blocks:  # the merge's BLOCK_S = next power of two of the split count
+        launch(64, min(bound, key_blocks))
+        bound *= 2
 
 
 def slot_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, mask: Tensor,

@@ -44,6 +44,12 @@ def test_slot_attention_matches_sdpa(splits):
     check_slot_attention("cpu", torch.float32, splits)
 
 
+@pytest.mark.parametrize("splits", [1, 3])
+def test_slot_attention_of_one_token(splits):
+    """Decode steps (one token a row: the kernel's ONE_TOKEN variant), with and without splits."""
+    check_slot_attention("cpu", torch.float32, splits, b=3, t=1, length=150, pasts=[17, 64, 149])
+
+
 def test_slot_attention_split_with_no_visible_keys():
     """A split whose keys nobody sees (past the tree) must not disturb the merge."""
     check_slot_attention("cpu", torch.float32, 4, length=256, t=3)

@@ -132,3 +132,41 @@ def test_after_the_place_warm_up_no_tree_size_compiles(monkeypatch, caplog):
                         inp.ints.past, inp.tree_mask)
             assert inp.tree_mask[0, 0, 0].item()
     assert compiled("serving") == serving, [r.getMessage() for r in caplog.records]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_eager_prefills_of_any_length_compile_no_attention_kernel(monkeypatch, caplog):
+    """The runner compiles the attention kernels' variants at start-up (`slot_attention.warm_up`),
+    and they are not specialised on a pass's length: eager prefills of prompt chunks of lengths
+    and pasts no start-up pass had (with and without key splits and their merge) compile none
+    of them while serving; nor do eager draft blocks over contexts of any length."""
+    from bench.verify import feature_layers, qwen3_8b_config, random_draft, random_target
+    from drafter_svc.draft_model import DraftKVPool
+    from verifier_svc.target_runner import TargetRunner
+
+    _watched_afresh(monkeypatch)
+    cfg = qwen3_8b_config(small=True)
+    model = random_target(cfg, feature_layers(cfg), torch.device("cuda"), torch.bfloat16)
+    runner = TargetRunner(model, 2, 1400, 17, cuda_graphs=False)
+    compiles.serving()
+    gen = torch.Generator().manual_seed(0)
+    with caplog.at_level(logging.WARNING, logger="common.compiles"):
+        for past, n in ((0, 1), (0, 129), (0, 150), (0, 200), (0, 257), (0, 300), (1024, 150), (700, 33), (5, 1)):
+            logits, features = runner.prefill([1], [torch.randint(0, cfg.vocab_size, (n,), generator=gen)],
+                                              pasts=[past])
+            assert logits.isfinite().all() and features[0].shape[0] == n
+        # the drafter's pool warms the same kernels up over its own cache: eager draft blocks too
+        draft, _, _ = random_draft(True, torch.device("cuda"), torch.bfloat16)
+        draft.fuse_weights()
+        pool = DraftKVPool(draft, 2, 700)
+        compiles.serving()
+        for context, length in ((37, 60), (300, 333), (600, 650)):
+            block = torch.randn(1, 16, draft.cfg.hidden_size, device="cuda", dtype=torch.bfloat16)
+            hidden = draft.block_hidden(pool.kv, torch.tensor([1], device="cuda"),
+                                        torch.tensor([context], device="cuda"), block, length)
+            assert hidden.isfinite().all()
+    torch.cuda.synchronize()
+    attention = [r.getMessage() for r in caplog.records
+                 if "_slot_attention_kernel" in r.getMessage() or "_combine_splits_kernel" in r.getMessage()]
+    assert attention == []
