@@ -290,9 +290,12 @@ def warm_up(k_cache: Tensor, v_cache: Tensor, num_heads: int) -> None:
     with and without key splits, and the merge for each power-of-two bound of the split count up
     to one split per key tile of the cache. The verify graphs compile the shapes they were
     captured at; eager passes (prompt chunks of any length) would otherwise compile theirs while
-    serving, stalling every session's step for about a second each (measured on an H200)."""
-    d, key_blocks = k_cache.shape[3], k_cache.shape[2] // 64
+    serving, stalling every session's step for about a second each (measured on an H200).
+    Nothing to do where the kernels do not run compiled (a CPU, DDTREE_KERNELS=reference)."""
     dev = k_cache.device
+    if dev.type != "cuda" or kernel_backend(dev) != "triton":
+        return
+    d, key_blocks = k_cache.shape[3], k_cache.shape[2] // 64
     slots = torch.zeros(1, dtype=torch.int64, device=dev)
 
     def launch(block_m: int, splits: int, tokens: int = 4) -> None:
@@ -300,7 +303,7 @@ def warm_up(k_cache: Tensor, v_cache: Tensor, num_heads: int) -> None:
         mask = torch.ones(1, tokens, splits * 64, dtype=torch.bool, device=dev)
         slot_attention_triton(q, k_cache, v_cache, slots, mask, splits=splits, tiles=AttentionTiles(block_m, 64, 4, 3))
 
-    for splits in (1, 2)[:min(2, key_blocks)]:
+    for splits in [s for s in (1, 2) if s <= key_blocks]:  # each split holds at least one key tile
         launch(16, splits, tokens=1)  # decode steps: 16-row blocks
         for block_m in (16, 32, 64):
             launch(block_m, splits)

@@ -21,7 +21,6 @@ from common.layers import MLP, AttentionProjections, RMSNorm, RotaryEmbedding, r
 from ddtree_kernels.layer_ops import add_rms_norm, project_store, silu_mul
 from ddtree_kernels.slot_attention import slot_attention, slot_attention_ranges
 from ddtree_kernels.slot_attention import warm_up as warm_up_attention
-from ddtree_kernels.tree_sampling import kernel_backend
 
 if TYPE_CHECKING:
     from ddtree_kernels.skinny_gemm import SplitSum
@@ -50,9 +49,8 @@ class DraftKVPool:
         cfg, p = draft.cfg, draft.fc.weight
         self.kv = torch.zeros(slots, cfg.num_layers, 2, cfg.num_kv_heads, capacity, cfg.head_dim,
                               device=p.device, dtype=p.dtype)
-        if self.kv.is_cuda and kernel_backend(self.kv.device) == "triton":
-            # every attention variant now, not when an eager draft step first takes it
-            warm_up_attention(self.kv[:, 0, 0], self.kv[:, 0, 1], cfg.num_heads)
+        # every attention variant now, not when an eager draft step first takes it
+        warm_up_attention(self.kv[:, 0, 0], self.kv[:, 0, 1], cfg.num_heads)
         self._free = list(range(slots - 1, -1, -1))  # pop() hands out slot 0 first
 
     @property

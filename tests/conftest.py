@@ -25,7 +25,7 @@ def _patch_the_language_once_per_launch() -> None:
         return
     original_patch = getattr(interpreter, "_patch_lang", None)
     executor = getattr(interpreter, "GridExecutor", None)
-    if original_patch is None or executor is None or not callable(getattr(executor, "__call__", None)):
+    if original_patch is None or executor is None:
         return
     original_launch = executor.__call__
     state = threading.local()

@@ -93,9 +93,8 @@ class TargetRunner:
         self.scratch_slot = num_slots
         use_graphs = cuda_graphs and self.device.type == "cuda"
         self.cache = KVCache(model.cfg, num_slots + 1, cache_length(max_seq_len, max_tree_nodes), p.device, p.dtype)
-        if self.device.type == "cuda" and kernel_backend(self.device) == "triton":
-            # every attention variant now, not when an eager pass (a prompt chunk) first takes it
-            warm_up_attention(self.cache.k[0], self.cache.v[0], model.cfg.num_heads)
+        # every attention variant now, not when an eager pass (a prompt chunk) first takes it
+        warm_up_attention(self.cache.k[0], self.cache.v[0], model.cfg.num_heads)
         graph_config = graph_config or GraphConfig(modes=("greedy", sampling))
         self.graph_config = graph_config
         self.graphs = (VerifyGraphs(model, self.cache, max_seq_len, self.scratch_slot, graph_config)
