@@ -46,7 +46,10 @@ class SplitSum:
         return self.partials.sum(0).to(self.dtype)
 
 
-@triton.jit
+# Not specialised on M (Triton would specialise M == 1 and M % 16 == 0, and M only bounds a mask):
+# one compiled kernel serves every row count, so an eager pass at a count no graph had (the head of
+# a one-session prompt chunk over the graphs' lengths: 1 row) compiles nothing while serving.
+@triton.jit(do_not_specialize=["M"])
 def _skinny_kernel(x_ptr, w_ptr, out_ptr, M, N, K, K_SLICE, s_xm, s_wn, s_om, s_split,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr,
                    IEEE: tl.constexpr, PDL: tl.constexpr):
