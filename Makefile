@@ -27,8 +27,13 @@ local: install
 	$(PY) -m drafter_svc.generate --target $(MODELS)/target --draft $(MODELS)/draft \
 		--prompt "$(PROMPT)" --max-new-tokens 96 --tree-budget 15
 
+# The tests run in TEST_WORKERS processes (default: one per usable core, at most 8), a test file
+# to each, and torch on one thread in each: the tiny models gain little from a second thread,
+# and the workers (and the servers some tests start) then do not contend for the cores.
+TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); [ "$$n" -gt 8 ] && n=8; echo $$n)
+
 test: install
-	$(PY) -m pytest -q tests
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests
 
 clean:
 	rm -rf $(TINY) .pytest_cache
