@@ -9,3 +9,6 @@ def test_transport_bench_times_messages_with_their_feature_rows(tmp_path):
     assert row["batch"] == 2 and row["link"]["feature_rows"] == 2 * 3
     assert row["reply_bytes"] > 2 * 3 * FEATURE_DIM * 2  # the rows travel, at the 8B width
     assert row["link"]["median_ms"] > 0 and row["echo"]["median_ms"] > 0
+    # the link's time splits into the verifier's hold and the rest (both measured, both positive)
+    assert 0 < row["link"]["wire_median_ms"] < row["link"]["median_ms"]
+    assert 0 < row["link"]["held_median_ms"] < row["link"]["median_ms"]
