@@ -82,7 +82,7 @@ def plain_decode(runner: TargetRunner, prompt: torch.Tensor, n: int) -> list[int
     one = torch.ones(1, 1, 1, dtype=torch.bool)
     while len(out) < n:
         tree = DraftTree.from_parents([out[-1]], [-1])
-        batch = runner.verify_batch([VerifyRow(0, past, tree, torch.zeros(1, dtype=torch.int64), GREEDY)], one,
+        batch = runner.verify_batch([VerifyRow(0, past, tree, np.zeros(1, dtype=np.int64), GREEDY)], one,
                                     with_features=[False])
         out.append(batch.bonus[0])
         past += 1

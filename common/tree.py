@@ -213,10 +213,11 @@ class DeviceTree:
 
 @dataclass(frozen=True, eq=False)
 class TreeLayout:
-    """What the verifier derives from a valid tree: host int64 tensors of shape [1 + n]."""
+    """What the verifier derives from a valid tree: int64 arrays of shape [1 + n] (numpy: every
+    reader, the masks and the verify's staged inputs, works in numpy)."""
 
-    parents: Tensor  # parents[0] = -1
-    depths: Tensor  # depths[0] = 0; a node's position id is past length + depth
+    parents: np.ndarray  # parents[0] = -1
+    depths: np.ndarray  # depths[0] = 0; a node's position id is past length + depth
     max_depth: int
 
 
@@ -375,9 +376,9 @@ def _walk_batch(
             f"node {i}: token {tokens[node]} repeats a sibling's token under parent {parents[node]}"
         )
 
-    sections = sizes.tolist()
-    parent_rows = torch.from_numpy(parents).split(sections)
-    depth_rows = torch.from_numpy(depth).split(sections)
+    cuts = starts[1:].tolist()
+    parent_rows = np.split(parents, cuts)
+    depth_rows = np.split(depth, cuts)
     max_depths = np.maximum.reduceat(depth, starts).tolist()
     results: list[TreeLayout | TreeError] = list(map(TreeLayout, parent_rows, depth_rows, max_depths))
     for tree, error in errors.items():
@@ -420,8 +421,8 @@ def ancestor_masks(layouts: Sequence[TreeLayout], width: int) -> Tensor:
         # Nodes are numbered globally (node i of a tree is start + i) and `up` maps them to their
         # parents. A node's `row` is its row in the masks seen as [B * width, width], and its
         # cell plus a global node index is the flat index of that node's column in this row.
-        parent = torch.cat([layout.parents for layout in layouts]).cpu().numpy()
-        depth = torch.cat([layout.depths for layout in layouts]).cpu().numpy()
+        parent = np.concatenate([layout.parents for layout in layouts])
+        depth = np.concatenate([layout.depths for layout in layouts])
         start = np.repeat(np.cumsum(sizes) - sizes, sizes)
         row = np.repeat(np.arange(len(layouts)) * width, sizes) + np.arange(parent.shape[0]) - start
         up = parent + start
@@ -433,8 +434,7 @@ def ancestor_masks(layouts: Sequence[TreeLayout], width: int) -> Tensor:
         for count in at_least[1:].tolist():
             ancestor = up[ancestor[:count]]
             cells[cell[:count] + ancestor] = True
-    device = layouts[0].parents.device if layouts else torch.device("cpu")
-    return torch.from_numpy(masks).to(device)
+    return torch.from_numpy(masks)
 
 
 def tree_fields(parents: Tensor, counts: Tensor, max_depth: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -478,7 +478,7 @@ def ancestor_mask(parents: Tensor, depths: Tensor) -> Tensor:
     return ancestor_masks([layout], parents.shape[0])[0]
 
 
-def ancestor_mask_reference(parents: Tensor, depths: Tensor) -> Tensor:
+def ancestor_mask_reference(parents: np.ndarray | Tensor, depths: np.ndarray | Tensor) -> Tensor:
     """Per-node reference for `ancestor_mask`: from every node, step up depth + 1 times."""
     parent_list = parents.tolist()
     depth_list = depths.tolist()
@@ -489,4 +489,4 @@ def ancestor_mask_reference(parents: Tensor, depths: Tensor) -> Tensor:
         for _ in range(depth_list[node] + 1):
             rows[node][ancestor] = True
             ancestor = parent_list[ancestor]
-    return torch.tensor(rows, dtype=torch.bool, device=parents.device)
+    return torch.tensor(rows, dtype=torch.bool)

@@ -40,6 +40,7 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
@@ -230,7 +231,7 @@ def measure_cpu(size_specs: list[str], tokens: int, vocab: int) -> list[dict]:
             fwd = {}
             for t in (1, 17, 33):
                 chain = DraftTree.from_parents(torch.randint(0, vocab, (t,)).tolist(), list(range(-1, t - 1)))
-                rows = [VerifyRow(0, 128, chain, torch.arange(t), SamplingParams())]  # slot 0, 128 tokens past
+                rows = [VerifyRow(0, 128, chain, np.arange(t), SamplingParams())]  # slot 0, 128 tokens past
                 tri = torch.ones(1, t, t, dtype=torch.bool).tril()
                 for _ in range(3):
                     runner.forward_batch(rows, tri)

@@ -36,7 +36,7 @@ def reference_fill(b_bucket: int, t_bucket: int, rows: list[VerifyRow], masks: t
         out["next_token"][j, :n] = r.tree.next_token
         out["next_sibling"][j, :n] = r.tree.next_sibling
         out["positions"][j] = r.past
-        out["positions"][j, :n] += r.depths
+        out["positions"][j, :n] += torch.from_numpy(r.depths)
         out["past"][j], out["slot"][j] = r.past, r.slot
         out["tree_mask"][j, : masks.shape[-1], : masks.shape[-1]] = masks[j]
         if not r.sampling.greedy:

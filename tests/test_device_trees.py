@@ -33,7 +33,7 @@ def device_trees(trees: list[DraftTree], order: list[int], width: int, failed: f
     num_nodes = [0] * len(trees)
     for tree, layout, row in zip(trees, layouts, order):
         n = tree.num_nodes
-        packed[row, :n], packed[row, 1 + w: 1 + w + n] = tree.tokens, layout.parents
+        packed[row, :n], packed[row, 1 + w: 1 + w + n] = tree.tokens, torch.from_numpy(layout.parents)
         packed[row, 2 + 2 * w] = -1 if row in failed else n
         num_nodes[row] = min(n, (cut or {}).get(row, n))
     depth = max((int(l.depths[: num_nodes[row]].max()) for l, row in zip(layouts, order)), default=0)
@@ -58,7 +58,7 @@ def test_tree_fields_equal_the_host_builders(seed):
     layouts = walk_trees(trees, vocab_size=VOCAB, max_nodes=width, max_depth=width)
     parents = torch.randint(-1, width, (len(trees), width))  # junk past each tree's nodes
     for j, layout in enumerate(layouts):
-        parents[j, : layout.parents.shape[0]] = layout.parents
+        parents[j, : layout.parents.shape[0]] = torch.from_numpy(layout.parents)
     counts = torch.tensor([t.num_nodes for t in trees])
     bound = max(layout.max_depth for layout in layouts) + rng.randint(0, 3)
     next_token, next_sibling, depths, masks = tree_fields(parents, counts, bound)
@@ -67,7 +67,7 @@ def test_tree_fields_equal_the_host_builders(seed):
         n = tree.num_nodes
         assert torch.equal(next_token[j, :n], tree.next_token) and (next_token[j, n:] == -1).all()
         assert torch.equal(next_sibling[j, :n], tree.next_sibling) and (next_sibling[j, n:] == -1).all()
-        assert torch.equal(depths[j, :n], layout.depths) and (depths[j, n:] == 0).all()
+        assert torch.equal(depths[j, :n], torch.from_numpy(layout.depths)) and (depths[j, n:] == 0).all()
 
 
 def test_tree_fields_need_the_depth_bound():

@@ -56,7 +56,7 @@ def decode(runner: TargetRunner) -> dict:
     tree_logits = runner.forward_batch(rows, masks).logits.clone()
     one = torch.ones(2, 1, 1, dtype=torch.bool)
     for _ in range(STEPS):
-        rows1 = [VerifyRow(i, pasts[i], DraftTree.from_parents([tokens[i][-1]], [-1]), torch.zeros(1, dtype=torch.int64),
+        rows1 = [VerifyRow(i, pasts[i], DraftTree.from_parents([tokens[i][-1]], [-1]), np.zeros(1, dtype=np.int64),
                            SamplingParams()) for i in range(2)]
         batch = runner.verify_batch(rows1, one)
         for i in range(2):

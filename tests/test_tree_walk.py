@@ -86,8 +86,8 @@ def walk_tree_reference(tree: DraftTree, *, vocab_size: int, max_nodes: int, max
         attach(node, "next_sibling", next_sibling[node], parent, depths[node])
 
     return TreeLayout(
-        parents=torch.tensor(parents, dtype=torch.int64),
-        depths=torch.tensor(depths, dtype=torch.int64),
+        parents=np.array(parents, dtype=np.int64),
+        depths=np.array(depths, dtype=np.int64),
         max_depth=max(depths),
     )
 
@@ -101,7 +101,7 @@ def reference_outcome(tree: DraftTree, limits: dict) -> TreeLayout | TreeError:
 
 def assert_same_layout(layout: TreeLayout | TreeError, expected: TreeLayout) -> None:
     assert isinstance(layout, TreeLayout), f"valid tree rejected: {layout}"
-    assert layout.parents.dtype == torch.int64 and layout.depths.dtype == torch.int64
+    assert layout.parents.dtype == np.int64 and layout.depths.dtype == np.int64
     assert layout.parents.tolist() == expected.parents.tolist()
     assert layout.depths.tolist() == expected.depths.tolist()
     assert layout.max_depth == expected.max_depth

@@ -116,7 +116,7 @@ class VerifyRow:
     slot: int
     past: int  # committed tokens; the root goes to position past
     tree: DraftTree | DeviceTree
-    depths: Tensor | None  # int64 [n]; None for a DeviceTree (its depths are derived on the device)
+    depths: np.ndarray | None  # int64 [n]; None for a DeviceTree (its depths are derived on the device)
     sampling: SamplingParams
     coins: Tensor | None = None  # float32 [n + 1] when sampling with coins
     seed: int = 0  # the session's sampling seed (position-keyed sampling)
@@ -205,7 +205,7 @@ class BatchInputs:
             i.tokens[row_of, col_of] = torch.cat([t.tokens for t in trees]).numpy()
             i.next_token[row_of, col_of] = torch.cat([t.next_token for t in trees]).numpy()
             i.next_sibling[row_of, col_of] = torch.cat([t.next_sibling for t in trees]).numpy()
-            i.positions[row_of, col_of] += torch.cat([rows[j].depths for j in on_host]).numpy()
+            i.positions[row_of, col_of] += np.concatenate([rows[j].depths for j in on_host])
         i.past[:b] = past
         i.slot[:b] = [r.slot for r in rows]
         mask[:] = self._eye
@@ -266,7 +266,7 @@ class BatchInputs:
         """Valid trees for warm-up and capture: B chains of T token-0 nodes in the scratch slot."""
         t = self.T
         chain = DraftTree.from_parents([0] * t, list(range(-1, t - 1)))
-        row = VerifyRow(scratch_slot, 0, chain, torch.arange(t), SamplingParams(temperature=1.0),
+        row = VerifyRow(scratch_slot, 0, chain, np.arange(t), SamplingParams(temperature=1.0),
                         torch.full((t + 1,), 0.5))
         masks = torch.ones(t, t, dtype=torch.bool).tril().expand(self.B, t, t)
         self.fill([row] * self.B, masks, scratch_slot)

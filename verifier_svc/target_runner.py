@@ -19,6 +19,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -205,7 +206,7 @@ class TargetRunner:
         sizes = [p.shape[0] for p in prompts]
         if self.graphs.select("forward", len(prompts), max(sizes), max(pasts) + max(sizes)) is None:
             return None  # before building chains of a chunk no graph takes (a long prompt's, say)
-        rows = [VerifyRow(slot, past, DraftTree.from_parents(p.tolist(), list(range(-1, n - 1))), torch.arange(n),
+        rows = [VerifyRow(slot, past, DraftTree.from_parents(p.tolist(), list(range(-1, n - 1))), np.arange(n),
                           SamplingParams()) for slot, past, p, n in zip(slots, pasts, prompts, sizes)]
         width = max(sizes)
         masks = torch.eye(width, dtype=torch.bool).repeat(len(rows), 1, 1)
@@ -263,7 +264,7 @@ class TargetRunner:
         # No path is longer than the deepest tree (for trees on the device: than their bound).
         walked = [r.depths for r in rows if r.depths is not None]
         bounds = [r.tree.max_depth for r in rows if r.depths is None]
-        deepest = max(bounds + ([int(torch.cat(walked).max())] if walked else []))
+        deepest = max(bounds + ([int(np.concatenate(walked).max())] if walked else []))
         width = min(features.shape[1], 1 + deepest)
         features = features[: len(rows), :width]
         wanted = list(with_features) if with_features is not None else [True] * len(rows)

@@ -25,6 +25,7 @@ import time
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from common.protocol import (MAX_LOGPROBS, CloseEntry, Entry, Extended, ExtendEntry, OpenEntry, Prefilled,
@@ -65,7 +66,7 @@ class _Session:
 Key = tuple[Hashable, int]  # (owner, session id)
 # The layout a `DeviceTree` stands in with for the host's masks: one node, seeing itself (its
 # rows are built on the device).
-_ON_DEVICE = TreeLayout(torch.tensor([-1]), torch.tensor([0]), 0)
+_ON_DEVICE = TreeLayout(np.array([-1]), np.array([0]), 0)
 _ONE_NODE = torch.ones(1, 1, 1, dtype=torch.bool)  # the host masks of a step whose trees are all on the device
 
 
