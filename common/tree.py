@@ -471,7 +471,7 @@ def tree_fields(parents: Tensor, counts: Tensor, max_depth: int) -> tuple[Tensor
     return first(child), first(sibling), depths, masks
 
 
-def ancestor_mask(parents: Tensor, depths: Tensor) -> Tensor:
+def ancestor_mask(parents: np.ndarray, depths: np.ndarray) -> Tensor:
     """Bool [1+n, 1+n]: mask[i, j] is True when node j is node i or one of its ancestors
     (`ancestor_masks` of one tree)."""
     layout = TreeLayout(parents=parents, depths=depths, max_depth=int(depths.max()))
