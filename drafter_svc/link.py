@@ -323,8 +323,7 @@ class LocalLink(_Lockstep):
         return len(self._sent)
 
     def send(self, entries: Sequence[Entry]) -> None:
-        keys = {(self.OWNER, e.session_id) for e in entries}
-        if any(m.results is None and not m.step.admits(keys) for m in self._sent):
+        if any(m.results is None and not m.step.admits(self.OWNER, entries) for m in self._sent):
             for message in self._sent:
                 self._finish(message)
         start = time.perf_counter()
