@@ -29,6 +29,7 @@ from bench.verify import (_ints, feature_layers, fill_slots, make_batch, make_ru
 from common.buckets import auto_kv_buckets
 from common.protocol import SamplingParams
 from ddtree_kernels import pdl
+from ddtree_kernels.tree_sampling import reread_environment
 from verifier_svc.cuda_graphs import GraphConfig, cache_length
 
 
@@ -86,10 +87,12 @@ def main(argv=None) -> dict:
     try:
         for label, flag in SETTINGS.items():  # each runner's graphs keep the launches of their capture
             os.environ[pdl.ENV] = flag if cuda else "0"  # (off CUDA no launch takes PDL)
+            reread_environment()  # the kernels read it once per process
             runners[label] = make_runner(model, max(batches), max_seq, headroom, config=config)
             fill_slots(runners[label], prompt, max(batches))
     finally:
         os.environ.pop(pdl.ENV) if saved is None else os.environ.__setitem__(pdl.ENV, saved)
+        reread_environment()
     sync(device)
 
     rows_out = []

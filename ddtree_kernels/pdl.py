@@ -16,13 +16,12 @@ kernel without being one itself (PyTorch's, cuBLAS's) launches as usual, after i
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-from ddtree_kernels.tree_sampling import kernel_backend
+from ddtree_kernels.tree_sampling import environment, kernel_backend
 
 try:  # Triton 3.3 and later; before, no launch takes PDL (`enabled`)
     from triton.backends.nvidia.compiler import CUDAOptions
@@ -53,7 +52,7 @@ def pdl_enter(PDL: tl.constexpr):
 
 
 def _flag() -> bool | None:
-    raw = os.environ.get(ENV, "")
+    raw = environment(ENV)
     if raw in ("", "auto"):
         return None
     if raw in ("0", "1"):
@@ -71,7 +70,7 @@ def enabled(device: torch.device) -> bool:
     DDTREE_PDL=0 (DDTREE_PDL=1 on an older GPU or Triton is an error: it has no such launch);
     never off CUDA or in the Triton interpreter."""
     flag = _flag()
-    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+    if device.type != "cuda" or environment("TRITON_INTERPRET") == "1":
         return False
     able = SUPPORTED and _hopper(device.index if device.index is not None else torch.cuda.current_device())
     if flag and not able:

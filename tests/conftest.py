@@ -64,7 +64,28 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 import pytest  # noqa: E402
 
 from common.make_tiny import TinySizes, make_tiny, train_tokenizer  # noqa: E402
+from ddtree_kernels.tree_sampling import reread_environment  # noqa: E402
 from tests.servers import loopback_channel  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _kernel_settings_as_the_environment_has_them():
+    """The kernels read their settings' variables once per process (`ddtree_kernels.tree_sampling.
+    environment`): each test starts with them read again, any earlier test's changes undone."""
+    reread_environment()
+
+
+@pytest.fixture
+def kernel_env(monkeypatch):
+    """`kernel_env(name, value)`: a kernel setting's variable (DDTREE_KERNELS, DDTREE_PDL) set to
+    `value` (None: unset) for this test, and read again at once."""
+    def set_variable(name: str, value: str | None) -> None:
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value)
+        reread_environment()
+    return set_variable
 
 
 @pytest.fixture(scope="session")

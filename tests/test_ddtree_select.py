@@ -20,8 +20,8 @@ from tests.test_ddtree import assert_same_tree, random_logits, tied_log_prob_log
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the Triton kernel's (the interpreter's on a CPU)
 
 
-def host_selection(monkeypatch, logits, roots, budgets):
-    monkeypatch.setenv("DDTREE_KERNELS", "reference")
+def host_selection(kernel_env, logits, roots, budgets):
+    kernel_env("DDTREE_KERNELS", "reference")
     return select_ddtrees(logits, roots, budgets)
 
 
@@ -35,7 +35,7 @@ def logits_of(kind: str, rng: random.Random, sessions: int, depths: int, vocab: 
 
 @pytest.mark.parametrize("kind", ["continuous", "tied scores", "tied log-probs"])
 @pytest.mark.parametrize("seed", range(8))
-def test_device_selection_equals_the_host_selection(monkeypatch, kind, seed):
+def test_device_selection_equals_the_host_selection(kernel_env, kind, seed):
     """Same nodes, tokens, parents and float64 scores, session by session, at mixed budgets
     (0, small, around V, past V)."""
     rng = random.Random(seed * 7 + len(kind))
@@ -44,7 +44,7 @@ def test_device_selection_equals_the_host_selection(monkeypatch, kind, seed):
     budgets = [rng.choice([0, 1, rng.randint(2, 8), vocab, vocab + 2, 24]) for _ in range(sessions)]
     budgets[0] = max(budgets[0], 1)
     roots = [rng.randrange(vocab) for _ in range(sessions)]
-    host = host_selection(monkeypatch, logits, roots, budgets)
+    host = host_selection(kernel_env, logits, roots, budgets)
     values, tokens = top_logprobs_reference(logits, min(max(budgets), vocab))
     got, parents, num_nodes, scores = select_on_device(values, tokens, torch.tensor(roots, device=DEVICE),
                                                        torch.tensor(budgets, device=DEVICE))
@@ -57,10 +57,10 @@ def test_device_selection_equals_the_host_selection(monkeypatch, kind, seed):
 
 
 @pytest.mark.parametrize("seed", range(4))
-def test_select_ddtrees_on_the_device_path_matches_the_heap_reference(monkeypatch, seed):
+def test_select_ddtrees_on_the_device_path_matches_the_heap_reference(monkeypatch, kernel_env, seed):
     """With the Triton backend `select_ddtrees` selects on the device; its trees, cut to smaller
     budgets too (the adaptive budget), are the heap reference's."""
-    monkeypatch.setenv("DDTREE_KERNELS", "triton")
+    kernel_env("DDTREE_KERNELS", "triton")
     calls = []
     real = ddtree.select_on_device
     monkeypatch.setattr(ddtree, "select_on_device", lambda *args: calls.append(1) or real(*args))
@@ -76,8 +76,8 @@ def test_select_ddtrees_on_the_device_path_matches_the_heap_reference(monkeypatc
             assert_same_tree(tree, want)
 
 
-def test_device_path_refuses_nan_logits_and_leaves_wide_trees_to_the_host(monkeypatch):
-    monkeypatch.setenv("DDTREE_KERNELS", "triton")
+def test_device_path_refuses_nan_logits_and_leaves_wide_trees_to_the_host(monkeypatch, kernel_env):
+    kernel_env("DDTREE_KERNELS", "triton")
     logits = random_logits(2 * 4 * 3, 10, seed=1).reshape(2, 4 * 3, 10)[:, :4].to(DEVICE)
     bad = logits.clone()
     bad[1, 2] = float("nan")

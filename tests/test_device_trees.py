@@ -103,13 +103,13 @@ def test_device_selection_gives_the_trees_of_select_ddtrees(seed):
 
 @pytest.mark.parametrize("backend", ["reference", "triton"])
 @pytest.mark.parametrize("seed", range(6))
-def test_fill_with_device_trees_equals_the_reference(monkeypatch, backend, seed, device="cpu"):
+def test_fill_with_device_trees_equals_the_reference(kernel_env, backend, seed, device="cpu"):
     """Rows whose trees are DeviceTrees (in any order of their batch, mixed with host trees;
     their host masks junk) leave the buffers as the same trees from the host do: through the
     Triton kernel (`ddtree_kernels.place_trees`, interpreted on the CPU) and `tree_fields`. A
     tree cut by the host count is its first nodes; a count of -1 (a NaN row) leaves the root.
     (tests/gpu runs it on CUDA.)"""
-    monkeypatch.setenv("DDTREE_KERNELS", backend)
+    kernel_env("DDTREE_KERNELS", backend)
     rng = random.Random(seed)
     b_bucket, t_bucket = rng.choice([(1, 8), (4, 16), (16, 16), (32, 32)])
     inp = BatchInputs(b_bucket, t_bucket, torch.device(device), pinned=False)

@@ -171,11 +171,11 @@ def test_propose_matches_reference(tiny_pair):
 
 
 @pytest.mark.parametrize("backend", ["reference", "triton"])
-def test_static_path_matches_reference(qwen3_pair, backend, monkeypatch):
+def test_static_path_matches_reference(qwen3_pair, backend, kernel_env):
     """The static-shape step (padded to its buckets, run eagerly) == the reference; with
     DDTREE_KERNELS=triton also through the fused Triton kernels the CUDA graphs run (here in
     the Triton interpreter)."""
-    monkeypatch.setenv("DDTREE_KERNELS", backend)
+    kernel_env("DDTREE_KERNELS", backend)
     p = _proposer(qwen3_pair, slots=3, config=SMALL)
     script = reference_script()
     want_used = {(3, 48), (3, 96), (3, 128), None}  # 3 slots: batch buckets (2, 3)

@@ -73,15 +73,15 @@ def test_infinite_and_nan_rows_match_log_softmax():
     assert torch.equal(got_logq[3].isnan(), want_logq[3].isnan())
 
 
-def test_dispatch_and_argument_checks(monkeypatch):
+def test_dispatch_and_argument_checks(monkeypatch, kernel_env):
     logits = torch.randn(2, 16 * 40)
-    monkeypatch.delenv(BACKEND_ENV, raising=False)
+    kernel_env(BACKEND_ENV, None)
     if DEVICE == "cpu":  # the reference on CPU tensors
         calls = []
         monkeypatch.setattr(draft_topk, "top_logprobs_triton", lambda *a: calls.append(a))
         top_logprobs(logits, 4)
         assert calls == []
-    monkeypatch.setenv(BACKEND_ENV, "triton")
+    kernel_env(BACKEND_ENV, "triton")
     # Not a multiple of SUB; k * SUB above a quarter of V; fewer rows than TRITON_MIN_ROWS.
     for rows, vocab, k in ((2, 16 * 40 + 3, 4), (2, 16 * 40, 40), (1, 16 * 40, 4)):
         x = torch.randn(rows, vocab)
@@ -99,14 +99,14 @@ def test_dispatch_and_argument_checks(monkeypatch):
 
 
 @pytest.mark.parametrize("seed", range(3))
-def test_trees_are_the_same_with_either_top_k(seed, monkeypatch):
+def test_trees_are_the_same_with_either_top_k(seed, kernel_env):
     rng = np.random.default_rng(seed)
     sessions, depths, vocab = 5, 6, 16 * 100  # budget 24: 24 * 16 * 4 <= vocab, so the Triton pass runs
     logits = torch.from_numpy(rng.normal(size=(sessions, depths, vocab)) * 2).float().to(DEVICE)
     roots, budgets = rng.integers(0, vocab, sessions).tolist(), [0, 3, 9, 16, 24]
-    monkeypatch.setenv(BACKEND_ENV, "reference")
+    kernel_env(BACKEND_ENV, "reference")
     want = select_ddtrees(logits, roots, budgets)
-    monkeypatch.setenv(BACKEND_ENV, "triton")
+    kernel_env(BACKEND_ENV, "triton")
     got = select_ddtrees(logits, roots, budgets)
     for a, b in zip(got.trees(), want.trees()):
         assert torch.equal(a.tokens, b.tokens) and torch.equal(a.next_token, b.next_token)

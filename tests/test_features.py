@@ -48,7 +48,7 @@ def _assert_equals_hf(features: torch.Tensor, hidden_states, layer_ids) -> None:
 
 
 @pytest.mark.parametrize("path", ["plain", "fused-triton", "runner-prefill", "training"])
-def test_every_feature_layer_is_hidden_states_of_the_next_index(tiny_pair, path, monkeypatch):
+def test_every_feature_layer_is_hidden_states_of_the_next_index(tiny_pair, path, kernel_env):
     """All layer ids, the last one included (post final norm), against transformers in float32."""
     target_dir, _ = tiny_pair
     probe = TargetModel.from_pretrained(target_dir)
@@ -61,7 +61,7 @@ def test_every_feature_layer_is_hidden_states_of_the_next_index(tiny_pair, path,
         features = _causal_features(model, ids)
     elif path == "fused-triton":
         model.fuse_weights()
-        monkeypatch.setenv("DDTREE_KERNELS", "triton")
+        kernel_env("DDTREE_KERNELS", "triton")
         features = _causal_features(model, ids)
     elif path == "runner-prefill":  # the verifier's batched prefill (fused weights, padded batch)
         runner = TargetRunner(model, num_slots=2, max_seq_len=64, max_tree_nodes=9)

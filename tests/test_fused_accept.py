@@ -366,7 +366,7 @@ def test_keyed_accept_follows_the_noise_to_long_paths(chunk):
 # ---------------------------------------------------------------------------------------
 
 
-def test_dispatch_follows_device_and_env(monkeypatch):
+def test_dispatch_follows_device_and_env(monkeypatch, kernel_env):
     calls = []
     for backend in ("reference", "triton"):
         monkeypatch.setattr(fused_accept, f"tree_accept_{backend}", lambda *a, _b=backend, **k: calls.append(_b))
@@ -374,9 +374,9 @@ def test_dispatch_follows_device_and_env(monkeypatch):
     for env, want in ((None, "triton" if DEVICE == "cuda" else "reference"), ("reference", "reference"),
                       ("triton", "triton")):
         if env is None:
-            monkeypatch.delenv(BACKEND_ENV, raising=False)
+            kernel_env(BACKEND_ENV, None)
         else:
-            monkeypatch.setenv(BACKEND_ENV, env)
+            kernel_env(BACKEND_ENV, env)
         calls.clear()
         tree_accept(logits, *[None] * 6, greedy=True)
         assert calls == [want]

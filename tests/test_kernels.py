@@ -17,6 +17,7 @@ from ddtree_kernels.probs import process_probs_reference
 from ddtree_kernels.tree_sampling import (
     BACKEND_ENV,
     kernel_backend,
+    reread_environment,
     tree_speculative_sampling_target_only_reference,
     verify_tree_greedy_reference,
 )
@@ -360,16 +361,28 @@ def test_emitted_tokens_follow_the_target(filtered):
 # ---------------------------------------------------------------------------------------
 
 
-def test_kernel_backend_follows_device_and_env(monkeypatch):
-    monkeypatch.delenv(BACKEND_ENV, raising=False)
+def test_kernel_backend_follows_device_and_env(kernel_env):
+    kernel_env(BACKEND_ENV, None)
     assert kernel_backend(torch.device("cpu")) == "reference"
     assert kernel_backend(torch.device("cuda")) == "triton"
     for forced in ("reference", "triton"):
-        monkeypatch.setenv(BACKEND_ENV, forced)
+        kernel_env(BACKEND_ENV, forced)
         assert kernel_backend(torch.device("cpu")) == kernel_backend(torch.device("cuda")) == forced
-    monkeypatch.setenv(BACKEND_ENV, "cuda")
+    kernel_env(BACKEND_ENV, "cuda")
     with pytest.raises(ValueError, match="DDTREE_KERNELS"):
         kernel_backend(torch.device("cpu"))
+
+
+def test_the_kernel_settings_are_read_once_per_process(monkeypatch):
+    """Every kernel's dispatch asks for its setting, and an environment lookup costs about a
+    microsecond: the variable is read once, and again only after `reread_environment`."""
+    monkeypatch.delenv(BACKEND_ENV, raising=False)
+    reread_environment()
+    assert kernel_backend(torch.device("cpu")) == "reference"
+    monkeypatch.setenv(BACKEND_ENV, "triton")
+    assert kernel_backend(torch.device("cpu")) == "reference"
+    reread_environment()
+    assert kernel_backend(torch.device("cpu")) == "triton"
 
 
 BAD_ARGS = [

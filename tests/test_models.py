@@ -22,7 +22,7 @@ def _causal_forward(model, ids):
 
 
 @pytest.mark.parametrize("fast", [False, True], ids=["plain", "fused-weights-triton"])
-def test_target_matches_transformers(tiny_pair, fast, monkeypatch):
+def test_target_matches_transformers(tiny_pair, fast, kernel_env):
     """Also with the serving fast path: fused q/k/v and gate/up weights, Triton norm/RoPE kernels."""
     from transformers import AutoModelForCausalLM
 
@@ -31,7 +31,7 @@ def test_target_matches_transformers(tiny_pair, fast, monkeypatch):
     ours = TargetModel.from_pretrained(target_dir, layer_ids)
     if fast:
         ours.fuse_weights()
-        monkeypatch.setenv("DDTREE_KERNELS", "triton")
+        kernel_env("DDTREE_KERNELS", "triton")
     hf = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).eval()
     ids = torch.randint(0, ours.cfg.vocab_size, (37,), generator=torch.Generator().manual_seed(0)).tolist()
     out = _causal_forward(ours, ids)

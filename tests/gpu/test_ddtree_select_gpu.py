@@ -14,7 +14,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 @pytest.mark.parametrize("sessions, budget", [(1, 15), (32, 15), (16, 64), (4, 200)])
 @pytest.mark.parametrize("peaked", [False, True])
-def test_device_selection_equals_the_host_selection_on_bf16_logits(monkeypatch, sessions, budget, peaked):
+def test_device_selection_equals_the_host_selection_on_bf16_logits(monkeypatch, kernel_env, sessions, budget, peaked):
     gen = torch.Generator(device="cuda").manual_seed(sessions * 1000 + budget + peaked)
     logits = torch.randn(sessions, 15, 151936, device="cuda", generator=gen)
     if peaked:  # a likely token per depth, as a trained draft has: deep chains
@@ -24,9 +24,9 @@ def test_device_selection_equals_the_host_selection_on_bf16_logits(monkeypatch, 
     roots = list(range(sessions))
     candidates = top_logprobs(logits, budget)
     monkeypatch.setattr(ddtree, "top_logprobs", lambda *_: candidates)  # both paths select from these
-    monkeypatch.setenv("DDTREE_KERNELS", "triton")
+    kernel_env("DDTREE_KERNELS", "triton")
     device = ddtree.select_ddtrees(logits, roots, budgets)
-    monkeypatch.setenv("DDTREE_KERNELS", "reference")
+    kernel_env("DDTREE_KERNELS", "reference")
     host = ddtree.select_ddtrees(logits, roots, budgets)
     assert device.num_nodes.tolist() == host.num_nodes.tolist() == [1 + b for b in budgets]
     for s, n in enumerate(host.num_nodes.tolist()):

@@ -16,7 +16,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 
 @pytest.mark.parametrize("sessions, budget", [(1, 15), (32, 15), (8, 64)])
-def test_device_trees_are_the_host_selection(monkeypatch, sessions, budget):
+def test_device_trees_are_the_host_selection(monkeypatch, kernel_env, sessions, budget):
     gen = torch.Generator(device="cuda").manual_seed(sessions + budget)
     logits = torch.randn(sessions, 15, 151936, device="cuda", generator=gen)
     logits[..., :4] += 12.0  # deep chains, as a trained draft gives
@@ -28,10 +28,10 @@ def test_device_trees_are_the_host_selection(monkeypatch, sessions, budget):
     candidates = top_logprobs(logits, budget)  # both paths select from these (bf16 ties)
     monkeypatch.setattr(ddtree, "top_logprobs", lambda x, k: candidates if x.shape[0] == sessions
                         else tuple(c[good] for c in candidates))
-    monkeypatch.setenv("DDTREE_KERNELS", "triton")
+    kernel_env("DDTREE_KERNELS", "triton")
     handed = ddtree.select_device_trees(logits, roots, budgets)
     assert handed[0].trees.tokens.is_cuda
-    monkeypatch.setenv("DDTREE_KERNELS", "reference")
+    kernel_env("DDTREE_KERNELS", "reference")
     host = ddtree.select_ddtrees(logits[good], [roots[s] for s in good], [budgets[s] for s in good]).trees()
     for s, want in zip(good, host):
         got = handed[s].on_host()
@@ -48,5 +48,5 @@ def test_a_graphed_verify_takes_device_trees_as_their_host_twins(tiny_pair, dtyp
 
 @pytest.mark.parametrize("backend", ["reference", "triton"])
 @pytest.mark.parametrize("seed", range(4))
-def test_device_trees_fill_the_buffers_on_cuda(monkeypatch, backend, seed):
-    fill(monkeypatch, backend, seed, device="cuda")
+def test_device_trees_fill_the_buffers_on_cuda(kernel_env, backend, seed):
+    fill(kernel_env, backend, seed, device="cuda")

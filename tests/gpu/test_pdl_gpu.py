@@ -53,19 +53,19 @@ def differing(got: dict, want: dict) -> dict[str, float]:
 
 
 @pytest.mark.parametrize("rows", [1, 16, 32, 65])
-def test_each_kernel_gives_the_same_bits_with_pdl(monkeypatch, rows):
+def test_each_kernel_gives_the_same_bits_with_pdl(kernel_env, rows):
     """Off twice (the comparison means something only if the kernels repeat themselves), then on."""
     results = []
     for flag in ("0", "0", "1" if HOPPER else "0"):
-        monkeypatch.setenv(pdl.ENV, flag)
+        kernel_env(pdl.ENV, flag)
         results.append(forward_kernels(rows, torch.Generator(device="cuda").manual_seed(rows)))
     torch.cuda.synchronize()
     assert differing(results[1], results[0]) == {}, "the kernels differ between two runs without PDL"
     assert differing(results[2], results[0]) == {}
 
 
-def test_pdl_is_on_by_default_on_hopper(monkeypatch):
-    monkeypatch.delenv(pdl.ENV, raising=False)
+def test_pdl_is_on_by_default_on_hopper(kernel_env):
+    kernel_env(pdl.ENV, None)
     assert pdl.enabled(torch.device("cuda")) == HOPPER
 
 
