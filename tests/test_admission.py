@@ -25,6 +25,7 @@ from common.config import load_draft_config
 from common.protocol import (
     CloseEntry,
     Entry,
+    ExtendEntry,
     OpenEntry,
     Prefilled,
     SamplingParams,
@@ -35,13 +36,14 @@ from common.protocol import (
 )
 from common.rpc import CHANNEL_OPTIONS, pb, pb_grpc
 from common.tree import DraftTree
-from common.wire import decode_link_response, encode_link_request
+from common.wire import EncodedReply, decode_link_response, encode_link_request
 from drafter_svc.drafter import DraftMode
 from drafter_svc.scheduler import DraftScheduler, GenerationConfig, QueueFull
 from drafter_svc.server import DrafterConfig, DrafterEngine
 from drafter_svc.server import serve as serve_drafter
 from tests.servers import ServerThread
 from verifier_svc.server import VerifierConfig
+from verifier_svc.scheduler import SessionTimers
 from verifier_svc.server import serve as serve_verifier
 
 PROMPT = [5, 17, 42, 99, 3]
@@ -180,6 +182,21 @@ def test_the_open_timeout_is_per_session(stub, links, sizes):
     (r,) = link.step([TreeEntry(1, rounds + 1, root_only(token))])
     assert isinstance(r.outcome, Verified), r.outcome  # the busy session carries on
     assert error_of(link.step([TreeEntry(2, 1, root_only(idle.outcome.token))])[0]).status == "NOT_FOUND"
+
+
+def test_no_timer_runs_for_a_session_with_an_entry_on_the_way():
+    """A prompt's next chunk may come ahead of the reply to the one before it: that reply starts
+    no timer (the verifier is not waiting on the drafter), the reply to the last chunk does."""
+    timers = SessionTimers(open_timeout_s=1.0, idle_timeout_s=5.0)
+    timers.heard([OpenEntry(1, PROMPT, SamplingParams(), more=True), OpenEntry(2, PROMPT, SamplingParams())])
+    timers.heard([ExtendEntry(1, PROMPT, more=False), CloseEntry(3)])
+    timers.answered(EncodedReply(b"", ((1, "extended"), (2, "prefilled"))), now=0.0)
+    assert timers.expire(now=100.0) == ([2], [])  # session 1's last chunk is still on the way
+    timers.answered(EncodedReply(b"", ((1, "prefilled"),)), now=100.0)
+    assert timers.expire(now=100.5) == ([], []) and timers.expire(now=101.0) == ([1], [])
+    timers.heard([OpenEntry(4, PROMPT, SamplingParams()), TreeEntry(4, 1, root_only(0))])  # one fails
+    timers.answered(EncodedReply(b"", ((4, "error"), (4, "error"))), now=101.0)
+    assert timers.expire(now=1000.0) == ([], []) and not timers.sessions
 
 
 def test_open_timeout_flag_and_check():

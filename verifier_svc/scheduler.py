@@ -80,7 +80,8 @@ class SessionTimers:
 
     A session's timer runs only while the verifier waits on the drafter for it: from the reply
     to its open (`open_timeout_s`, at most `idle_timeout_s`) or to its last tree (`idle_timeout_s`)
-    until its next entry arrives; a session in a message not yet answered has none. So a session
+    until its next entry arrives; a session in a message not yet answered has none (a prompt's
+    next chunk may come ahead of the reply to the one before it). So a session
     opened and never sent a tree holds its KV slot for `open_timeout_s` only, and one that
     stops sending (while the link goes on for others) for `idle_timeout_s`. The link closes
     the sessions that `expire` returns (`ModelWorker.close_sessions`); a later tree for one of
@@ -94,6 +95,7 @@ class SessionTimers:
         self.sessions: set[int] = set()  # ids opened and neither closed nor failed, as far as the link knows
         # Waited-on sessions: monotonic time each is closed at, and whether it has not sent a tree yet.
         self._deadlines: dict[int, tuple[float, bool]] = {}
+        self._unanswered: collections.Counter[int] = collections.Counter()  # id -> its entries not yet answered
         self._timed_out: collections.OrderedDict[int, str] = collections.OrderedDict()  # id -> why it was closed
 
     def heard(self, items: list[Entry | StepResult]) -> list[Entry | StepResult]:
@@ -110,16 +112,22 @@ class SessionTimers:
                 self._timed_out.pop(sid, None)
             elif isinstance(item, (TreeEntry, ExtendEntry)) and sid not in self.sessions and sid in self._timed_out:
                 item = StepResult(sid, VerifierError("NOT_FOUND", f"no open session {sid}: {self._timed_out[sid]}"))
+            if not isinstance(item, CloseEntry):  # a close has no result in the reply
+                self._unanswered[sid] += 1
             out.append(item)
         return out
 
     def answered(self, reply: EncodedReply, now: float) -> None:
-        """Note a reply written to the drafter: start the timers of its sessions."""
+        """Note a reply written to the drafter: start the timers of its sessions that have no
+        later entry on the way."""
         for sid, kind in reply.results:
+            self._unanswered[sid] -= 1
+            if self._unanswered[sid] <= 0:
+                del self._unanswered[sid]
             if kind == "error":
                 self.sessions.discard(sid)
                 self._deadlines.pop(sid, None)
-            elif sid in self.sessions:
+            elif sid in self.sessions and sid not in self._unanswered:
                 opened = kind in ("prefilled", "extended")  # no tree yet: the open timeout
                 self._deadlines[sid] = (now + (self.open_timeout_s if opened else self.idle_timeout_s), opened)
 
