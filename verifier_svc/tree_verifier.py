@@ -131,11 +131,12 @@ class PendingStep:
         prefill is queued behind this one's on the device, after the K/V it reads."""
         if self.exclusive:
             return False
+        shared = [item for item in items if (owner, item.session_id) in self.keys]
+        if not shared:  # the common case: nothing to count
+            return True
         counts = collections.Counter(item.session_id for item in items)
-        return all((owner, item.session_id) not in self.keys
-                   or ((owner, item.session_id) in self.continues and isinstance(item, ExtendEntry)
-                       and counts[item.session_id] == 1)
-                   for item in items)
+        return all((owner, item.session_id) in self.continues and isinstance(item, ExtendEntry)
+                   and counts[item.session_id] == 1 for item in shared)
 
     def ready(self) -> bool:
         """Whether `finish` would find the results on the host without waiting."""
