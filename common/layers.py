@@ -47,6 +47,19 @@ def residual_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | Spl
     return linear(x, weight) if tiles is None else skinny_gemm.split_linear(x, weight, tiles=tiles)
 
 
+def gemm_weights(model: nn.Module) -> list[torch.Tensor]:
+    """Every weight `linear` may run with in `model`: its 2-D parameters and the fused ones
+    (`fuse_weights`: q/k/v, its k/v rows, gate/up), for a warm-up of the GEMMs that compile per
+    shape (`ddtree_kernels.skinny_gemm.warm_up`)."""
+    weights = [p for p in model.parameters() if p.dim() == 2]
+    for module in model.modules():
+        if isinstance(module, AttentionProjections) and module.qkv_weight is not None:
+            weights += [module.qkv_weight, module.kv_weight]
+        elif isinstance(module, MLP) and module.gate_up_weight is not None:
+            weights.append(module.gate_up_weight)
+    return weights
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -229,7 +242,12 @@ class AttentionProjections(nn.Module):
         """The raw k, v projections side by side: [B, T, 2 kv_heads * D]."""
         if self.qkv_weight is None:
             return torch.cat([linear(x, self.k_proj.weight), linear(x, self.v_proj.weight)], dim=-1)
-        return linear(x, self.qkv_weight[self.num_heads * self.head_dim:])
+        return linear(x, self.kv_weight)
+
+    @property
+    def kv_weight(self) -> torch.Tensor | None:
+        """The k and v rows of the fused weight (a view), or None before `fuse_weights`."""
+        return None if self.qkv_weight is None else self.qkv_weight[self.num_heads * self.head_dim:]
 
     def query(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """[B, T, hidden] -> rotated queries [B, heads, T, D]."""

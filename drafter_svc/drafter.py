@@ -20,6 +20,7 @@ from common.checkpoint import load_tensors
 from common.config import check_draft_fits_target, load_target_config
 from common.devices import device_id
 from common.feature_projection import projection_fingerprint
+from common.layers import gemm_weights
 from common.protocol import StatusError, VerifiedRows
 from common.staging import rows_of, to_device
 from common.tree import DeviceTree, DraftTree
@@ -30,6 +31,7 @@ from drafter_svc.draft_graphs import (DraftGraphConfig, DraftGraphs, DraftInputs
 from drafter_svc.draft_model import DFlashDraftModel, DraftKVPool
 from ddtree_kernels.ddtree_select import warm_up as warm_up_selection
 from ddtree_kernels.draft_topk import warm_up as warm_up_top_k
+from ddtree_kernels.skinny_gemm import warm_up as warm_up_gemms
 from ddtree_kernels.tree_sampling import kernel_backend
 
 
@@ -204,6 +206,7 @@ class DFlashProposer:
         if kernel_backend(self.device) == "triton":  # no step waits for a compile
             warm_up_selection(self.device, self.block_size - 1)
             warm_up_top_k(self.device, lm_head.shape[0], lm_head.dtype)
+            warm_up_gemms(gemm_weights(draft))  # an eager step (a prompt chunk's context) at any row count
         use_graphs = cuda_graphs and self.device.type == "cuda"
         self.graphs = (DraftGraphs(draft, embed_tokens, lm_head, self.pool, self.scratch_slot,
                                    graph_config or DraftGraphConfig(), projected=projected_features)

@@ -102,3 +102,50 @@ def test_residual_outputs_are_tensors_off_the_gpu():
     assert torch.equal(residual_linear(x, w), F.linear(x, w))
     mlp = MLP(24, 40)
     assert torch.equal(mlp(x, into_residual=True), mlp(x))
+
+
+def _variant(rows: torch.Tensor, weight: torch.Tensor, splits: int, tiles: dict) -> tuple:
+    """What a launch compiles for: its tiles, BLOCK_M and whether its tiles are whole."""
+    (m, k), n = rows.shape, weight.shape[0]
+    whole = n % tiles["BLOCK_N"] == 0 and k % (splits * tiles["BLOCK_K"]) == 0
+    return splits, max(16, 1 << (m - 1).bit_length()), whole, tuple(sorted(tiles.items())), tuple(weight.shape)
+
+
+def test_the_warm_up_launches_every_variant_a_row_count_takes(monkeypatch):
+    """At Qwen3-8B's shapes (q/k/v, its k/v rows, o, gate/up, down, head), every row count either
+    GEMM takes compiles a variant that `warm_up` launched: an eager pass then compiles nothing."""
+    from ddtree_kernels import skinny_gemm
+
+    shapes = [(6144, 4096), (2048, 4096), (4096, 4096), (24576, 4096), (4096, 12288), (151936, 4096)]
+    weights = [torch.empty(n, k, dtype=torch.bfloat16) for n, k in shapes]
+    assert skinny_gemm.warm_up(weights) == 0  # on a CPU no GEMM takes them
+    launched = []
+    monkeypatch.setattr(skinny_gemm, "tiles_for", lambda x, w, split=False: (split_config if split else skinny_config)(
+        x.shape[0], *w.shape))
+    monkeypatch.setattr(skinny_gemm, "_launch", lambda rows, w, out, splits, tiles: launched.append(
+        _variant(rows, w, splits, tiles)))
+    launches = skinny_gemm.warm_up(weights + [weights[0]])  # a second weight of a shape adds nothing
+    assert launches == len(launched) == len(set(launched))
+    taken = set()
+    for w in weights:
+        for m in range(1, MAX_SPLIT_ROWS + 1):
+            x = torch.empty(m, w.shape[1], dtype=torch.bfloat16)
+            for splits, tiles in ((1, skinny_config(m, *w.shape)), (2, split_config(m, *w.shape))):
+                if tiles is not None and (splits == 1 and m <= MAX_ROWS or splits == 2):
+                    taken.add(_variant(x, w, splits, tiles))
+    assert taken == set(launched)
+
+
+def test_gemm_weights_include_the_fused_ones():
+    from common.layers import AttentionProjections, gemm_weights
+
+    attn, mlp = AttentionProjections(32, 4, 2, 8, 1e-6, qk_norm=True), MLP(32, 48)
+    model = torch.nn.ModuleList([attn, mlp])
+    assert {tuple(w.shape) for w in gemm_weights(model)} == {(32, 32), (16, 32), (48, 32), (32, 48)}
+    attn.fuse_weights()
+    mlp.fuse_weights()
+    fused = gemm_weights(model)
+    assert any(w is attn.qkv_weight for w in fused) and any(w is mlp.gate_up_weight for w in fused)
+    assert {tuple(w.shape) for w in fused} == {(32, 32), (16, 32), (48, 32), (32, 48), (64, 32), (96, 32)}
+    x = torch.randn(3, 32)
+    torch.testing.assert_close(attn.kv(x), F.linear(x, attn.kv_weight))

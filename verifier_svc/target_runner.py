@@ -23,10 +23,12 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from common.layers import gemm_weights
 from common.protocol import SamplingParams, TokenLogprob
 from common.staging import HostCopy, to_device
 from common.tree import DraftTree
 from ddtree_kernels.place_trees import warm_up as warm_up_place_trees
+from ddtree_kernels.skinny_gemm import warm_up as warm_up_gemms
 from ddtree_kernels.slot_attention import warm_up as warm_up_attention
 from ddtree_kernels.tree_sampling import kernel_backend
 from verifier_svc.accept import emitted_logprobs
@@ -94,8 +96,9 @@ class TargetRunner:
         self.scratch_slot = num_slots
         use_graphs = cuda_graphs and self.device.type == "cuda"
         self.cache = KVCache(model.cfg, num_slots + 1, cache_length(max_seq_len, max_tree_nodes), p.device, p.dtype)
-        # every attention variant now, not when an eager pass (a prompt chunk) first takes it
+        # every attention and few-row GEMM variant now, not when an eager pass (a prompt chunk) first takes it
         warm_up_attention(self.cache.k[0], self.cache.v[0], model.cfg.num_heads)
+        warm_up_gemms(gemm_weights(model))
         graph_config = graph_config or GraphConfig(modes=("greedy", sampling))
         self.graph_config = graph_config
         self.graphs = (VerifyGraphs(model, self.cache, max_seq_len, self.scratch_slot, graph_config)
