@@ -197,3 +197,53 @@ def test_the_few_row_gemm_compiles_once_for_every_row_count(monkeypatch, caplog)
             x = torch.randn((m, 2048), generator=gen, device="cuda").to(torch.bfloat16)
             torch.testing.assert_close(split_linear(x, o_proj).total(), x @ o_proj.T, rtol=2e-2, atol=1e-1)
     assert compiled("serving") == serving, [r.getMessage() for r in caplog.records]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_after_the_runners_warm_ups_eager_passes_compile_no_kernel(monkeypatch, caplog):
+    """A verifier's runner and a drafter's draft, warmed up as the services warm them up (the
+    attention variants, the few-row GEMMs for every weight shape), then eager prompt chunks of
+    1 to 300 tokens at several pasts, batches of chunks, and eager draft blocks: not one kernel
+    compiles while serving (bf16, Qwen3-8B's shapes: the K-split GEMMs run; the target at 2 layers)."""
+    from dataclasses import replace
+
+    from bench.verify import feature_layers, qwen3_8b_config, random_draft, random_target
+    from common.layers import gemm_weights
+    from ddtree_kernels.skinny_gemm import warm_up as warm_up_gemms
+    from drafter_svc.draft_model import DraftKVPool
+    from verifier_svc.target_runner import TargetRunner
+
+    _watched_afresh(monkeypatch)
+    cfg = replace(qwen3_8b_config(), num_layers=2)
+    model = random_target(cfg, feature_layers(cfg), torch.device("cuda"), torch.bfloat16)
+    runner = TargetRunner(model, 3, 1400, 17, cuda_graphs=False)
+    draft, _, _ = random_draft(False, torch.device("cuda"), torch.bfloat16)
+    draft.fuse_weights()
+    warm_up_gemms(gemm_weights(draft))  # as `Drafter` does
+    pool = DraftKVPool(draft, 2, 700)
+    # a first pass of each kind compiles what no warm-up covers by design (the norms and rotary
+    # kernels take no size-dependent constants; this pass also fills the caches' first rows)
+    runner.prefill([1], [torch.zeros(8, dtype=torch.int64)])
+    compiles.serving()
+    gen = torch.Generator().manual_seed(0)
+    with caplog.at_level(logging.WARNING, logger="common.compiles"):
+        for past, n in ((0, 1), (0, 2), (0, 16), (0, 17), (0, 31), (0, 33), (0, 48), (0, 64), (0, 65), (0, 150),
+                        (1024, 150), (700, 33), (5, 1)):
+            logits, features = runner.prefill([1], [torch.randint(0, cfg.vocab_size, (n,), generator=gen)],
+                                              pasts=[past])
+            assert logits.isfinite().all() and features[0].shape[0] == n
+        for sizes in ((3, 9), (17, 1, 5), (40, 2)):  # batches of chunks: the head at several rows
+            prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=gen) for n in sizes]
+            logits, _ = runner.prefill([0, 1, 2][:len(sizes)], prompts)
+            assert logits.isfinite().all()
+        for context, length in ((37, 60), (300, 333), (600, 650)):
+            block = torch.randn(1, 16, draft.cfg.hidden_size, device="cuda", dtype=torch.bfloat16)
+            hidden = draft.block_hidden(pool.kv, torch.tensor([1], device="cuda"),
+                                        torch.tensor([context], device="cuda"), block, length)
+            assert hidden.isfinite().all()
+        for rows in (1, 7, 17, 40):  # the context's extension by a prompt chunk's features
+            feats = torch.randn(1, rows, draft.fc.weight.shape[1], device="cuda", dtype=torch.bfloat16)
+            draft.extend(pool.kv, torch.tensor([1], device="cuda"), torch.tensor([rows], device="cuda"), feats)
+    torch.cuda.synchronize()
+    assert [r.getMessage() for r in caplog.records] == []
