@@ -106,7 +106,9 @@ def _rope_half(a, b, cos, sin, OUT: tl.constexpr):
     return ((a * cos).to(OUT).to(tl.float32) + (b * sin).to(OUT).to(tl.float32)).to(OUT)
 
 
-@triton.jit
+# Not specialised on T (Triton would on T == 1 and T % 16 == 0; T only locates a token's row):
+# one compiled kernel serves every pass length, so an eager prompt chunk compiles nothing.
+@triton.jit(do_not_specialize=["T"])
 def _qk_norm_rope_store_kernel(qkv_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr,
                                slots_ptr, pos_ptr, eps, T, H, KV,
                                s_slot, s_head, s_pos,

@@ -175,7 +175,8 @@ SPLIT_WARM_ROWS = (MIN_SPLIT_ROWS, MIN_SPLIT_ROWS + 1, 2 * MIN_SPLIT_ROWS + 1)
 
 def warm_up(weights: Iterable[Tensor]) -> int:
     """Compile, now, every variant the few-row GEMMs may launch with these weights: each tile
-    config and BLOCK_M of `skinny_linear` and of `split_linear` that some row count takes. CUDA
+    config and BLOCK_M of `skinny_linear` and of `split_linear` that some row count takes (and
+    `add_rms_norm` over the latter's partial sums). CUDA
     graphs compile the row counts they were captured at; an eager pass (a prompt chunk of any
     length, the head over its last rows) would otherwise compile at a new one while serving,
     stalling every session's step for about 0.3 s (measured on an H200). Launches each variant
@@ -191,7 +192,14 @@ def warm_up(weights: Iterable[Tensor]) -> int:
             for m in rows:
                 x = torch.zeros(m, weight.shape[1], dtype=weight.dtype, device=weight.device)
                 tiles = tiles_for(x, weight, split=split)
-                if tiles is not None:
-                    split_linear(x, weight, tiles=tiles) if split else skinny_linear(x, weight, tiles=tiles)
-                    launches += 1
+                if tiles is None:
+                    continue
+                if split:  # and its consumer, which adds the partial sums to the residual
+                    from ddtree_kernels.layer_ops import add_rms_norm_triton  # (it imports this module)
+
+                    residual = torch.zeros(m, weight.shape[0], dtype=weight.dtype, device=weight.device)
+                    add_rms_norm_triton(residual, split_linear(x, weight, tiles=tiles), residual[0] + 1, 1e-6)
+                else:
+                    skinny_linear(x, weight, tiles=tiles)
+                launches += 1
     return launches
