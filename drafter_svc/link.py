@@ -323,7 +323,8 @@ class LocalLink(_Lockstep):
         return len(self._sent)
 
     def send(self, entries: Sequence[Entry]) -> None:
-        if any(m.results is None and not m.step.admits(self.OWNER, entries) for m in self._sent):
+        keys = {(self.OWNER, e.session_id) for e in entries}
+        if any(m.results is None and not m.step.admits(keys) for m in self._sent):
             for message in self._sent:
                 self._finish(message)
         start = time.perf_counter()

@@ -186,8 +186,7 @@ class ModelWorker:
     behind the running one, with every other message waiting then that may go), so the device
     does not wait for that host work. A message from another link alone waits for the running
     step and goes into the next one with whatever arrives meanwhile, as without overlap, so
-    that messages batch; so does a message that touches a running step's sessions (but for a
-    prompt's next chunk, queued behind its earlier one: `PendingStep.admits`), and every
+    that messages batch; so does a message that touches a running step's sessions, and every
     message behind an `exclusive` step (one whose verify's logits are read for logprobs when it
     finishes) or a close (a step's prefills are queued with its verify and do not hold the next
     step back). A waiter thread wakes the worker when a step's results are on the host; steps
@@ -335,7 +334,8 @@ class ModelWorker:
     @staticmethod
     def _may_begin(job: LinkStep, running: collections.deque[_Running]) -> bool:
         """Whether every running step admits a message (`PendingStep.admits`)."""
-        return all(r.pending.admits(job.owner, job.items) for r in running)
+        keys = {(job.owner, item.session_id) for item in job.items}
+        return all(r.pending.admits(keys) for r in running)
 
     def _next_step(self, waiting: list[LinkStep | _Close], running: collections.deque[_Running]
                    ) -> tuple[list[LinkStep], list[LinkStep | _Close]]:

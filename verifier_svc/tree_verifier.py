@@ -103,7 +103,6 @@ class PendingStep:
     and its prompt chunks' prefills queued on the device."""
     keys: frozenset[Key]  # the sessions it touches
     size: int  # entries
-    continues: frozenset[Key] = frozenset()  # sessions whose prompt chunk it prefills, with more to come
     results: dict[int, StepResult] = field(default_factory=dict)
     prefills: list[_LaunchedPrefill] = field(default_factory=list)
     verify: _CheckedTrees | None = None
@@ -123,20 +122,9 @@ class PendingStep:
         when it finishes (for logprobs), would be overwritten."""
         return self._launched is not None and self._launched.exclusive
 
-    def admits(self, owner: Hashable, items: Sequence[Entry | StepResult]) -> bool:
-        """Whether a step with one owner's `items` (entries, or results known from decoding) may
-        begin before this one is finished: never while this one is `exclusive`; else when it
-        touches none of this one's sessions, but with the next prompt chunk (an ExtendEntry, the
-        session's only item) of a session whose earlier chunk this one prefills. That chunk's
-        prefill is queued behind this one's on the device, after the K/V it reads."""
-        if self.exclusive:
-            return False
-        shared = [item for item in items if (owner, item.session_id) in self.keys]
-        if not shared:  # the common case: nothing to count
-            return True
-        counts = collections.Counter(item.session_id for item in items)
-        return all((owner, item.session_id) in self.continues and isinstance(item, ExtendEntry)
-                   and counts[item.session_id] == 1 for item in shared)
+    def admits(self, keys: frozenset[Key] | set[Key]) -> bool:
+        """Whether a step touching the sessions `keys` may begin before this one is finished."""
+        return not self.exclusive and self.keys.isdisjoint(keys)
 
     def ready(self) -> bool:
         """Whether `finish` would find the results on the host without waiting."""
@@ -204,8 +192,8 @@ class TreeVerifier:
     def begin(self, entries: Sequence[tuple[Hashable, Entry]], *, stage: Stage = no_stage) -> PendingStep:
         """The first half of `step`: the closes, the checks, and the batched verify and then the
         prefills queued on the device without waiting for them. Until `finish`, another step may
-        begin only if this one is not `exclusive` and it touches none of this one's sessions but
-        with their next prompt chunks (`PendingStep.admits`); the device runs it after this one."""
+        begin only if it touches none of this one's sessions and this one is not `exclusive`
+        (`PendingStep.admits`); the device runs it after this one."""
         pending = PendingStep(keys=frozenset((owner, e.session_id) for owner, e in entries), size=len(entries))
         counts = collections.Counter((owner, e.session_id) for owner, e in entries)
         trees: list[tuple[int, Key, TreeEntry]] = []  # (position among the entries, key, entry)
@@ -227,7 +215,6 @@ class TreeVerifier:
             pending.verify = self._launch_verify(trees, stage)
         if chunks:
             pending.prefills = self._launch_prefills(chunks, pending.results, stage)
-            pending.continues = frozenset(key for p in pending.prefills for _, key, e, _ in p.group if e.more)
         return pending
 
     def finish(self, pending: PendingStep, *, stage: Stage = no_stage) -> list[StepResult | None]:

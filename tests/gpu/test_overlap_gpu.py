@@ -11,8 +11,7 @@ import pytest
 import torch
 
 from common.config import load_draft_config
-from common.protocol import (CloseEntry, Extended, ExtendEntry, OpenEntry, Prefilled, SamplingParams, TreeEntry,
-                             Verified)
+from common.protocol import CloseEntry, OpenEntry, Prefilled, SamplingParams, TreeEntry, Verified
 from common.tree import DraftTree
 from verifier_svc.server import VerifierConfig, load_verifier
 
@@ -109,49 +108,3 @@ def test_a_step_begun_behind_prefills_equals_steps_one_after_another(qwen3_pair,
                 else:
                     assert (a.outcome.token, a.outcome.logprobs) == (b.outcome.token, b.outcome.logprobs)
                 assert torch.equal(a.outcome.features, b.outcome.features)
-
-
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_a_prompts_chunks_begun_behind_one_another_equal_chunks_one_after_another(qwen3_pair, dtype):
-    """A prompt's next chunk is begun while its earlier chunk's step is unfinished (`PendingStep.admits`),
-    beside other sessions' trees, its prefill replaying the same graph before the earlier chunk's
-    features and first tokens are read: every result must be that of the steps one after another."""
-    overlapped, sequential, layers, roots = twin_verifiers(qwen3_pair, dtype, 8)
-    vocab = overlapped.vocab_size
-    rng = np.random.default_rng(2)
-    rounds = {sid: 0 for sid in roots}
-    prompt = [int(t) for t in rng.integers(0, vocab, 100)]
-    cuts = [0, 9, 30, 31, 62, 100]  # chunks of 9, 21, 1, 31 and 38 tokens: several prefill graphs, one replayed
-
-    def settle(results):
-        for r in results:
-            if isinstance(r.outcome, Verified):
-                roots[r.session_id] = r.outcome.next_token
-                rounds[r.session_id] += 1
-        return results
-
-    for sampling, sid in ((SAMPLINGS[0], 50), (SAMPLINGS[1], 51)):
-        messages, got, pending = [], [], []
-        for j, (a, b) in enumerate(zip(cuts, cuts[1:])):
-            more = b < len(prompt)
-            chunk = (OpenEntry(sid, prompt[a:b], sampling, "", layers, 2 if sid == 51 else None, more) if j == 0
-                     else ExtendEntry(sid, prompt[a:b], more))
-            group = [1, 2, 3] if j % 2 == 0 else [4, 5, 6]  # its last trees' step is finished
-            m = [("L", TreeEntry(s, rounds[s] + 1, random_tree(roots[s], rng, vocab))) for s in group] + [("L", chunk)]
-            messages.append(m)
-            assert len(pending) == min(j, 1) and all(p.admits("L", [e for _, e in m]) for p in pending)
-            pending.append(overlapped.begin(m))  # behind the unfinished step of the chunk before
-            if len(pending) == 2:  # two steps begun at once, as the model worker keeps them
-                got.append(settle(overlapped.finish(pending.pop(0))))
-        got += [settle(overlapped.finish(p)) for p in pending]
-        want = [sequential.step(m) for m in messages]
-        for g, w in zip(got, want):
-            for a, b in zip(g, w):
-                assert type(a.outcome) is type(b.outcome) and isinstance(b.outcome, (Verified, Prefilled, Extended))
-                if isinstance(b.outcome, Verified):
-                    assert (a.outcome.accepted_tokens, a.outcome.next_token) == (b.outcome.accepted_tokens,
-                                                                                 b.outcome.next_token)
-                elif isinstance(b.outcome, Prefilled):
-                    assert (a.outcome.token, a.outcome.logprobs) == (b.outcome.token, b.outcome.logprobs)
-                assert torch.equal(a.outcome.features, b.outcome.features)
-        assert [type(r[-1].outcome) for r in got] == [Extended] * 4 + [Prefilled]
