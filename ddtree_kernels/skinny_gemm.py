@@ -175,30 +175,33 @@ SPLIT_WARM_ROWS = (MIN_SPLIT_ROWS, MIN_SPLIT_ROWS + 1, 2 * MIN_SPLIT_ROWS + 1)
 
 def warm_up(weights: Iterable[Tensor]) -> int:
     """Compile, now, every variant the few-row GEMMs may launch with these weights: each tile
-    config and BLOCK_M of `skinny_linear` and of `split_linear` that some row count takes (and
-    `add_rms_norm` over the latter's partial sums). CUDA
-    graphs compile the row counts they were captured at; an eager pass (a prompt chunk of any
-    length, the head over its last rows) would otherwise compile at a new one while serving,
-    stalling every session's step for about 0.3 s (measured on an H200). Launches each variant
-    once per weight shape (the layers share a few); returns the number of launches. Nothing to do where
-    `tiles_for` takes no GEMM (a CPU, float32, DDTREE_KERNELS=reference)."""
+    config and BLOCK_M that some row count takes, of `skinny_linear` and of `split_linear` with
+    `add_rms_norm` over its partial sums. CUDA graphs compile the row counts they were captured
+    at; an eager pass (a prompt chunk of any length, the head over its last rows) would otherwise
+    compile at a new one while serving, stalling every session's step for about 0.3 s (measured
+    on an H200). Launches each variant once per weight shape (the layers share a few); returns
+    the number of launches. Nothing to do where `tiles_for` takes no GEMM (a CPU, float32,
+    DDTREE_KERNELS=reference)."""
+    from ddtree_kernels.layer_ops import add_rms_norm_triton  # the K-split's consumer (it imports this module)
+
     seen, launches = set(), 0
     for weight in weights:
-        shape = (tuple(weight.shape), weight.stride(0), weight.dtype, weight.device)
-        if weight.dim() != 2 or weight.stride(-1) != 1 or shape in seen:
+        if weight.dim() != 2 or weight.stride(-1) != 1:
+            continue
+        (n, k), shape = weight.shape, (tuple(weight.shape), weight.stride(0), weight.dtype, weight.device)
+        if shape in seen:
             continue
         seen.add(shape)
         for split, rows in ((False, SKINNY_WARM_ROWS), (True, SPLIT_WARM_ROWS)):
             for m in rows:
-                x = torch.zeros(m, weight.shape[1], dtype=weight.dtype, device=weight.device)
+                x = torch.zeros(m, k, dtype=weight.dtype, device=weight.device)
                 tiles = tiles_for(x, weight, split=split)
                 if tiles is None:
                     continue
-                if split:  # and its consumer, which adds the partial sums to the residual
-                    from ddtree_kernels.layer_ops import add_rms_norm_triton  # (it imports this module)
-
-                    residual = torch.zeros(m, weight.shape[0], dtype=weight.dtype, device=weight.device)
-                    add_rms_norm_triton(residual, split_linear(x, weight, tiles=tiles), residual[0] + 1, 1e-6)
+                if split:
+                    residual = torch.zeros(m, n, dtype=weight.dtype, device=weight.device)
+                    add_rms_norm_triton(residual, split_linear(x, weight, tiles=tiles), torch.ones_like(residual[0]),
+                                        1e-6)
                 else:
                     skinny_linear(x, weight, tiles=tiles)
                 launches += 1
