@@ -19,7 +19,7 @@ from drafter_svc.drafter import DraftMode
 from drafter_svc.generate import LocalEngine
 from drafter_svc.link import LocalLink
 from drafter_svc.scheduler import DraftScheduler, GenerationConfig
-from verifier_svc.target_runner import TargetRunner
+from verifier_svc.target_runner import TargetRunner, prefill_mask
 from verifier_svc.tree_verifier import TreeVerifier, VerifierLimits
 
 SHIPPED = Path(__file__).resolve().parent.parent / "models" / "default"
@@ -78,6 +78,30 @@ def test_chunked_prefill_equals_one_piece_in_the_runner(tiny_pair):
         torch.testing.assert_close(torch.cat(got_features[i]), whole_features[i], rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(got_logits[i], whole_logits[i], rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(runner.cache.k[:, i, :, :n], k_whole[:, i, :, :n], rtol=1e-4, atol=1e-4)
+
+
+def test_the_prefill_mask_is_causal_over_the_pasts_and_padding_sees_itself():
+    """`prefill_mask` (built where the forward runs) against the rule cell by cell, for
+    right-aligned chunks of random lengths after random pasts: a chunk token sees the cache
+    positions up to its own, a padding column its own position alone."""
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        b = int(torch.randint(1, 5, (1,), generator=gen))
+        sizes = torch.randint(1, 9, (b,), generator=gen).tolist()
+        pasts = torch.randint(0, 12, (b,), generator=gen).tolist()
+        t = max(sizes)
+        length = max(pasts) + t
+        in_prompt = torch.tensor([[c >= t - n for c in range(t)] for n in sizes])
+        # chunk column j of row i goes to pasts[i] + (its index in the chunk); padding past the chunk
+        cache_pos = torch.tensor([[pasts[i] + (c - (t - n) if c >= t - n else n + c) for c in range(t)]
+                                  for i, n in enumerate(sizes)])
+        mask = prefill_mask(cache_pos, in_prompt, length)
+        assert mask.shape == (b, t, length) and mask.dtype == torch.bool
+        for i in range(b):
+            for c in range(t):
+                pos = int(cache_pos[i, c])
+                want = [k <= pos if in_prompt[i, c] else k == pos for k in range(length)]
+                assert mask[i, c].tolist() == want, (i, c)
 
 
 @pytest.mark.parametrize("chunk", [1, 7, 16, 64])

@@ -44,6 +44,16 @@ def prefill_forward(model: TargetModel, cache: KVCache, tokens: Tensor, position
         return model(tokens, positions, cache, slots, cache_pos, mask, logit_rows)
 
 
+def prefill_mask(cache_pos: Tensor, in_prompt: Tensor, length: int) -> Tensor:
+    """The prefill's mask [B, T, length] (True = visible), on cache_pos's device: a chunk token
+    sees every cache position up to its own (the chunks before it, and its chunk up to itself),
+    a padding column (`in_prompt` False) only its own position. cache_pos [B, T] is where each
+    column's K/V goes."""
+    pos = cache_pos[:, :, None]
+    keys = torch.arange(length, device=cache_pos.device)
+    return torch.where(in_prompt[:, :, None], pos >= keys, pos == keys)
+
+
 @dataclass
 class VerifiedBatch:
     """The accepted paths of one verify step, row by row."""
@@ -185,11 +195,11 @@ class TargetRunner:
         positions = torch.where(in_prompt, cache_pos, 0)
         tokens = torch.zeros(b, t, dtype=torch.int64)
         tokens[in_prompt] = torch.cat(list(prompts))
-        keys = torch.arange(int((past + t).max()))[None, None]
-        causal = cache_pos[:, :, None] >= keys  # the chunks before and this one's tokens up to itself
-        mask = torch.where(in_prompt[:, :, None], causal, cache_pos[:, :, None] == keys)
+        cache_pos = to_device(cache_pos, dev)
+        # The mask is B x T x (longest past + T): megabytes for a long prompt's chunk, built where it is used.
+        mask = prefill_mask(cache_pos, to_device(in_prompt, dev), int((past + t).max()))
         args = (to_device(tokens, dev), to_device(positions, dev), to_device(list(slots), dev, torch.int64),
-                to_device(cache_pos, dev), to_device(mask, dev), to_device([t - 1], dev, torch.int64))
+                cache_pos, mask, to_device([t - 1], dev, torch.int64))
         if self.mirror is not None:
             self.mirror.prefill(*args)
         out = prefill_forward(self.model, self.cache, *args)
