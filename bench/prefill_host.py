@@ -14,7 +14,9 @@ of `--chunk` tokens after that many cached ones:
 * two in a row: a second chunk (another slot) called as soon as the first returns: when the
   first call returned, when the second did, and when the device was done. A second call that
   returns only near the device's end waits for the device (or for the launch queue), and so
-  holds its caller (the verifier's worker) through both chunks.
+  holds its caller (the verifier's worker) through both chunks;
+* mask on the host: `prefill_mask` of the chunk computed on the CPU (one thread), which the
+  prefill built on the host ahead of every chunk's launch before it built it on the device.
 
 Also lists, on CUDA, every operation of one call that synchronises the device
 (`torch.cuda.set_sync_debug_mode`), and with `--profile` the torch profiler's host ops of one
@@ -39,7 +41,7 @@ import torch
 
 from bench.bench_timing import sync, write_json
 from bench.verify import feature_layers, qwen3_8b_config, random_target
-from verifier_svc.target_runner import TargetRunner
+from verifier_svc.target_runner import TargetRunner, prefill_mask
 
 
 def _median_ms(samples: list[float]) -> float:
@@ -73,6 +75,23 @@ def time_chunk(runner: TargetRunner, prompt: torch.Tensor, past: int, reps: int)
     return {"past": past, "host_ms": _median_ms(host), "device_ms": _median_ms(device),
             "two_first_returned_ms": _median_ms(first), "two_second_returned_ms": _median_ms(second),
             "two_device_ms": _median_ms(both)}
+
+
+def host_mask_ms(chunk: int, past: int, reps: int) -> float:
+    """`prefill_mask` of one chunk after `past` tokens on the CPU, one thread (median ms)."""
+    positions = torch.arange(past, past + chunk)[None]
+    in_prompt = torch.ones(1, chunk, dtype=torch.bool)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        times = []
+        for _ in range(reps):
+            start = time.perf_counter()
+            prefill_mask(positions, in_prompt, past + chunk)
+            times.append(time.perf_counter() - start)
+    finally:
+        torch.set_num_threads(threads)
+    return _median_ms(times)
 
 
 def syncing_ops(runner: TargetRunner, prompt: torch.Tensor, past: int) -> list[str]:
@@ -135,21 +154,25 @@ def main(argv=None) -> dict:
         runner.prefill([0], [prompt], [past])  # warm-up (and fills the cache up to the chunk)
         row = time_chunk(runner, prompt, past, a.reps)
         row["syncs"] = syncing_ops(runner, prompt, past)
+        row["host_mask_ms"] = host_mask_ms(chunk, past, a.reps)
         res["rows"].append(row)
         print(f"  past {past}: host {row['host_ms']:.2f} ms, device {row['device_ms']:.2f} ms; two in a row: "
               f"{row['two_first_returned_ms']:.2f} / {row['two_second_returned_ms']:.2f} / "
-              f"{row['two_device_ms']:.2f} ms; {len(row['syncs'])} syncing ops", flush=True)
+              f"{row['two_device_ms']:.2f} ms; {len(row['syncs'])} syncing ops; the mask on the host "
+              f"{row['host_mask_ms']:.2f} ms", flush=True)
         for message in row["syncs"]:
             print(f"    sync: {message}")
         if a.profile:
             print(profile_ops(runner, prompt, past, 30), flush=True)
         write_json(a.out_json, res)
-    print(f"\n{'past':>6} {'host':>8} {'device':>8} {'1st ret':>8} {'2nd ret':>8} {'2 dev':>8} {'syncs':>6}")
+    print(f"\n{'past':>6} {'host':>8} {'device':>8} {'1st ret':>8} {'2nd ret':>8} {'2 dev':>8} {'syncs':>6} {'mask':>7}")
     for row in res["rows"]:
         print(f"{row['past']:6d} {row['host_ms']:8.2f} {row['device_ms']:8.2f} {row['two_first_returned_ms']:8.2f} "
-              f"{row['two_second_returned_ms']:8.2f} {row['two_device_ms']:8.2f} {len(row['syncs']):6d}")
+              f"{row['two_second_returned_ms']:8.2f} {row['two_device_ms']:8.2f} {len(row['syncs']):6d} "
+              f"{row['host_mask_ms']:7.2f}")
     print("(ms; host: one call's return; device: its work done; two in a row: the first call's return, the "
-          "second's, and the device's end, from the first call's start)")
+          "second's, and the device's end, from the first call's start; mask: the chunk's mask built on the "
+          "host, one thread)")
     write_json(a.out_json, res)
     return res
 

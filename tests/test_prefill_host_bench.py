@@ -14,4 +14,5 @@ def test_small_run_reports_every_past_and_two_calls_in_a_row(tmp_path):
         assert 0 < row["host_ms"] <= row["device_ms"]
         assert 0 < row["two_first_returned_ms"] <= row["two_second_returned_ms"] <= row["two_device_ms"]
         assert row["syncs"] == []  # only CUDA's sync debug mode lists them
+        assert row["host_mask_ms"] > 0
     assert json.loads(out.read_text())["rows"] == res["rows"]
