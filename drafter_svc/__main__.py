@@ -85,6 +85,12 @@ def parse_args(argv=None) -> DrafterConfig:
            help="prompt tokens one step may prefill, over every session: a longer prompt is prefilled in "
                 "chunks over several steps, between the other sessions' rounds, so that none waits more than one "
                 f"chunk for it; 0 = no limit, each prompt in one piece (default {d.prefill_chunk})")
+    p.flag("--prefill-chunk-idle", env="DRAFTER_PREFILL_CHUNK_IDLE", default=d.prefill_chunk_idle, type=int,
+           help="prompt tokens one step may prefill while no session decodes (no round waits for the chunk), "
+                "when more than --prefill-chunk: a prompt this long is prefilled in one piece, its first token "
+                "after one forward instead of one per chunk; a session that begins to decode meanwhile waits for "
+                "at most one such chunk, and so may the sessions of other drafters that share the verifier; "
+                f"0 = --prefill-chunk (default {d.prefill_chunk_idle})")
     p.flag("--prefill-ahead", env="DRAFTER_PREFILL_AHEAD", default=d.prefill_ahead, type=int,
            help="while no session decodes, how many chunks of a prompt may be sent ahead of the reply to its "
                 "earlier ones: the verifier prefills the next chunk while the last one's features come back, "
@@ -141,6 +147,8 @@ def parse_args(argv=None) -> DrafterConfig:
         fail(f"--max-queue must be >= 0, got {a.max_queue}")
     if a.prefill_chunk < 0:
         fail(f"--prefill-chunk must be >= 0 (0 = no limit), got {a.prefill_chunk}")
+    if a.prefill_chunk_idle < 0:
+        fail(f"--prefill-chunk-idle must be >= 0 (0 = --prefill-chunk), got {a.prefill_chunk_idle}")
     if a.prefill_ahead < 0:
         fail(f"--prefill-ahead must be >= 0, got {a.prefill_ahead}")
     if a.shared_gpu_pipeline_sessions < 2 or a.pipeline_groups < 2:
@@ -161,6 +169,7 @@ def parse_args(argv=None) -> DrafterConfig:
                          max_new_tokens=a.max_new_tokens, max_concurrent=a.max_concurrent,
                          verifier_wait_s=a.verifier_wait, queue_timeout_s=a.queue_timeout,
                          max_queue=a.max_queue, prefill_chunk=a.prefill_chunk, prefill_ahead=a.prefill_ahead,
+                         prefill_chunk_idle=a.prefill_chunk_idle,
                          recovery_timeout_s=a.recovery_timeout, grace_s=a.grace,
                          trace_console=a.trace_console, cuda_graphs=not a.no_cuda_graphs,
                          max_message_mb=a.max_message_mb, max_prompt_bytes=a.max_prompt_bytes,

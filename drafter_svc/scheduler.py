@@ -296,7 +296,7 @@ class DraftScheduler:
                  queue_timeout_s: float = 30.0, logits_hook: LogitsHook | None = None, pipelined: bool = True,
                  pipeline_min_sessions: int = 2, pipeline_groups: int = 2, recovery_timeout_s: float = 0.0,
                  planner: BudgetPlanner | None = None, adapt_sampled: bool = False, max_queue: int = 256,
-                 prefill_chunk: int = 0, prefill_ahead: int = 1):
+                 prefill_chunk: int = 0, prefill_ahead: int = 1, prefill_chunk_idle: int = 0):
         self.link, self.proposer = link, proposer
         # The adaptive tree budget (None: each request's budget as given). It adapts greedy
         # sessions, and sampled ones only when `adapt_sampled` (the verifier samples keyed by
@@ -312,6 +312,13 @@ class DraftScheduler:
         # Prompt tokens one step may prefill, over every session (0: no limit): a longer prompt is
         # sent in chunks over several steps, so that no round waits more than one chunk for it.
         self.prefill_chunk = prefill_chunk
+        # While no session decodes, no round waits for a chunk: a step may then take up to this many
+        # prompt tokens, when more (0: prefill_chunk). A prompt that long is prefilled in one piece,
+        # its first token after one forward instead of one per chunk; a session that begins to
+        # decode meanwhile waits for at most one such chunk.
+        if prefill_chunk_idle < 0:
+            raise ValueError(f"prefill_chunk_idle must be >= 0, got {prefill_chunk_idle}")
+        self.prefill_chunk_idle = prefill_chunk_idle
         # While no session decodes, a prompt's next chunks may go this many messages ahead of the
         # reply to its earlier ones (0: one chunk in flight at a time): the verifier prefills a chunk
         # while the one before it sends its features back. Decoding sessions never wait more than
@@ -319,7 +326,7 @@ class DraftScheduler:
         if prefill_ahead < 0:
             raise ValueError(f"prefill_ahead must be >= 0, got {prefill_ahead}")
         self.prefill_ahead = prefill_ahead
-        self._prompt_tokens = 0  # prompt tokens sent since the last message of trees (within prefill_chunk)
+        self._prompt_tokens = 0  # prompt tokens sent since the last message of trees (within the step's budget)
         # How long the last messages with trees took from their send to their reply (`_take_arrivals`).
         self._replies: collections.deque[float] = collections.deque(maxlen=8)
         self._last_trees_reply = float("-inf")  # when the last message with trees was answered (perf_counter)
@@ -701,15 +708,16 @@ class DraftScheduler:
 
     def _prompt_chunks(self, ahead_only: bool = False, arrivals_only: bool = False
                        ) -> tuple[list[_Session], list[Entry]]:
-        """This step's prompt tokens, within `prefill_chunk` of them: the next chunk of each prompt
+        """This step's prompt tokens, within its budget of them (`_prompt_budget`): the next chunk of each prompt
         already being prefilled (oldest first; while no session decodes, also of prompts whose
         earlier chunks await their reply, up to `prefill_ahead` chunks ahead), then, unless
         `ahead_only`, Open entries for waiting sessions admitted (each with its prompt's first
         chunk); `ahead_only` takes only prompts with a chunk in flight, `arrivals_only` only the
-        opens, within what the step's earlier messages left of `prefill_chunk`. Returns the sessions
+        opens, within what the step's earlier messages left of that budget. Returns the sessions
         and their entries."""
-        budget = (self.prefill_chunk or float("inf")) - (self._prompt_tokens if arrivals_only else 0)
-        ahead = 0 if any(s.prompt_done for s in self._running.values()) else self.prefill_ahead
+        decoding = any(s.prompt_done for s in self._running.values())
+        budget = self._prompt_budget(decoding) - (self._prompt_tokens if arrivals_only else 0)
+        ahead = 0 if decoding else self.prefill_ahead
         sessions, entries = [], []
 
         def take(s: _Session) -> tuple[list[int], bool]:
@@ -739,6 +747,13 @@ class DraftScheduler:
                                      self.feature_layer_ids if s.drafts else (),  # plain decoding needs no features
                                      s.config.logprobs, more))
         return sessions, entries
+
+    def _prompt_budget(self, decoding: bool) -> float:
+        """Prompt tokens one step may take: `prefill_chunk` while a session decodes, else the larger
+        of it and `prefill_chunk_idle`; no limit when `prefill_chunk` is 0."""
+        if not self.prefill_chunk:
+            return float("inf")
+        return self.prefill_chunk if decoding else max(self.prefill_chunk, self.prefill_chunk_idle)
 
     def _admit(self, tokens: float = float("inf")) -> list[_Session]:
         """Waiting sessions to open now: as many as free draft slots and the session limit allow,

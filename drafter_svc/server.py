@@ -81,6 +81,10 @@ class DrafterConfig:
     # Prompt tokens one step may prefill, over every session: longer prompts go in chunks over
     # several steps, so that a long prompt stalls the others' rounds by one chunk at most (0 = no limit).
     prefill_chunk: int = 1024
+    # While no session decodes (no round waits for a chunk), prompt tokens one step may prefill,
+    # when more than prefill_chunk: a prompt up to this long in one piece, its first token after one
+    # forward instead of one per chunk (0 = prefill_chunk).
+    prefill_chunk_idle: int = 4096
     # While no session decodes, a prompt's next chunks may go this many messages ahead of the reply
     # to its earlier ones, so that the verifier prefills one while the last sends its features back.
     prefill_ahead: int = 1
@@ -266,7 +270,8 @@ class DrafterEngine:
                                    pipeline_groups=cfg.pipeline_groups,
                                    recovery_timeout_s=cfg.recovery_timeout_s, planner=cfg.budget_planner(info),
                                    adapt_sampled=info.sampling == "keyed", max_queue=cfg.max_queue,
-                                   prefill_chunk=cfg.prefill_chunk, prefill_ahead=cfg.prefill_ahead)
+                                   prefill_chunk=cfg.prefill_chunk, prefill_ahead=cfg.prefill_ahead,
+                                   prefill_chunk_idle=cfg.prefill_chunk_idle)
         log.info("rounds %s (--pipelining %s; verifier %son %s); tree budget %s",
                  f"pipelined in {scheduler.pipeline_groups} groups from {scheduler.pipeline_min_sessions} sessions"
                  if scheduler.pipelined

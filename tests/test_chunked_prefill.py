@@ -225,11 +225,11 @@ class _Counting(_Recording):
         self.most_in_flight = max(self.most_in_flight, self.in_flight)
 
 
-def lone_prompt(engine, link, ahead, config, chunk=16):
+def lone_prompt(engine, link, ahead, config, chunk=16, idle=0):
     """Run PROMPTS[2] (100 tokens) alone through a scheduler over `link`; its result."""
     scheduler = DraftScheduler(link, engine.proposer, max_sessions=4, feature_layer_ids=engine.verifier.feature_layer_ids,
                                eos_token_ids=engine.eos_token_ids, queue_timeout_s=60.0, pipelined=False,
-                               prefill_chunk=chunk, prefill_ahead=ahead)
+                               prefill_chunk=chunk, prefill_ahead=ahead, prefill_chunk_idle=idle)
     ends = {}
     scheduler.submit(PROMPTS[2], config, lambda item: ends.__setitem__(0, item))
     scheduler.run_until_idle()
@@ -251,6 +251,44 @@ def test_chunks_go_ahead_of_their_replies_while_nothing_decodes(engine, ahead):
     chunks = [[len(e.prompt_ids) for e in m if isinstance(e, (OpenEntry, ExtendEntry))] for m in ahead_link.messages]
     assert [c for m in chunks for c in m] == [16] * 6 + [4]
     assert engine.verifier.free_capacity == 4
+
+
+@pytest.mark.parametrize("idle, sizes", [(128, [100]), (40, [40, 40, 20]), (8, [16] * 6 + [4])])
+def test_while_nothing_decodes_a_step_takes_the_idle_budget(engine, idle, sizes):
+    """With no session decoding, a lone prompt goes in chunks of `prefill_chunk_idle` where that is
+    more than `prefill_chunk` (in one piece when it fits), else of `prefill_chunk`; the tokens and
+    rounds are those of the 16-token chunks."""
+    config = GenerationConfig(N, mode=DraftMode("tree", 8))
+    chunked, link = _Recording(engine.verifier), _Recording(engine.verifier)
+    want = lone_prompt(engine, chunked, 1, config)
+    got = lone_prompt(engine, link, 1, config, idle=idle)
+    assert got.tokens == want.tokens and got.acceptance_lengths == want.acceptance_lengths
+    chunks = [len(e.prompt_ids) for m in link.messages for e in m if isinstance(e, (OpenEntry, ExtendEntry))]
+    assert chunks == sizes
+    assert engine.verifier.free_capacity == 4
+
+
+def test_a_prompt_arriving_while_sessions_decode_keeps_the_chunk(engine):
+    """The idle budget is for steps when no session decodes: a 100-token prompt that arrives while
+    two sessions decode goes in `prefill_chunk` pieces (16 tokens) whatever `prefill_chunk_idle`."""
+    link = _Recording(engine.verifier)
+    scheduler = DraftScheduler(link, engine.proposer, max_sessions=4, feature_layer_ids=engine.verifier.feature_layer_ids,
+                               queue_timeout_s=60.0, pipelined=False, prefill_chunk=16, prefill_chunk_idle=128)
+    ends = {}
+    for i, prompt in enumerate(PROMPTS[:2]):
+        scheduler.submit(prompt[:16], GenerationConfig(60, mode=DraftMode("tree", 4)),
+                         lambda item, i=i: ends.__setitem__(i, item))
+    for _ in range(3):  # both decoding
+        scheduler.step()
+    scheduler.submit(PROMPTS[2], GenerationConfig(4, mode=DraftMode("tree", 4)),
+                     lambda item: ends.__setitem__(2, item))
+    scheduler.run_until_idle()
+    assert all(not isinstance(e, StatusError) for e in ends.values()) and len(ends) == 3
+    long_chunks = [len(e.prompt_ids) for m in link.messages for e in m
+                   if isinstance(e, (OpenEntry, ExtendEntry)) and e.session_id == 3]
+    assert long_chunks == [16] * 6 + [4]
+    with pytest.raises(ValueError, match="prefill_chunk_idle"):
+        DraftScheduler(link, engine.proposer, max_sessions=4, prefill_chunk=16, prefill_chunk_idle=-1)
 
 
 def test_a_refused_open_drops_the_chunk_sent_ahead_and_retries(engine):
