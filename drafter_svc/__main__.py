@@ -89,8 +89,9 @@ def parse_args(argv=None) -> DrafterConfig:
            help="prompt tokens one step may prefill while no session decodes (no round waits for the chunk), "
                 "when more than --prefill-chunk: a prompt this long is prefilled in one piece, its first token "
                 "after one forward instead of one per chunk; a session that begins to decode meanwhile waits for "
-                "at most one such chunk, and so may the sessions of other drafters that share the verifier; "
-                f"0 = --prefill-chunk (default {d.prefill_chunk_idle})")
+                "at most one such chunk, and so may the sessions of other drafters that share the verifier "
+                "(on a CPU, whose attention computes every query-key pair of a piece, masked or not, a long "
+                f"prompt's first token comes later); 0 = --prefill-chunk (default {d.prefill_chunk_idle})")
     p.flag("--prefill-ahead", env="DRAFTER_PREFILL_AHEAD", default=d.prefill_ahead, type=int,
            help="while no session decodes, how many chunks of a prompt may be sent ahead of the reply to its "
                 "earlier ones: the verifier prefills the next chunk while the last one's features come back, "
