@@ -49,9 +49,9 @@ def prefill_mask(cache_pos: Tensor, in_prompt: Tensor, length: int) -> Tensor:
     sees every cache position up to its own (the chunks before it, and its chunk up to itself),
     a padding column (`in_prompt` False) only its own position. cache_pos [B, T] is where each
     column's K/V goes."""
-    pos = cache_pos[:, :, None]
     keys = torch.arange(length, device=cache_pos.device)
-    return torch.where(in_prompt[:, :, None], pos >= keys, pos == keys)
+    lowest = torch.where(in_prompt, 0, cache_pos)[:, :, None]  # the first key a column sees
+    return (cache_pos[:, :, None] >= keys).logical_and_(keys >= lowest)  # one temporary of the mask's size
 
 
 @dataclass
