@@ -84,7 +84,8 @@ class DrafterConfig:
     # While no session decodes (no round waits for a chunk), prompt tokens one step may prefill,
     # when more than prefill_chunk: a prompt up to this long in one piece, its first token after one
     # forward instead of one per chunk (0 = prefill_chunk). Off by default: on the CPU a 2,048-token
-    # prompt in one piece came 25% later than in two chunks (bench/RESULTS.md); not measured on a GPU.
+    # prompt's first token came up to 28% later in one piece than in two chunks (bench/RESULTS.md);
+    # not measured on a GPU.
     prefill_chunk_idle: int = 0
     # While no session decodes, a prompt's next chunks may go this many messages ahead of the reply
     # to its earlier ones, so that the verifier prefills one while the last sends its features back.
