@@ -56,6 +56,10 @@ class Recorder:
         with self._lock:
             self._file.write(json.dumps(row) + "\n")
 
+    def span(self, name: str, start_ns: int, end_ns: int) -> None:
+        """A host span timed by the caller (CLOCK_MONOTONIC nanoseconds)."""
+        self._write([name, start_ns, end_ns])
+
     def host(self, name: str, fn):
         @functools.wraps(fn)
         def wrapped(*args, **kwargs):

@@ -1,7 +1,7 @@
 """gRPC transport + codec cost of one link message, with the model taken out, per batch of sessions.
 
     PYTHONPATH=. python bench/transport.py [--batches 1,8,32] [--nodes 65] [--feature-rows 1,7]
-        [--rounds 300] [--gaps-ms 0,3] [--trace] [--out-json FILE]
+        [--rounds 300] [--gaps-ms 0,3] [--trace] [--stages] [--out-json FILE]
 
 The verifier runs in a child process: the real servicer, link handler, model worker and
 `TreeVerifier` (link-message decode, tree walk and validation of every tree, ancestor masks,
@@ -21,6 +21,14 @@ way as the link message and its reply, and the same client pattern (a request qu
 feeding a synchronous stream). With `--gaps-ms`, the client busy-waits that long before
 each message, as a drafter drafting does, while the server sits idle.
 
+With `--stages`, both processes also record when each part of a message's way begins and ends
+(`bench.timeline.Recorder`, host clock) and a second table gives the median of each part: the
+drafter's encoding, the way up to the verifier's parse, its parse and decoding, the hand-off to
+its model worker, the step's begin (tree checks, masks, the canned verify queued), its finish
+(results, commit), the reply's encoding, the way back to the drafter's reader (the hand-off to
+the event loop, gRPC's write and carry), the reader's hand-off, and the drafter's parse and
+decoding. The recording adds a few microseconds per part.
+
 The per-message Python / gRPC cost should be paid once per step whatever B is; what grows
 with B is the bytes and the per-tree work. The table gives both: ms per message, and ms per
 session (the message's cost / B). Prints a table of medians (ms) and writes JSON with
@@ -36,9 +44,14 @@ if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(
 
 import argparse
 import asyncio
+import contextlib
+import glob
+import json
 import multiprocessing as mp
 import queue
+import shutil
 import statistics
+import tempfile
 import time
 
 import grpc
@@ -75,8 +88,29 @@ def max_seq_len(rounds: int, rows: int, nodes: int) -> int:
     return len(PROMPT) + (rounds + 1) * rows + nodes + 8
 
 
-def _verifier_process(port_out, rows: int, trace: bool, sessions: int, seq_len: int, nodes: int) -> None:
+def _record_verifier(stages_dir: str) -> None:
+    """Wrap the verifier's parts of a message's way to record them (`--stages`); before the service
+    (and the canned encoders below) take the functions."""
+    import common.wire as wire
+    import verifier_svc.scheduler as scheduler
+    import verifier_svc.server as server
+    from bench.timeline import Recorder
+
+    rec = Recorder(stages_dir, "verifier")
+    worker = scheduler.ModelWorker
+    worker.submit = rec.host("v.submit", worker.submit)
+    worker._begin = rec.host("v.begin", worker._begin)
+    worker._finish = rec.host("v.finish", worker._finish)
+    server.decode_message = rec.host("v.parse", server.decode_message)
+    server.decode_link_request = rec.host("v.decode", server.decode_link_request)
+    wire.encode_link_response = rec.host("v.encode", wire.encode_link_response)
+
+
+def _verifier_process(port_out, rows: int, trace: bool, sessions: int, seq_len: int, nodes: int,
+                      stages_dir: str | None = None) -> None:
     """Serve the real Verifier service with a canned batched verify until killed."""
+    if stages_dir:
+        _record_verifier(stages_dir)
     import verifier_svc.scheduler
     from common.wire import encode_link_notice, encode_link_response
     from verifier_svc.server import VerifierConfig, load_verifier, serve
@@ -123,6 +157,83 @@ def _verifier_process(port_out, rows: int, trace: bool, sessions: int, seq_len: 
         await asyncio.Event().wait()
 
     asyncio.run(main())
+
+
+@contextlib.contextmanager
+def _recording_drafter(stages_dir: str):
+    """Record the drafter's parts of a message's way (`--stages`) while inside; the link's
+    functions are restored after."""
+    import drafter_svc.link as link
+    from bench.timeline import Recorder
+
+    rec = Recorder(stages_dir, "drafter")
+    wrapped = [(link, "encode_link_request", "d.encode"), (link, "parse_link_response", "d.parse"),
+               (link, "decode_link_response", "d.decode"), (link.GrpcLink, "send", "d.send")]
+    originals = [(owner, attr, getattr(owner, attr)) for owner, attr, _ in wrapped]
+    originals.append((link.GrpcLink, "_next_reply", link.GrpcLink._next_reply))
+    for owner, attr, name in wrapped:
+        setattr(owner, attr, rec.host(name, getattr(owner, attr)))
+    next_reply = link.GrpcLink._next_reply
+
+    def timed_next_reply(self):
+        data, arrived = next_reply(self)  # `arrived`: when the reader thread got the bytes (perf_counter)
+        end = time.monotonic_ns()
+        rec.span("d.read", end - int((time.perf_counter() - arrived) * 1e9), end)  # its arrival to its read
+        return data, arrived
+
+    link.GrpcLink._next_reply = timed_next_reply
+    try:
+        yield
+    finally:
+        for owner, attr, original in originals:
+            setattr(owner, attr, original)
+
+
+# A message's way, part by part (`stage_medians`): (name, (span, edge), (span, edge)), the part
+# running from the first point to the second; each span is the message's next one of that name.
+STAGES = (
+    ("drafter encode", ("d.send", 0), ("d.send", 1)),
+    ("way up", ("d.send", 1), ("v.parse", 0)),
+    ("verifier parse + decode", ("v.parse", 0), ("v.decode", 1)),
+    ("hand-off to the worker", ("v.decode", 1), ("v.begin", 0)),
+    ("begin (checks, masks)", ("v.begin", 0), ("v.begin", 1)),
+    ("worker, to the finish", ("v.begin", 1), ("v.finish", 0)),
+    ("finish (results, commit)", ("v.finish", 0), ("v.encode", 0)),
+    ("reply encode", ("v.encode", 0), ("v.encode", 1)),
+    ("way down", ("v.encode", 1), ("d.read", 0)),
+    ("reader hand-off", ("d.read", 0), ("d.read", 1)),
+    ("drafter parse + decode", ("d.parse", 0), ("d.decode", 1)),
+    ("total", ("d.send", 0), ("d.decode", 1)),
+)
+
+
+def stage_medians(stages_dir: str, start_ns: int, end_ns: int) -> dict[str, float]:
+    """Median ms of each part of `STAGES` over the messages sent in [start_ns, end_ns] (the first
+    tenth left out), from both processes' records; one message in flight at a time."""
+    spans: dict[str, list[tuple[int, int]]] = {}
+    for path in glob.glob(os.path.join(stages_dir, "*.jsonl")):
+        with open(path) as f:
+            for line in f:
+                name, begin, end = json.loads(line)
+                if name != "role" and start_ns <= begin <= end_ns:
+                    spans.setdefault(name, []).append((begin, end))
+    for found in spans.values():
+        found.sort()
+    sends = spans.get("d.send", [])
+    parts: dict[str, list[float]] = {name: [] for name, _, _ in STAGES}
+    for send in sends[len(sends) // 10: -1]:  # the last one's reply may fall outside the window
+        points: dict[str, tuple[int, int]] = {"d.send": send}
+        after = send[0]
+        for name in ("v.parse", "v.decode", "v.begin", "v.finish", "v.encode", "d.read", "d.parse", "d.decode"):
+            nxt = next((s for s in spans.get(name, []) if s[0] >= after), None)
+            if nxt is None:
+                break
+            points[name] = nxt
+            after = nxt[0]
+        else:
+            for stage, (a, i), (b, j) in STAGES:
+                parts[stage].append((points[b][j] - points[a][i]) / 1e6)
+    return {stage: statistics.median(v) for stage, v in parts.items() if v}
 
 
 def _echo_process(port_out) -> None:
@@ -198,6 +309,7 @@ def time_link(port: int, tree: DraftTree, batch: int, rounds: int, trace: bool, 
     _check(opened, Prefilled)
     trees = {r.session_id: with_root(tree, r.outcome.token) for r in opened}
     times, wire, up, down, rows = [], [], [], [], 0
+    window_start = time.monotonic_ns()  # the timed messages' (for `stage_medians`)
     for r in range(1, rounds + 1):
         _busy_wait(gap_s)
         sent, received = link.bytes_sent, link.bytes_received
@@ -221,6 +333,7 @@ def time_link(port: int, tree: DraftTree, batch: int, rounds: int, trace: bool, 
         if r == 1:
             _check(results, Verified)
             rows = sum(res.outcome.features.shape[0] for res in results)
+    window = (window_start, time.monotonic_ns())
     link.step([CloseEntry(sid) for sid in sids])
     for span in requests.values():
         span.end()
@@ -232,7 +345,7 @@ def time_link(port: int, tree: DraftTree, batch: int, rounds: int, trace: bool, 
             "wire_median_ms": statistics.median(warm_wire),
             "held_median_ms": statistics.median(t - w for t, w in zip(warm, warm_wire)),
             "request_bytes": int(statistics.median(up)), "reply_bytes": int(statistics.median(down)),
-            "feature_rows": rows, "feature_bytes": rows * FEATURE_DIM * 2}
+            "feature_rows": rows, "feature_bytes": rows * FEATURE_DIM * 2, "window_ns": window}
 
 
 def time_echo(port: int, request_bytes: int, reply_bytes: int, rounds: int, gap_s: float) -> dict:
@@ -271,6 +384,8 @@ def main(argv=None) -> dict:
     p.add_argument("--gaps-ms", default="0,3", help="drafter work between messages, comma-separated ms (default "
                    "0,3); the server idles meanwhile, as the verifier does while a real drafter drafts")
     p.add_argument("--trace", action="store_true", help="record spans in both processes, as bench/round.py does")
+    p.add_argument("--stages", action="store_true", help="also time each part of a message's way (both processes' "
+                   "host clocks) and print their medians")
     p.add_argument("--out-json", help="write the results here")
     a = p.parse_args(argv)
     batches, feature_rows, gaps = ints(a.batches), ints(a.feature_rows), [float(x) for x in a.gaps_ms.split(",")]
@@ -288,17 +403,22 @@ def main(argv=None) -> dict:
     tree = random_tree(a.nodes, vocab)
     res = {"trace": a.trace, "nodes": a.nodes, "cpus": os.cpu_count(), "rounds": a.rounds, "rows": []}
     print(f"# transport bench: {a.nodes}-node trees, batches {batches}, {a.rounds} messages per case", flush=True)
+    stages_dir = tempfile.mkdtemp(prefix="transport-stages-") if a.stages else None
     echo_proc, echo_port = _start(_echo_process)
     try:
         for rows in feature_rows:
             seq_len = max_seq_len(a.rounds, rows, a.nodes)
-            proc, port = _start(_verifier_process, rows, a.trace, max(batches), seq_len, a.nodes)
+            proc, port = _start(_verifier_process, rows, a.trace, max(batches), seq_len, a.nodes, stages_dir)
             try:
-                links = {(b, gap): time_link(port, tree, b, a.rounds, a.trace, gap / 1e3, vocab, seq_len)
-                         for b in batches for gap in gaps}
+                with _recording_drafter(stages_dir) if stages_dir else contextlib.nullcontext():
+                    links = {(b, gap): time_link(port, tree, b, a.rounds, a.trace, gap / 1e3, vocab, seq_len)
+                             for b in batches for gap in gaps}
             finally:
                 proc.kill()
             for (b, gap), link in links.items():
+                window = link.pop("window_ns")
+                if stages_dir:
+                    link["stages_ms"] = stage_medians(stages_dir, *window)
                 echo = time_echo(echo_port, link["request_bytes"], link["reply_bytes"], a.rounds, gap / 1e3)
                 overhead = link["median_ms"] - echo["median_ms"]
                 res["rows"].append({"batch": b, "feature_rows": rows, "gap_ms": gap,
@@ -310,6 +430,8 @@ def main(argv=None) -> dict:
             write_json(a.out_json, res)
     finally:
         echo_proc.kill()
+        if stages_dir:
+            shutil.rmtree(stages_dir, ignore_errors=True)
     print_table(res)
     write_json(a.out_json, res)
     return res
@@ -330,6 +452,13 @@ def print_table(res: dict) -> None:
           "message, its decoding to its reply's encoding (LinkResponse.held_seconds: the worker hop, tree "
           "validation, masks, the canned verify); wire = link - held: gRPC both ways, the drafter's encoding "
           "and decoding, the verifier's parse and its reply's way to the event loop's write)")
+    staged = [row for row in res["rows"] if row["link"].get("stages_ms")]
+    if staged:
+        cases = [f"B={row['batch']} r={row['feature_rows']} g={row['gap_ms']:g}" for row in staged]
+        print(f"\n{'part of the way (median ms)':<28}" + "".join(f"{case:>18}" for case in cases))
+        for stage, _, _ in STAGES:
+            times = [row["link"]["stages_ms"].get(stage, float("nan")) for row in staged]
+            print(f"{stage:<28}" + "".join(f"{t:18.3f}" for t in times))
 
 
 if __name__ == "__main__":

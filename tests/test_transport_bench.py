@@ -1,5 +1,5 @@
 """bench/transport.py runs end to end: the real verifier service over a canned forward, the echo beside it."""
-from bench.transport import FEATURE_DIM, main
+from bench.transport import FEATURE_DIM, STAGES, main
 
 
 def test_transport_bench_times_messages_with_their_feature_rows(tmp_path):
@@ -12,3 +12,14 @@ def test_transport_bench_times_messages_with_their_feature_rows(tmp_path):
     # the link's time splits into the verifier's hold and the rest (both measured, both positive)
     assert 0 < row["link"]["wire_median_ms"] < row["link"]["median_ms"]
     assert 0 < row["link"]["held_median_ms"] < row["link"]["median_ms"]
+
+
+def test_stages_split_a_message_s_way_into_its_parts(tmp_path):
+    """--stages: every part of a message's way is timed, each a positive share of the total."""
+    res = main(["--batches", "2", "--nodes", "8", "--feature-rows", "3", "--rounds", "20", "--gaps-ms", "0",
+                "--stages"])
+    stages = res["rows"][0]["link"]["stages_ms"]
+    assert set(stages) == {name for name, _, _ in STAGES}
+    parts = [v for name, v in stages.items() if name != "total"]
+    assert all(v > 0 for v in parts)
+    assert max(parts) < stages["total"] <= 1.5 * sum(parts)
