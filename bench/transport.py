@@ -137,8 +137,10 @@ def _verifier_process(port_out, rows: int, trace: bool, sessions: int, seq_len: 
 
     def finish_verify(pending):
         batch_rows = pending.rows
-        return VerifiedBatch(paths=[path] * len(batch_rows), bonus=[int(r.tree.tokens[0]) for r in batch_rows],
-                             accepted=[r.tree.tokens[path[1:]].tolist() for r in batch_rows],
+        # the accepted tokens read as `TargetRunner.finish_verify` reads them: each tree's tokens as a list
+        tokens = [r.tree.token_list() for r in batch_rows]
+        return VerifiedBatch(paths=[path] * len(batch_rows), bonus=[t[0] for t in tokens],
+                             accepted=[t[1: len(path)] for t in tokens],
                              features=features[: len(batch_rows) * rows], logprobs=[None] * len(batch_rows))
 
     runner.prefill = prefill
