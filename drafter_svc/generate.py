@@ -60,18 +60,15 @@ class LocalEngine:
         return cls(TreeVerifier(runner, limits), proposer, load_tokenizer(target_dir), model.cfg.eos_token_ids)
 
     def generate_many(self, requests: Sequence[tuple[list[int], GenerationConfig]], pipelined: bool = False,
-                      prefill_chunk: int = 0, prefill_ahead: int = 1,
-                      prefill_chunk_idle: int = 0) -> list[GenerationResult | StatusError]:
+                      prefill_chunk: int = 0, prefill_ahead: int = 1) -> list[GenerationResult | StatusError]:
         """Run the requests together, batched as the service batches them; one result (or error) each.
         `pipelined`: group the sessions as the pipelined service does (in-process, nothing overlaps);
         `prefill_chunk`: prompt tokens per step, as the service's --prefill-chunk (0: no limit);
-        `prefill_ahead`, `prefill_chunk_idle`: as the service's --prefill-ahead and --prefill-chunk-idle
-        (0 here: as `prefill_chunk`)."""
+        `prefill_ahead`: as the service's --prefill-ahead."""
         scheduler = DraftScheduler(LocalLink(self.verifier), self.proposer, max_sessions=self.verifier.limits.max_sessions,
                                    feature_layer_ids=self.verifier.feature_layer_ids,
                                    eos_token_ids=self.eos_token_ids, queue_timeout_s=3600.0, pipelined=pipelined,
-                                   prefill_chunk=prefill_chunk, prefill_ahead=prefill_ahead,
-                                   prefill_chunk_idle=prefill_chunk_idle)
+                                   prefill_chunk=prefill_chunk, prefill_ahead=prefill_ahead)
         ends: list[dict] = []
         for prompt_ids, config in requests:
             ends.append({})

@@ -143,15 +143,11 @@ class _Recording(LocalLink):
         super().send(entries)
 
 
-def test_each_step_stays_within_its_chunk_and_rounds_go_on(engine):
-    """Two sessions decode while a 100-token prompt arrives with a 16-token chunk: no message
-    carries more than 16 prompt tokens, the long prompt takes several steps (its Open, then
-    Extends), and each of those steps still carries a tree for both decoding sessions (the
-    in-process link takes a step's prompt chunks in a message of their own, right behind its
-    trees)."""
-    link = _Recording(engine.verifier)
+def long_prompt_while_two_decode(engine, link, idle=0) -> dict:
+    """Two sessions decode (16- and 5-token prompts) when a 100-token prompt arrives, over `link`
+    with 16-token chunks (and `prefill_chunk_idle` = idle); each request's end by position."""
     scheduler = DraftScheduler(link, engine.proposer, max_sessions=4, feature_layer_ids=engine.verifier.feature_layer_ids,
-                               queue_timeout_s=60.0, pipelined=False, prefill_chunk=16)
+                               queue_timeout_s=60.0, pipelined=False, prefill_chunk=16, prefill_chunk_idle=idle)
     ends = {}
     for i, prompt in enumerate(PROMPTS[:2]):
         scheduler.submit(prompt[:16], GenerationConfig(60, mode=DraftMode("tree", 4)),
@@ -161,6 +157,17 @@ def test_each_step_stays_within_its_chunk_and_rounds_go_on(engine):
     scheduler.submit(PROMPTS[2], GenerationConfig(4, mode=DraftMode("tree", 4)),
                      lambda item: ends.__setitem__(2, item))
     scheduler.run_until_idle()
+    return ends
+
+
+def test_each_step_stays_within_its_chunk_and_rounds_go_on(engine):
+    """Two sessions decode while a 100-token prompt arrives with a 16-token chunk: no message
+    carries more than 16 prompt tokens, the long prompt takes several steps (its Open, then
+    Extends), and each of those steps still carries a tree for both decoding sessions (the
+    in-process link takes a step's prompt chunks in a message of their own, right behind its
+    trees)."""
+    link = _Recording(engine.verifier)
+    ends = long_prompt_while_two_decode(engine, link)
     assert all(not isinstance(e, StatusError) for e in ends.values()) and len(ends) == 3
     chunk_messages = [m for m in link.messages if any(isinstance(e, (OpenEntry, ExtendEntry)) and len(e.prompt_ids) > 5
                                                       for e in m)]
@@ -272,23 +279,17 @@ def test_a_prompt_arriving_while_sessions_decode_keeps_the_chunk(engine):
     """The idle budget is for steps when no session decodes: a 100-token prompt that arrives while
     two sessions decode goes in `prefill_chunk` pieces (16 tokens) whatever `prefill_chunk_idle`."""
     link = _Recording(engine.verifier)
-    scheduler = DraftScheduler(link, engine.proposer, max_sessions=4, feature_layer_ids=engine.verifier.feature_layer_ids,
-                               queue_timeout_s=60.0, pipelined=False, prefill_chunk=16, prefill_chunk_idle=128)
-    ends = {}
-    for i, prompt in enumerate(PROMPTS[:2]):
-        scheduler.submit(prompt[:16], GenerationConfig(60, mode=DraftMode("tree", 4)),
-                         lambda item, i=i: ends.__setitem__(i, item))
-    for _ in range(3):  # both decoding
-        scheduler.step()
-    scheduler.submit(PROMPTS[2], GenerationConfig(4, mode=DraftMode("tree", 4)),
-                     lambda item: ends.__setitem__(2, item))
-    scheduler.run_until_idle()
+    ends = long_prompt_while_two_decode(engine, link, idle=128)
     assert all(not isinstance(e, StatusError) for e in ends.values()) and len(ends) == 3
     long_chunks = [len(e.prompt_ids) for m in link.messages for e in m
                    if isinstance(e, (OpenEntry, ExtendEntry)) and e.session_id == 3]
     assert long_chunks == [16] * 6 + [4]
+
+
+def test_a_negative_idle_budget_is_refused(engine):
     with pytest.raises(ValueError, match="prefill_chunk_idle"):
-        DraftScheduler(link, engine.proposer, max_sessions=4, prefill_chunk=16, prefill_chunk_idle=-1)
+        DraftScheduler(_Recording(engine.verifier), engine.proposer, max_sessions=4, prefill_chunk=16,
+                       prefill_chunk_idle=-1)
 
 
 def test_a_refused_open_drops_the_chunk_sent_ahead_and_retries(engine):
