@@ -2,7 +2,7 @@
 
     python bench/acceptance.py --target models/default/target --draft models/default/draft
         [--prompts 16] [--max-new-tokens 128] [--device cpu] [--temperatures 0,1]
-        [--budgets 4,8,16,32,64] [--out-json FILE] [--out-png FILE]
+        [--budgets 4,8,16,32,64] [--feature-wire model|fp8] [--out-json FILE] [--out-png FILE]
 
 Prompts are the beginnings (first `--prompt-tokens` tokens) of the held-out standard-library
 files that scripts/train_target.py wrote into TARGET/corpus.json (their first characters are
@@ -13,6 +13,12 @@ temperature > 0 runs use seed `--seed + prompt index`. Reported per temperature 
 mean acceptance length (tokens per round, bonus included, averaged over prompts), tokens/s
 (all tokens / all generation time), speed-up over AR, and at T=0 the fraction of prompts
 whose output equals AR's token for token.
+
+`--feature-wire fp8`: the drafts read the target's features rounded as a verifier started with
+`--feature-wire fp8` sends them (`common.feature_wire`: packed, then unpacked by the drafter),
+which the in-process link otherwise hands over as they are; the acceptance it costs shows
+against a run without it. (The rounding is part of the target's forward here, inside its CUDA
+graphs on a GPU; the bundled pair's rows are its raw layer features, the draft's fc after them.)
 """
 from __future__ import annotations
 
@@ -23,16 +29,20 @@ if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(
     sys.path[0] = os.path.dirname(sys.path[0])  # run as a script: the repository, not bench/, on the path
 
 import argparse  # noqa: E402
+import contextlib  # noqa: E402
+import dataclasses  # noqa: E402
 import json  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 
+from common.feature_wire import FP8_DTYPE, SCALE_BYTES, pack_rows  # noqa: E402
 from common.protocol import SamplingParams  # noqa: E402
 from drafter_svc.drafter import DraftMode  # noqa: E402
 from drafter_svc.generate import LocalEngine  # noqa: E402
 from drafter_svc.scheduler import GenerationConfig  # noqa: E402
+from verifier_svc.target_model import TargetModel  # noqa: E402
 from verifier_svc.tree_verifier import VerifierLimits  # noqa: E402
 
 
@@ -58,6 +68,30 @@ def load_prompts(target_dir: Path, tokenizer, n: int, prompt_tokens: int) -> lis
         if len(prompts) == n:
             break
     return prompts
+
+
+def as_sent(features: torch.Tensor) -> torch.Tensor:
+    """`features` as the drafter's `unpack_rows` gives them back from `pack_rows` (without its
+    check of the scales, a host read that a CUDA graph cannot hold)."""
+    packed = pack_rows(features)
+    values = packed[..., :-SCALE_BYTES].view(FP8_DTYPE).float() * packed[..., -SCALE_BYTES:].view(torch.float32)
+    return values.to(features.dtype)
+
+
+@contextlib.contextmanager
+def features_as_sent():
+    """Within the block, target models built and run round their features with `as_sent`."""
+    forward = TargetModel.forward
+
+    def rounded(self, *args, **kwargs):
+        out = forward(self, *args, **kwargs)
+        return dataclasses.replace(out, features=as_sent(out.features)) if out.features.shape[-1] else out
+
+    TargetModel.forward = rounded
+    try:
+        yield
+    finally:
+        TargetModel.forward = forward
 
 
 def mode_name(mode: DraftMode) -> str:
@@ -150,6 +184,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--no-ar", action="store_true", help="skip the AR baseline")
     p.add_argument("--no-chain", action="store_true", help="skip the chain")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--feature-wire", choices=("model", "fp8"), default="model",
+                   help="the drafts read the features as a verifier with this --feature-wire sends them")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
     p.add_argument("--out-json", default=None)
     p.add_argument("--out-png", default=None)
@@ -163,6 +199,21 @@ def main(argv: list[str] | None = None) -> dict:
     modes = ([] if a.no_ar else [DraftMode("ar", 0)]) + ([] if a.no_chain else [DraftMode("chain", 0)])
     modes += [DraftMode("tree", b) for b in budgets]
 
+    with features_as_sent() if a.feature_wire == "fp8" else contextlib.nullcontext():
+        summary = measure(a, modes, budgets, temps, log)
+    if a.out_json:
+        Path(a.out_json).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.out_json).write_text(json.dumps(summary, indent=2))
+    if a.out_png:
+        Path(a.out_png).parent.mkdir(parents=True, exist_ok=True)
+        plot(summary["results"], budgets, Path(a.out_png),
+             f"{Path(a.draft).name} on {Path(a.target).name}: {len(summary['prompts'])} held-out prompts, "
+             f"{a.max_new_tokens} new tokens, {a.device}")
+    return summary
+
+
+def measure(a: argparse.Namespace, modes: list[DraftMode], budgets: list[int], temps: list[float], log) -> dict:
+    """Load the pair, run every mode on every prompt at every temperature, print the table."""
     engine = LocalEngine.load(a.target, a.draft, a.device, getattr(torch, a.dtype),
                               VerifierLimits(max_sessions=1, max_seq_len=a.prompt_tokens + a.max_new_tokens
                                              + max(budgets + [16]) + 64))
@@ -178,19 +229,10 @@ def main(argv: list[str] | None = None) -> dict:
     t0 = time.time()
     results = {f"T={t:g}": run(engine, prompts, modes, t, a.max_new_tokens, a.seed, log) for t in temps}
     print_table(results)
-    summary = {"target": a.target, "draft": a.draft, "device": a.device, "dtype": a.dtype,
-               "threads": torch.get_num_threads(), "prompts": [n for n, _ in prompts],
-               "prompt_tokens": a.prompt_tokens, "max_new_tokens": a.max_new_tokens, "budgets": budgets,
-               "wall_s": round(time.time() - t0, 1), "results": results}
-    if a.out_json:
-        Path(a.out_json).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.out_json).write_text(json.dumps(summary, indent=2))
-    if a.out_png:
-        Path(a.out_png).parent.mkdir(parents=True, exist_ok=True)
-        plot(results, budgets, Path(a.out_png),
-             f"{Path(a.draft).name} on {Path(a.target).name}: {len(prompts)} held-out prompts, "
-             f"{a.max_new_tokens} new tokens, {a.device}")
-    return summary
+    return {"target": a.target, "draft": a.draft, "device": a.device, "dtype": a.dtype,
+            "threads": torch.get_num_threads(), "feature_wire": a.feature_wire, "prompts": [n for n, _ in prompts],
+            "prompt_tokens": a.prompt_tokens, "max_new_tokens": a.max_new_tokens, "budgets": budgets,
+            "wall_s": round(time.time() - t0, 1), "results": results}
 
 
 if __name__ == "__main__":

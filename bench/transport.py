@@ -1,7 +1,7 @@
 """gRPC transport + codec cost of one link message, with the model taken out, per batch of sessions.
 
     PYTHONPATH=. python bench/transport.py [--batches 1,8,32] [--nodes 65] [--feature-rows 1,7]
-        [--rounds 300] [--gaps-ms 0,3] [--trace] [--stages] [--out-json FILE]
+        [--rounds 300] [--gaps-ms 0,3] [--trace] [--stages] [--feature-wire model|fp8] [--out-json FILE]
 
 The verifier runs in a child process: the real servicer, link handler, model worker and
 `TreeVerifier` (link-message decode, tree walk and validation of every tree, ancestor masks,
@@ -29,6 +29,12 @@ its model worker, the step's begin (tree checks, masks, the canned verify queued
 the event loop, gRPC's write and carry), the reader's hand-off, and the drafter's parse and
 decoding. The recording adds a few microseconds per part.
 
+With `--feature-wire fp8` the rows travel packed as the verifier's `--feature-wire fp8` sends them
+(`common.feature_wire`: 4,100 bytes a row instead of 8,192). Packing and unpacking run on the
+services' GPUs, so they are left out here as the forward is: the canned rows are packed once,
+and without a GPU the drafter does only its host's part of the unpack (the scales' check and
+the rows' copy out of the reply, `host_part_of_unpack`).
+
 The per-message Python / gRPC cost should be paid once per step whatever B is; what grows
 with B is the bytes and the per-tree work. The table gives both: ms per message, and ms per
 session (the message's cost / B). Prints a table of medians (ms) and writes JSON with
@@ -45,6 +51,7 @@ if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(
 import argparse
 import asyncio
 import contextlib
+import functools
 import glob
 import json
 import multiprocessing as mp
@@ -61,6 +68,7 @@ from opentelemetry import trace as otel_trace
 
 from bench.bench_timing import write_json
 from common.config import load_target_config
+from common.feature_wire import FORMATS, row_bytes, scales_of, unpack_rows
 from common.protocol import CloseEntry, OpenEntry, Prefilled, SamplingParams, TreeEntry, Verified
 from common.rpc import CHANNEL_OPTIONS
 from common.tracing import traceparent_of
@@ -107,7 +115,7 @@ def _record_verifier(stages_dir: str) -> None:
 
 
 def _verifier_process(port_out, rows: int, trace: bool, sessions: int, seq_len: int, nodes: int,
-                      stages_dir: str | None = None) -> None:
+                      stages_dir: str | None = None, feature_wire: str = "model") -> None:
     """Serve the real Verifier service with a canned batched verify until killed."""
     if stages_dir:
         _record_verifier(stages_dir)
@@ -124,7 +132,10 @@ def _verifier_process(port_out, rows: int, trace: bool, sessions: int, seq_len: 
                             max_seq_len=seq_len, max_tree_nodes=max(nodes, 1), cuda_graphs=False)
     verifier = load_verifier(config)
     runner = verifier.runner
-    features = torch.zeros(sessions * rows, FEATURE_DIM, dtype=torch.bfloat16)
+    # Packed rows (--feature-wire fp8): packed once here; a GPU verifier packs them on its device.
+    runner.feature_wire = FORMATS[feature_wire]
+    width, packed = row_bytes(FEATURE_DIM, runner.feature_wire)
+    features = runner.features_for_host(torch.zeros(sessions * rows, FEATURE_DIM, dtype=torch.bfloat16))
     path = list(range(rows))  # root + rows - 1 "accepted" nodes: rows feature rows per session
     real_prefill = runner.prefill
 
@@ -147,11 +158,12 @@ def _verifier_process(port_out, rows: int, trace: bool, sessions: int, seq_len: 
     runner.launch_verify, runner.finish_verify = launch_verify, finish_verify
     # Replies and notices without rows (a close-only message, first tokens ahead of their prompt's
     # features) carry an empty tensor of the features' width.
+    dtype = packed or torch.bfloat16
     verifier_svc.scheduler.encode_link_response = (
-        lambda step, results, feature_dim, dtype, step_s=0.0, **kw: encode_link_response(
-            step, results, FEATURE_DIM, torch.bfloat16, step_s, **kw))
+        lambda step, results, feature_dim, _, step_s=0.0, **kw: encode_link_response(
+            step, results, width, dtype, step_s, **kw))
     verifier_svc.scheduler.encode_link_notice = (
-        lambda step, results, feature_dim, dtype: encode_link_notice(step, results, FEATURE_DIM, torch.bfloat16))
+        lambda step, results, feature_dim, _: encode_link_notice(step, results, width, dtype))
 
     async def main():
         _, port = await serve(config, verifier)
@@ -298,11 +310,31 @@ def _check(results, kind) -> None:
             raise RuntimeError(f"session {r.session_id}: expected {kind.__name__}, got {r.outcome!r}")
 
 
+_staging = torch.empty(0, dtype=torch.uint8)  # reused, as PyTorch's cache of pinned host blocks is
+
+
+def host_part_of_unpack(packed: torch.Tensor) -> torch.Tensor:
+    """What a GPU drafter's host does to unpack packed feature rows: check their scales and copy
+    the rows out of the reply (into pinned memory, for the copy to the device); the rest of
+    `unpack_rows` runs on the device. The rows stay packed (the bench reads only their count)."""
+    global _staging
+    if not bool(torch.isfinite(scales_of(packed)).all()):
+        raise ValueError("a packed feature row's scale is not finite")
+    if _staging.numel() < packed.numel():
+        _staging = torch.empty(packed.numel(), dtype=torch.uint8)
+    return _staging[: packed.numel()].view(packed.shape).copy_(packed)
+
+
 def time_link(port: int, tree: DraftTree, batch: int, rounds: int, trace: bool, gap_s: float, vocab: int,
-              seq_len: int) -> dict:
+              seq_len: int, feature_wire: str = "model") -> dict:
     """Open `batch` sessions in one message, then time `rounds` messages of one tree per session."""
     channel = open_channel(f"127.0.0.1:{port}")
-    link = GrpcLink(verifier_stub(channel), vocab_size=vocab, feature_dim=FEATURE_DIM, max_seq_len=seq_len)
+    unpack = None
+    if feature_wire == "fp8":  # unpacked onto a GPU where there is one
+        unpack = (functools.partial(unpack_rows, device="cuda", dtype=torch.bfloat16) if torch.cuda.is_available()
+                  else host_part_of_unpack)
+    link = GrpcLink(verifier_stub(channel), vocab_size=vocab, feature_dim=FEATURE_DIM, max_seq_len=seq_len,
+                    unpack_features=unpack)
     tracer = otel_trace.get_tracer(__name__)
     sids = list(range(1, batch + 1))
     requests = {sid: tracer.start_span("generate") for sid in sids} if trace else {}
@@ -347,7 +379,8 @@ def time_link(port: int, tree: DraftTree, batch: int, rounds: int, trace: bool, 
             "wire_median_ms": statistics.median(warm_wire),
             "held_median_ms": statistics.median(t - w for t, w in zip(warm, warm_wire)),
             "request_bytes": int(statistics.median(up)), "reply_bytes": int(statistics.median(down)),
-            "feature_rows": rows, "feature_bytes": rows * FEATURE_DIM * 2, "window_ns": window}
+            "feature_rows": rows, "feature_bytes": rows * row_bytes(FEATURE_DIM, FORMATS[feature_wire])[0]
+            * (1 if feature_wire == "fp8" else 2), "window_ns": window}
 
 
 def time_echo(port: int, request_bytes: int, reply_bytes: int, rounds: int, gap_s: float) -> dict:
@@ -388,6 +421,9 @@ def main(argv=None) -> dict:
     p.add_argument("--trace", action="store_true", help="record spans in both processes, as bench/round.py does")
     p.add_argument("--stages", action="store_true", help="also time each part of a message's way (both processes' "
                    "host clocks) and print their medians")
+    p.add_argument("--feature-wire", choices=tuple(FORMATS), default="model",
+                   help="feature rows as the verifier's --feature-wire sends them: model (bf16) or fp8 (packed, "
+                   "half the bytes); default model")
     p.add_argument("--out-json", help="write the results here")
     a = p.parse_args(argv)
     batches, feature_rows, gaps = ints(a.batches), ints(a.feature_rows), [float(x) for x in a.gaps_ms.split(",")]
@@ -403,17 +439,19 @@ def main(argv=None) -> dict:
         _tracing("drafter")
     vocab = load_target_config(TARGET).vocab_size
     tree = random_tree(a.nodes, vocab)
-    res = {"trace": a.trace, "nodes": a.nodes, "cpus": os.cpu_count(), "rounds": a.rounds, "rows": []}
+    res = {"trace": a.trace, "feature_wire": a.feature_wire, "nodes": a.nodes, "cpus": os.cpu_count(), "rounds": a.rounds, "rows": []}
     print(f"# transport bench: {a.nodes}-node trees, batches {batches}, {a.rounds} messages per case", flush=True)
     stages_dir = tempfile.mkdtemp(prefix="transport-stages-") if a.stages else None
     echo_proc, echo_port = _start(_echo_process)
     try:
         for rows in feature_rows:
             seq_len = max_seq_len(a.rounds, rows, a.nodes)
-            proc, port = _start(_verifier_process, rows, a.trace, max(batches), seq_len, a.nodes, stages_dir)
+            proc, port = _start(_verifier_process, rows, a.trace, max(batches), seq_len, a.nodes, stages_dir,
+                                a.feature_wire)
             try:
                 with _recording_drafter(stages_dir) if stages_dir else contextlib.nullcontext():
-                    links = {(b, gap): time_link(port, tree, b, a.rounds, a.trace, gap / 1e3, vocab, seq_len)
+                    links = {(b, gap): time_link(port, tree, b, a.rounds, a.trace, gap / 1e3, vocab, seq_len,
+                                                 a.feature_wire)
                              for b in batches for gap in gaps}
             finally:
                 proc.kill()

@@ -24,8 +24,10 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import grpc
+import torch
 
 from common.config import DraftConfig, TargetConfig
+from common.feature_wire import FORMATS
 from common.protocol import (CloseEntry, Entry, Extended, ExtendEntry, OpenEntry, Prefilled, StatusError, StepResult,
                              TreeEntry, Verified, VerifiedRows)
 from common.rpc import CHANNEL_OPTIONS, pb, pb_grpc
@@ -178,9 +180,13 @@ def _read_replies(call, replies: queue.SimpleQueue) -> None:
 class GrpcLink(_Lockstep):
     """A verifier behind gRPC (implements `VerifierLink`); `stub` comes from `verifier_stub`."""
 
-    def __init__(self, stub: pb_grpc.VerifierStub, *, vocab_size: int, feature_dim: int, max_seq_len: int):
+    def __init__(self, stub: pb_grpc.VerifierStub, *, vocab_size: int, feature_dim: int, max_seq_len: int,
+                 unpack_features: Callable[[torch.Tensor], torch.Tensor] | None = None):
+        """`unpack_features`: the verifier packs its feature rows (InfoResponse.feature_wire), this
+        makes them the draft's rows (`common.feature_wire.unpack_rows` onto the draft's device)."""
         self.stub = stub
         self.vocab_size, self.feature_dim, self.max_seq_len = vocab_size, feature_dim, max_seq_len
+        self.unpack_features = unpack_features
         self._requests: queue.SimpleQueue | None = None
         self._call = None
         self._replies = None
@@ -226,7 +232,7 @@ class GrpcLink(_Lockstep):
                     raise WireError(f"reply to step {reply.step}, expected {step}")
                 results = decode_link_response(reply, vocab_size=self.vocab_size, feature_dim=self.feature_dim,
                                                max_feature_rows=(len(entries) + 1) * self.max_seq_len,
-                                               feature_data=feature_data)
+                                               feature_data=feature_data, unpack_features=self.unpack_features)
                 if not reply.notice:
                     check_results(entries, results)
                     break
@@ -373,5 +379,8 @@ def check_verifier(info: pb.InfoResponse, target: TargetConfig, draft: DraftConf
     if draft is not None and tuple(info.feature_layer_ids) != draft.target_layer_ids:
         problems.append(f"verifier returns features of layers {list(info.feature_layer_ids)}, "
                         f"the draft needs {list(draft.target_layer_ids)}")
+    if info.feature_wire not in FORMATS.values():
+        problems.append(f"verifier sends features as {info.feature_wire!r}, this drafter reads "
+                        f"{' or '.join(repr(f) for f in FORMATS.values())}")
     if problems:
         raise StatusError("FAILED_PRECONDITION", "; ".join(problems))

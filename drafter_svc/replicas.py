@@ -40,7 +40,7 @@ log = logging.getLogger(__name__)
 WAIT_REPORT_S = 5.0  # while start-up waits for a verifier, a progress line this often
 # Fields of a replica's Info that must equal the first replica's: they shape the drafter's
 # sessions (length, trees, features) and make a re-opened session's output the same.
-SAME_AS_FIRST = ("max_seq_len", "max_tree_nodes", "feature_projection", "sampling", "deterministic")
+SAME_AS_FIRST = ("max_seq_len", "max_tree_nodes", "feature_projection", "sampling", "deterministic", "feature_wire")
 
 
 # -- addresses and start-up --------------------------------------------------------------------

@@ -21,7 +21,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from common.config import load_draft_config
+from common.config import load_draft_config, load_target_config
 from common.make_tiny import TinySizes, make_tiny
 from common.protocol import SamplingParams, StatusError
 from common.rpc import CHANNEL_OPTIONS, GENERATION_SERVICE, pb, pb_grpc
@@ -408,6 +408,31 @@ def test_chunked_prefill_over_grpc_changes_no_output(qwen3_pair, client, verifie
     wait_full(verifier_stub)
 
 
+def test_features_sent_as_fp8_change_no_output(qwen3_pair, client, verifier_stub):
+    """A verifier that packs its feature rows as fp8 (--feature-wire fp8, InfoResponse.feature_wire)
+    gives concurrent requests, greedy and keyed-seeded, whole prompts and chunked ones, the tokens of
+    the verifier that sends them in the model's dtype, in a quarter of the bytes for the float32 rows
+    (the prompts' rows dominate); only the drafts read the rounded rows."""
+    reqs = [request(PROMPTS[i % 3] * (1 + i), n=12, budget=(4, 8, 16, 0)[i], temperature=(0.0, 0.9)[i % 2],
+                    top_k=20, seed=90 + i) for i in range(MAX_SESSIONS)]
+    with ServerThread(lambda: serve_verifier(verifier_config(qwen3_pair, max_sessions=2))) as plain_verifier:
+        engine = drafter_engine(qwen3_pair, plain_verifier.port, prefill_chunk=8)
+        with served(engine) as stub:
+            alone = concurrently(stub, reqs)
+        plain_bytes = engine.scheduler.link.bytes_received
+    with ServerThread(lambda: serve_verifier(verifier_config(qwen3_pair, max_sessions=2, feature_wire="fp8"))) as fp8:
+        with grpc.insecure_channel(f"127.0.0.1:{fp8.port}", options=CHANNEL_OPTIONS) as channel:
+            assert pb_grpc.VerifierStub(channel).Info(pb.InfoRequest()).feature_wire == "fp8-e4m3-rowscale"
+        engine = drafter_engine(qwen3_pair, fp8.port, prefill_chunk=8)
+        with served(engine) as stub:
+            together = concurrently(stub, reqs)
+        fp8_bytes = engine.scheduler.link.bytes_received
+    assert [tokens for tokens, _, _ in together] == [tokens for tokens, _, _ in alone]
+    assert [final.finish_reason for _, _, final in together] == [final.finish_reason for _, _, final in alone]
+    assert fp8_bytes < 0.35 * plain_bytes
+    wait_full(verifier_stub)
+
+
 def test_info_reports_device_projection_and_busy_time(client, verifier_stub, qwen3_pair):
     from common.feature_projection import FeatureProjection
 
@@ -496,6 +521,18 @@ def test_mismatched_verifier_is_refused(tmp_path, tiny_tokenizer, verifier):
     with pytest.raises(StatusError) as err:
         drafter_engine(other, verifier.port)
     assert err.value.status == "FAILED_PRECONDITION" and "mismatch" in err.value.message
+
+
+def test_verifier_sending_features_in_an_unknown_format_is_refused(qwen3_pair, verifier_stub):
+    from drafter_svc.link import check_verifier
+
+    info = verifier_stub.Info(pb.InfoRequest())
+    target, draft = load_target_config(qwen3_pair[0]), load_draft_config(qwen3_pair[1])
+    check_verifier(info, target, draft)
+    info.feature_wire = "fp4-nvfp4"
+    with pytest.raises(StatusError) as err:
+        check_verifier(info, target, draft)
+    assert err.value.status == "FAILED_PRECONDITION" and "'fp4-nvfp4'" in err.value.message
 
 
 def test_verifier_projecting_for_another_draft_is_refused(tmp_path, tiny_tokenizer, qwen3_pair, verifier):

@@ -239,6 +239,10 @@ def test_check_replica_names_what_differs():
     with pytest.raises(StatusError) as err:
         check_replica(first, pb.InfoResponse(max_seq_len=128, max_tree_nodes=65, sampling="keyed", deterministic=True))
     assert "deterministic" in err.value.message
+    with pytest.raises(StatusError) as err:  # its feature rows would reach a link that reads them otherwise
+        check_replica(first, pb.InfoResponse(max_seq_len=128, max_tree_nodes=65, sampling="keyed",
+                                             feature_wire="fp8-e4m3-rowscale"))
+    assert "feature_wire 'fp8-e4m3-rowscale', the first has ''" in err.value.message
 
 
 # -- the scheduler over two in-process verifiers ----------------------------------------------------

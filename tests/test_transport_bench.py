@@ -23,3 +23,12 @@ def test_stages_split_a_message_s_way_into_its_parts(tmp_path):
     parts = [v for name, v in stages.items() if name != "total"]
     assert all(v > 0 for v in parts)
     assert max(parts) < stages["total"] <= 1.5 * sum(parts)
+
+
+def test_packed_feature_rows_travel_in_about_half_the_bytes(tmp_path):
+    """--feature-wire fp8: the same rows go packed (F + 4 bytes each, not 2F), and arrive."""
+    res = main(["--batches", "2", "--nodes", "8", "--feature-rows", "3", "--rounds", "10", "--gaps-ms", "0",
+                "--feature-wire", "fp8"])
+    (row,) = res["rows"]
+    assert res["feature_wire"] == "fp8" and row["link"]["feature_rows"] == 2 * 3
+    assert 2 * 3 * (FEATURE_DIM + 4) < row["reply_bytes"] < 2 * 3 * FEATURE_DIM * 2 * 0.55

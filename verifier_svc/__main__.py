@@ -18,6 +18,7 @@ import signal
 from common import compiles
 from common.cli import FlagParser, fail
 from common.config import CheckpointError, check_draft_fits_target, load_draft_config, load_target_config
+from common.feature_wire import FORMATS
 from common.heap import freeze_startup_heap
 from common.logs import add_logging_flags, setup_logging
 from common.tls import ServerTls
@@ -104,6 +105,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.switch("--raw-features", env="VERIFIER_RAW_FEATURES", default=False,
              help="with --draft: send the raw layer features (n_layers x hidden per token) and leave the "
              "draft's fc + hidden_norm to the drafter")
+    p.flag("--feature-wire", env="VERIFIER_FEATURE_WIRE", default=_DEFAULTS["feature_wire"], choices=tuple(FORMATS),
+           help="how feature rows travel to drafters: model = in the model's dtype; fp8 = each row as float8_e4m3fn "
+                "values and a float32 scale, half the bytes of bf16 rows; the rounding changes the drafts (and so "
+                f"the acceptance), never the output (default {_DEFAULTS['feature_wire']})")
     p.switch("--no-cuda-graphs", env="VERIFIER_NO_CUDA_GRAPHS", default=not _DEFAULTS["cuda_graphs"],
              help="run the verify step eagerly on CUDA instead of replaying captured CUDA graphs")
     add_logging_flags(p, "VERIFIER", _DEFAULTS["log_level"], _DEFAULTS["log_format"])
@@ -140,7 +145,7 @@ def parse_config(argv: list[str] | None = None) -> VerifierConfig:
         sampling=args.sampling, deterministic=args.deterministic, prefill_graphs=args.prefill_graphs,
         tensor_parallel=args.tensor_parallel,
         max_message_mb=args.max_message_mb,
-        measure_costs=args.measure_costs,
+        measure_costs=args.measure_costs, feature_wire=args.feature_wire,
         metrics_port=args.metrics_port, log_level=args.log_level, log_format=args.log_format,
         tls=ServerTls(cert=args.tls_cert or "", key=args.tls_key or "", client_ca=args.tls_client_ca or ""),
     )

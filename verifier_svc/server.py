@@ -28,6 +28,7 @@ from common import metrics
 from common.config import CheckpointError, load_target_config
 from common.devices import device_id
 from common.feature_projection import FeatureProjection
+from common.feature_wire import FORMATS, FP8, SCALE_BYTES
 from common.grpc_server import MIB, start_grpc_server
 from common.logs import memory_summary
 from common.rpc import VERIFIER_SERVICE, decode_message, pb, pb_grpc
@@ -98,6 +99,10 @@ class VerifierConfig:
     # drafters (InfoResponse.verify_costs) for their adaptive tree budget: "on", "off", or
     # "auto" = on when CUDA graphs are captured (a few seconds; on a CPU it would take longer).
     measure_costs: str = "auto"
+    # How feature rows travel on the link (`common.feature_wire`): "model" = in the model's dtype;
+    # "fp8" = packed, each row fp8 values and a float32 scale: half the bytes of bf16 rows, the
+    # drafts (not the output) changed by the rounding. An in-process drafter's features stay on the device.
+    feature_wire: str = "model"
     tls: ServerTls = ServerTls()  # plaintext, TLS, or mutual TLS with a client CA (--tls-cert, --tls-key, --tls-client-ca)
     metrics_port: int = 0  # Prometheus /metrics over HTTP on `host`; 0 = not served
     log_level: str = "INFO"  # DEBUG, INFO, WARNING or ERROR (common.logs)
@@ -126,6 +131,8 @@ class VerifierConfig:
             raise ValueError(f"dtype must be auto or one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.measure_costs not in ("auto", "on", "off"):
             raise ValueError(f"measure_costs must be auto, on or off, got {self.measure_costs!r}")
+        if self.feature_wire not in FORMATS:
+            raise ValueError(f"feature_wire must be one of {', '.join(FORMATS)}, got {self.feature_wire!r}")
         if self.sampling not in ("keyed", "coins"):
             raise ValueError(f"sampling must be keyed or coins, got {self.sampling!r}")
         if self.tensor_parallel < 1:
@@ -203,9 +210,14 @@ def load_runner(config: VerifierConfig, rank: int = 0, world: int = 1) -> Target
             raise CheckpointError(f"{config.projection_dir}: fc takes {projection.in_dim} features, the target's "
                                   f"{len(config.feature_layer_ids)} feature layers give {raw}")
         model.feature_projection = projection
-    return TargetRunner(model, config.max_sessions, config.max_seq_len, config.max_tree_nodes,
-                        cuda_graphs=config.cuda_graphs, graph_config=config.graph_config(),
-                        sampling=config.accept_mode())
+    if config.feature_wire != "model" and model.feature_dim % SCALE_BYTES:
+        raise ValueError(f"--feature-wire {config.feature_wire} packs rows of a multiple of {SCALE_BYTES} values, "
+                         f"this target's feature rows have {model.feature_dim}")
+    runner = TargetRunner(model, config.max_sessions, config.max_seq_len, config.max_tree_nodes,
+                          cuda_graphs=config.cuda_graphs, graph_config=config.graph_config(),
+                          sampling=config.accept_mode())
+    runner.feature_wire = FORMATS[config.feature_wire]
+    return runner
 
 
 def load_verifier(config: VerifierConfig, runner: TargetRunner | None = None) -> TreeVerifier:
@@ -226,6 +238,7 @@ def startup_summary(verifier: TreeVerifier) -> str:
                 else "eager prefills")
     features = (f"{len(verifier.feature_layer_ids)} feature layers"
                 + (" projected" if runner.model.feature_projection is not None else "")
+                + (" sent as fp8" if runner.feature_wire == FP8 else "")
                 if verifier.feature_layer_ids else "no features")
     return (f"device {runner.device}, dtype {str(runner.cache.k.dtype).removeprefix('torch.')}, "
             f"KV {runner.num_slots} sessions x {runner.max_seq_len} tokens, "
@@ -325,7 +338,7 @@ def verifier_info(verifier: TreeVerifier, config: VerifierConfig) -> pb.InfoResp
         max_tree_nodes=config.max_tree_nodes,
         verify_costs=[pb.VerifyCost(batch=b, tokens=t, seconds=seconds)
                       for (b, t), seconds in sorted(verifier.verify_costs.items())],
-        sampling=config.sampling, deterministic=config.deterministic,
+        sampling=config.sampling, deterministic=config.deterministic, feature_wire=verifier.runner.feature_wire,
     )
 
 

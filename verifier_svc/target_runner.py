@@ -23,6 +23,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from common.feature_wire import FP8, MODEL_DTYPE, pack_rows
 from common.layers import gemm_weights
 from common.protocol import SamplingParams, TokenLogprob
 from common.staging import HostCopy, to_device
@@ -117,6 +118,13 @@ class TargetRunner:
         # The features a verify or a prefill returns stay on the model's device (an in-process
         # drafter reads them there: no copy to the host and back); by default they come to the host.
         self.features_on_device = False
+        # How the features that come to the host are sent (`common.feature_wire`; `features_for_host`).
+        self.feature_wire = MODEL_DTYPE
+
+    def features_for_host(self, features: Tensor) -> Tensor:
+        """Features [..., F] on the device, as they go to the host for the link: packed on the device
+        (`common.feature_wire.pack_rows`, half the bytes to copy) under `feature_wire` FP8."""
+        return pack_rows(features) if self.feature_wire == FP8 else features
 
     def take_device_trees(self, max_nodes: int) -> None:
         """An in-process drafter hands its trees over on the device (`common.tree.DeviceTrees`) and
@@ -284,7 +292,7 @@ class TargetRunner:
         result = result[: len(rows)]
         if self.features_on_device:  # a copy: a later step may replay the same graph before the finish
             return PendingVerify(list(rows), wanted, HostCopy(result), logits, features.clone(), result)
-        return PendingVerify(list(rows), wanted, HostCopy(result, features), logits)
+        return PendingVerify(list(rows), wanted, HostCopy(result, self.features_for_host(features)), logits)
 
     def finish_verify(self, pending: PendingVerify) -> VerifiedBatch:
         """Wait for a launched step's results (one wait; a second, only when a row asks for

@@ -365,7 +365,8 @@ class TreeVerifier:
                     # from a prefill graph's buffers, which the next step may replay.
                     rows = torch.cat(wanted)
                     on_device = self.runner.features_on_device
-                    copied = [t for t in (tokens, None if on_device else rows) if t is not None]
+                    copied = [t for t in (tokens, None if on_device else self.runner.features_for_host(rows))
+                              if t is not None]
                     launched = _LaunchedPrefill(list(group), sessions, last, HostCopy(*copied),
                                                 [f.shape[0] for f in wanted], rows if on_device else None,
                                                 logits.clone() if any(s.logprobs is not None for s in ending)

@@ -346,7 +346,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("architecture", "vocab_size", "hidden_size", "num_layers", "dtype", "config_fingerprint", "feature_layer_ids", "max_seq_len", "max_sessions", "max_tree_nodes", "free_sessions", "feature_projection", "busy_s", "device_id", "verify_costs", "sampling", "deterministic")
+    __slots__ = ("architecture", "vocab_size", "hidden_size", "num_layers", "dtype", "config_fingerprint", "feature_layer_ids", "max_seq_len", "max_sessions", "max_tree_nodes", "free_sessions", "feature_projection", "busy_s", "device_id", "verify_costs", "sampling", "deterministic", "feature_wire")
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -364,6 +364,7 @@ class InfoResponse(_message.Message):
     VERIFY_COSTS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     DETERMINISTIC_FIELD_NUMBER: _ClassVar[int]
+    FEATURE_WIRE_FIELD_NUMBER: _ClassVar[int]
     architecture: str
     vocab_size: int
     hidden_size: int
@@ -381,7 +382,8 @@ class InfoResponse(_message.Message):
     verify_costs: _containers.RepeatedCompositeFieldContainer[VerifyCost]
     sampling: str
     deterministic: bool
-    def __init__(self, architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., dtype: _Optional[str] = ..., config_fingerprint: _Optional[str] = ..., feature_layer_ids: _Optional[_Iterable[int]] = ..., max_seq_len: _Optional[int] = ..., max_sessions: _Optional[int] = ..., max_tree_nodes: _Optional[int] = ..., free_sessions: _Optional[int] = ..., feature_projection: _Optional[str] = ..., busy_s: _Optional[float] = ..., device_id: _Optional[str] = ..., verify_costs: _Optional[_Iterable[_Union[VerifyCost, _Mapping]]] = ..., sampling: _Optional[str] = ..., deterministic: _Optional[bool] = ...) -> None: ...
+    feature_wire: str
+    def __init__(self, architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., dtype: _Optional[str] = ..., config_fingerprint: _Optional[str] = ..., feature_layer_ids: _Optional[_Iterable[int]] = ..., max_seq_len: _Optional[int] = ..., max_sessions: _Optional[int] = ..., max_tree_nodes: _Optional[int] = ..., free_sessions: _Optional[int] = ..., feature_projection: _Optional[str] = ..., busy_s: _Optional[float] = ..., device_id: _Optional[str] = ..., verify_costs: _Optional[_Iterable[_Union[VerifyCost, _Mapping]]] = ..., sampling: _Optional[str] = ..., deterministic: _Optional[bool] = ..., feature_wire: _Optional[str] = ...) -> None: ...
 
 class VerifyCost(_message.Message):
     __slots__ = ("batch", "tokens", "seconds")

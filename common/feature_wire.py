@@ -1,0 +1,74 @@
+"""How the target's feature rows travel on the link: in the model's dtype, or packed as fp8.
+
+A verify step's reply carries the features of every accepted token, and a prefill's the
+features of every prompt token: megabytes per message at 8B dimensions (a context row is
+hidden_size bf16 values, 8 KB for Qwen3-8B). `--feature-wire fp8` halves those bytes: each row
+travels as its F values in float8_e4m3fn, scaled so that the row's largest magnitude is fp8's
+largest finite value, followed by that scale as a little-endian float32. A packed row is
+F + SCALE_BYTES bytes; the rows of a message are one uint8 tensor [rows, F + SCALE_BYTES], so
+they slice row by row like the unpacked ones.
+
+Only the draft reads the features, so packing them changes the drafts, never the output: the
+verify step, which decides every token, runs on the target's own values. It costs some
+acceptance where the draft is sensitive to 3-bit mantissas (relative error up to 2^-4 per value).
+The verifier packs on its device before the copy to the host, the drafter unpacks on its device
+after the copy from it.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from common.staging import to_device
+
+MODEL_DTYPE = ""  # InfoResponse.feature_wire: rows in the model's dtype
+FP8 = "fp8-e4m3-rowscale"  # InfoResponse.feature_wire: rows packed by `pack_rows`
+FORMATS = {"model": MODEL_DTYPE, "fp8": FP8}  # --feature-wire choices -> the name the verifier announces
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448
+SCALE_BYTES = 4  # the row's float32 scale
+
+
+def row_bytes(feature_dim: int, wire: str) -> tuple[int, torch.dtype | None]:
+    """(width, dtype) of a feature row on the wire: (F, None: a float dtype) unpacked, else
+    (F + SCALE_BYTES, uint8)."""
+    return (feature_dim, None) if wire == MODEL_DTYPE else (feature_dim + SCALE_BYTES, torch.uint8)
+
+
+def pack_rows(x: Tensor) -> Tensor:
+    """x [..., F] (floating point, F a multiple of 4) as packed rows, uint8 [..., F + SCALE_BYTES],
+    on x's device. A row of zeros has scale 0; values are rounded to nearest, ties to even."""
+    if x.shape[-1] % SCALE_BYTES:
+        raise ValueError(f"feature rows of {x.shape[-1]} values cannot be packed (a multiple of 4 is needed)")
+    width = x.shape[-1]
+    x = x.float()
+    scale = (x.abs().amax(dim=-1, keepdim=True) if width else x.new_zeros(*x.shape[:-1], 1)) / FP8_MAX
+    # The clamp keeps a rounding of amax / scale past 448 finite (fp8 e4m3fn has no infinity).
+    q = (x / scale.clamp_min(torch.finfo(torch.float32).tiny)).clamp_(-FP8_MAX, FP8_MAX)
+    packed = torch.empty(*x.shape[:-1], width + SCALE_BYTES, dtype=torch.uint8, device=x.device)
+    packed[..., :width].view(FP8_DTYPE).copy_(q)
+    packed[..., width:].view(torch.float32).copy_(scale)
+    return packed
+
+
+def scales_of(packed: Tensor) -> Tensor:
+    """The float32 scales [rows] of packed rows [rows, F + SCALE_BYTES] (a copy)."""
+    return packed[:, -SCALE_BYTES:].contiguous().view(torch.float32).reshape(-1)
+
+
+def unpack_rows(packed: Tensor, device: torch.device | str, dtype: torch.dtype) -> Tensor:
+    """Packed rows [rows, F + SCALE_BYTES] (uint8, on the host: wire data) as [rows, F] of `dtype`
+    on `device`. Raises ValueError when a scale is not a finite number >= 0 (fp8 values are
+    finite or NaN; a NaN value stays a NaN, as it would in the model's dtype)."""
+    if packed.dtype != torch.uint8 or packed.dim() != 2 or packed.shape[1] <= SCALE_BYTES:
+        raise ValueError(f"packed feature rows must be uint8 [rows, F + {SCALE_BYTES}], got {packed.dtype} "
+                         f"{list(packed.shape)}")
+    scales = scales_of(packed)
+    if not bool(torch.isfinite(scales).all()) or bool((scales < 0).any()):
+        raise ValueError("a packed feature row's scale is not a finite number >= 0")
+    if packed.shape[0] == 0:
+        return torch.empty(0, packed.shape[1] - SCALE_BYTES, dtype=dtype, device=device)
+    on_device = to_device(packed, device)
+    values = on_device[:, :-SCALE_BYTES].view(FP8_DTYPE).to(torch.float32)
+    return (values * to_device(scales, device)[:, None]).to(dtype)
