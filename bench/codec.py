@@ -15,14 +15,12 @@ as the verifier's link handler does (`decode_message`, `decode_link_request`); i
 walked and their masks built as the verifier's step does (`walk_trees`, `ancestor_masks`). One
 process, no gRPC: bench/transport.py times the whole exchange.
 
-"stage" is the drafter's host work after the decoding to put the rows into its draft step's
-input buffer: with rows in the model's dtype, `DraftInputs.fill`'s copies into the buffer's
-host twin (on a GPU then copied over as one block). With `--feature-wire fp8` the rows come
-packed (`common.feature_wire`) and the decoding includes a GPU drafter's host part of the
-unpack (the scales' check and the rows' copy into staging memory, bench/transport.py's
-`host_part_of_unpack`); the unpack itself and the buffer's fill then run on the device, so
-"stage" is left empty. Prints a table of means (ms; the better of two timings of `--reps`
-calls each) and writes JSON with --out-json.
+The drafter's decoding includes its reading of the rows as a drafter on a GPU reads them (bench/transport.py's
+`gpu_drafter_reader`; without a GPU, its host's part: the rows' copy out of the reply into
+staging memory for one copy to the device, and with `--feature-wire fp8`, where the rows come
+packed, the check of their scales); the draft step's inputs are then filled on the device.
+Prints a table of means (ms; the better of two timings of `--reps` calls each) and writes JSON
+with --out-json.
 """
 from __future__ import annotations
 
@@ -38,14 +36,13 @@ import time
 import torch
 
 from bench.bench_timing import write_json
-from bench.transport import host_part_of_unpack, random_tree
+from bench.transport import gpu_drafter_reader, random_tree
 from common.feature_wire import SCALE_BYTES, pack_rows
 from common.protocol import StepResult, TreeEntry, Verified
 from common.rpc import decode_message, pb
 from common.tree import TreeLayout, ancestor_masks, walk_trees
 from common.wire import (LinkLimits, decode_link_request, decode_link_response, encode_link_request,
                          encode_link_response, parse_link_response)
-from drafter_svc.draft_graphs import DraftInputs, DraftRow
 
 VOCAB = 151_936
 
@@ -80,8 +77,8 @@ def main(argv=None) -> dict:
     packed = a.feature_wire == "fp8"
     res = {"rows_per_session": a.rows, "width": a.width, "nodes": a.nodes, "reps": a.reps,
            "feature_wire": a.feature_wire, "rows": []}
-    print(f"{'B':>4} {'reply MB':>9} {'encode':>8} {'decode':>8} {'stage':>7} {'req KB':>7} {'req enc':>8} "
-          f"{'req dec':>8} {'walk':>7} {'masks':>7}")
+    print(f"{'B':>4} {'reply MB':>9} {'encode':>8} {'decode':>8} {'req KB':>7} {'req enc':>8} {'req dec':>8} "
+          f"{'walk':>7} {'masks':>7}")
     for batch in batches:
         features = torch.randn(batch * a.rows, a.width, generator=torch.Generator().manual_seed(batch)).to(torch.bfloat16)
         sent = pack_rows(features) if packed else features
@@ -94,14 +91,11 @@ def main(argv=None) -> dict:
             msg, view = parse_link_response(data)
             return decode_link_response(msg, vocab_size=VOCAB, feature_dim=a.width,
                                         max_feature_rows=batch * a.rows, feature_data=view,
-                                        unpack_features=host_part_of_unpack if packed else None)
+                                        reader=gpu_drafter_reader(a.feature_wire))
 
-        decoded = decode()
-        assert torch.equal(torch.cat([r.outcome.features for r in decoded]), sent)
+        if not torch.cuda.is_available():  # the rows as they were sent (on a GPU, in the model's dtype there)
+            assert torch.equal(torch.cat([r.outcome.features for r in decode()]), sent)
         encode = lambda: encode_link_response(1, results, width, dtype)  # noqa: E731
-        # the draft step's input buffer, as the drafter's batched step fills it (the CPU's buffer is its host twin)
-        inputs = DraftInputs(batch, a.rows, 16, a.width, 0, torch.bfloat16, torch.device("cpu"), pinned=False)
-        rows = [DraftRow(s, 10, 1, r.outcome.features) for s, r in enumerate(decoded)]
 
         tree = random_tree(a.nodes, VOCAB)
         entries = [TreeEntry(s + 1, 2, tree) for s in range(batch)]
@@ -118,13 +112,11 @@ def main(argv=None) -> dict:
 
         row = {"batch": batch, "reply_bytes": len(data), "request_bytes": len(request),
                "encode_ms": best(encode), "decode_ms": best(decode),
-               "stage_ms": None if packed else best(lambda: inputs.fill(rows, batch)),
                "request_encode_ms": best(lambda: encode_link_request(1, entries).SerializeToString()),
                "request_decode_ms": best(decode_request), "walk_ms": best(walk),
                "masks_ms": best(lambda: ancestor_masks(layouts, a.nodes))}
         res["rows"].append(row)
-        stage = "-" if packed else f"{row['stage_ms']:.3f}"
-        print(f"{batch:>4} {len(data) / 1e6:>9.3f} {row['encode_ms']:>8.3f} {row['decode_ms']:>8.3f} {stage:>7} "
+        print(f"{batch:>4} {len(data) / 1e6:>9.3f} {row['encode_ms']:>8.3f} {row['decode_ms']:>8.3f} "
               f"{len(request) / 1e3:>7.1f} {row['request_encode_ms']:>8.3f} {row['request_decode_ms']:>8.3f} "
               f"{row['walk_ms']:>7.3f} {row['masks_ms']:>7.3f}", flush=True)
     write_json(a.out_json, res)

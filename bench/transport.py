@@ -29,11 +29,13 @@ its model worker, the step's begin (tree checks, masks, the canned verify queued
 the event loop, gRPC's write and carry), the reader's hand-off, and the drafter's parse and
 decoding. The recording adds a few microseconds per part.
 
-With `--feature-wire fp8` the rows travel packed as the verifier's `--feature-wire fp8` sends them
-(`common.feature_wire`: 4,100 bytes a row instead of 8,192). Packing and unpacking run on the
+The drafter reads the replies' rows as a drafter on a GPU does (`common.feature_wire.feature_reader`):
+each reply's rows go to its device in one copy. Without a GPU it does only its host's part of
+that (the rows' copy out of the reply into staging memory, `gpu_drafter_reader`). With
+`--feature-wire fp8` the rows travel packed as the verifier's `--feature-wire fp8` sends them
+(`common.feature_wire`: 4,100 bytes a row instead of 8,192); packing and unpacking run on the
 services' GPUs, so they are left out here as the forward is: the canned rows are packed once,
-and without a GPU the drafter does only its host's part of the unpack (the scales' check and
-the rows' copy out of the reply, `host_part_of_unpack`).
+and the drafter's host part adds the check of their scales.
 
 The per-message Python / gRPC cost should be paid once per step whatever B is; what grows
 with B is the bytes and the per-tree work. The table gives both: ms per message, and ms per
@@ -68,7 +70,7 @@ from opentelemetry import trace as otel_trace
 
 from bench.bench_timing import write_json
 from common.config import load_target_config
-from common.feature_wire import FORMATS, row_bytes, scales_of, unpack_rows
+from common.feature_wire import FORMATS, FeatureReader, feature_reader, row_bytes, scales_of
 from common.protocol import CloseEntry, OpenEntry, Prefilled, SamplingParams, TreeEntry, Verified
 from common.rpc import CHANNEL_OPTIONS
 from common.tracing import traceparent_of
@@ -313,28 +315,35 @@ def _check(results, kind) -> None:
 _staging = torch.empty(0, dtype=torch.uint8)  # reused, as PyTorch's cache of pinned host blocks is
 
 
-def host_part_of_unpack(packed: torch.Tensor) -> torch.Tensor:
-    """What a GPU drafter's host does to unpack packed feature rows: check their scales and copy
-    the rows out of the reply (into pinned memory, for the copy to the device); the rest of
-    `unpack_rows` runs on the device. The rows stay packed (the bench reads only their count)."""
+def _host_part(rows: torch.Tensor, packed: bool) -> torch.Tensor:
+    """What a GPU drafter's host does with a reply's feature rows (`common.feature_wire.feature_reader`):
+    check the scales of packed ones, and copy them out of the reply into pinned memory for the
+    copy to the device; the rest (the copy, the unpack) runs on the device. The rows come back
+    as they were sent (the benchmarks read only their count)."""
     global _staging
-    if not bool(torch.isfinite(scales_of(packed)).all()):
+    if packed and not bool(torch.isfinite(scales_of(rows)).all()):
         raise ValueError("a packed feature row's scale is not finite")
-    if _staging.numel() < packed.numel():
-        _staging = torch.empty(packed.numel(), dtype=torch.uint8)
-    return _staging[: packed.numel()].view(packed.shape).copy_(packed)
+    flat = rows.reshape(-1).view(torch.uint8)
+    if _staging.numel() < flat.numel():
+        _staging = torch.empty(flat.numel(), dtype=torch.uint8)
+    return _staging[: flat.numel()].copy_(flat).view(rows.dtype).view(rows.shape)
+
+
+def gpu_drafter_reader(feature_wire: str) -> FeatureReader:
+    """How a drafter on a GPU reads the replies' rows: the real reader where there is a GPU, else its
+    host's part alone (`_host_part`)."""
+    if torch.cuda.is_available():
+        return feature_reader(FORMATS[feature_wire], torch.device("cuda"), torch.bfloat16)
+    packed = feature_wire == "fp8"
+    return FeatureReader(packed, functools.partial(_host_part, packed=packed))
 
 
 def time_link(port: int, tree: DraftTree, batch: int, rounds: int, trace: bool, gap_s: float, vocab: int,
               seq_len: int, feature_wire: str = "model") -> dict:
     """Open `batch` sessions in one message, then time `rounds` messages of one tree per session."""
     channel = open_channel(f"127.0.0.1:{port}")
-    unpack = None
-    if feature_wire == "fp8":  # unpacked onto a GPU where there is one
-        unpack = (functools.partial(unpack_rows, device="cuda", dtype=torch.bfloat16) if torch.cuda.is_available()
-                  else host_part_of_unpack)
     link = GrpcLink(verifier_stub(channel), vocab_size=vocab, feature_dim=FEATURE_DIM, max_seq_len=seq_len,
-                    unpack_features=unpack)
+                    features=gpu_drafter_reader(feature_wire))
     tracer = otel_trace.get_tracer(__name__)
     sids = list(range(1, batch + 1))
     requests = {sid: tracer.start_span("generate") for sid in sids} if trace else {}

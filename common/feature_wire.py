@@ -16,6 +16,10 @@ after the copy from it.
 """
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 
@@ -72,3 +76,22 @@ def unpack_rows(packed: Tensor, device: torch.device | str, dtype: torch.dtype) 
     on_device = to_device(packed, device)
     values = on_device[:, :-SCALE_BYTES].view(FP8_DTYPE).to(torch.float32)
     return (values * to_device(scales, device)[:, None]).to(dtype)
+
+
+@dataclass(frozen=True)
+class FeatureReader:
+    """How a drafter reads the feature rows of the verifier's replies: `packed` (InfoResponse.feature_wire
+    FP8) or in a floating-point dtype, and `to_draft`, applied to all of a reply's rows at once before
+    they are shared out to its sessions: unpack them onto the draft's device, or copy them there in
+    one go (the draft step's inputs are then filled on the device); None: the rows stay where they are."""
+    packed: bool = False
+    to_draft: Callable[[Tensor], Tensor] | None = None
+
+
+def feature_reader(wire: str, device: torch.device, dtype: torch.dtype) -> FeatureReader:
+    """The reader for a verifier that sends rows as `wire` says, to a draft on `device` in `dtype`."""
+    if wire == FP8:
+        return FeatureReader(True, functools.partial(unpack_rows, device=device, dtype=dtype))
+    if torch.device(device).type == "cuda":
+        return FeatureReader(False, functools.partial(to_device, device=device))
+    return FeatureReader()

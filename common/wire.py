@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import grpc
 import numpy as np
 import torch
 
-from common.feature_wire import SCALE_BYTES
+from common.feature_wire import SCALE_BYTES, FeatureReader
 from common.protocol import (MAX_LOGPROBS, CloseEntry, Entry, Extended, ExtendEntry, OpenEntry, Prefilled,
                              SamplingParams, StatusError, StepResult, TokenLogprob, TreeEntry, Verified)
 from common.rpc import decode_message, pb
@@ -322,25 +322,26 @@ def _stack_rows(rows: list[torch.Tensor], width: int, dtype: torch.dtype) -> tor
 
 def decode_link_response(msg: pb.LinkResponse, *, vocab_size: int, feature_dim: int, max_feature_rows: int,
                          feature_data: memoryview | None = None,
-                         unpack_features: Callable[[torch.Tensor], torch.Tensor] | None = None) -> list[StepResult]:
-    """The results of a LinkResponse, each with its rows of the features (views; of
-    `feature_data` where given, `parse_link_response`'s view of them). With `unpack_features`
-    the features come packed (`common.feature_wire`: uint8 [rows, feature_dim + SCALE_BYTES]) and
-    the results get rows of what it makes of them; without it, rows of a floating-point dtype.
+                         reader: FeatureReader = FeatureReader()) -> list[StepResult]:
+    """The results of a LinkResponse, each with its rows of the features: views of
+    `feature_data` where given (`parse_link_response`'s view of them), or of what `reader.to_draft`
+    makes of them all. With `reader.packed` the features come packed (`common.feature_wire`: uint8
+    [rows, feature_dim + SCALE_BYTES]), else in a floating-point dtype.
 
     Raises WireError when the message is inconsistent: token ids outside the vocabulary,
-    feature rows that do not add up, or a feature width or dtype other than expected.
+    feature rows that do not add up, a feature width or dtype other than expected, or packed
+    rows that `reader.to_draft` refuses.
     """
-    width = feature_dim + SCALE_BYTES if unpack_features is not None else feature_dim
+    width = feature_dim + SCALE_BYTES if reader.packed else feature_dim
     features = decode_tensor(msg.features, max_elements=max_feature_rows * max(1, width), data=feature_data)
     if features.dim() != 2 or features.shape[1] != width:
         raise WireError(f"features of shape {list(features.shape)}, expected [rows, {width}]")
-    if (features.dtype == torch.uint8) != (unpack_features is not None):
+    if (features.dtype == torch.uint8) != reader.packed:
         raise WireError(f"features of dtype {msg.features.dtype!r}, expected "
-                        f"{'packed rows (uint8)' if unpack_features is not None else 'a floating-point dtype'}")
-    if unpack_features is not None:
+                        f"{'packed rows (uint8)' if reader.packed else 'a floating-point dtype'}")
+    if reader.to_draft is not None:
         try:
-            features = unpack_features(features)
+            features = reader.to_draft(features)
         except ValueError as exc:
             raise WireError(str(exc)) from None
     out: list[StepResult] = []

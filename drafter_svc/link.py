@@ -24,10 +24,9 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import grpc
-import torch
 
 from common.config import DraftConfig, TargetConfig
-from common.feature_wire import FORMATS
+from common.feature_wire import FORMATS, FeatureReader
 from common.protocol import (CloseEntry, Entry, Extended, ExtendEntry, OpenEntry, Prefilled, StatusError, StepResult,
                              TreeEntry, Verified, VerifiedRows)
 from common.rpc import CHANNEL_OPTIONS, pb, pb_grpc
@@ -181,12 +180,12 @@ class GrpcLink(_Lockstep):
     """A verifier behind gRPC (implements `VerifierLink`); `stub` comes from `verifier_stub`."""
 
     def __init__(self, stub: pb_grpc.VerifierStub, *, vocab_size: int, feature_dim: int, max_seq_len: int,
-                 unpack_features: Callable[[torch.Tensor], torch.Tensor] | None = None):
-        """`unpack_features`: the verifier packs its feature rows (InfoResponse.feature_wire), this
-        makes them the draft's rows (`common.feature_wire.unpack_rows` onto the draft's device)."""
+                 features: FeatureReader = FeatureReader()):
+        """`features`: how the replies' feature rows are read (`common.feature_wire.feature_reader`:
+        packed or not, and brought to the draft's device)."""
         self.stub = stub
         self.vocab_size, self.feature_dim, self.max_seq_len = vocab_size, feature_dim, max_seq_len
-        self.unpack_features = unpack_features
+        self.features = features
         self._requests: queue.SimpleQueue | None = None
         self._call = None
         self._replies = None
@@ -232,7 +231,7 @@ class GrpcLink(_Lockstep):
                     raise WireError(f"reply to step {reply.step}, expected {step}")
                 results = decode_link_response(reply, vocab_size=self.vocab_size, feature_dim=self.feature_dim,
                                                max_feature_rows=(len(entries) + 1) * self.max_seq_len,
-                                               feature_data=feature_data, unpack_features=self.unpack_features)
+                                               feature_data=feature_data, reader=self.features)
                 if not reply.notice:
                     check_results(entries, results)
                     break

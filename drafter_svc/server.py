@@ -34,7 +34,7 @@ from common import metrics
 from common.checkpoint import load_tokenizer
 from common.config import load_draft_config, load_target_config
 from common.devices import device_id
-from common.feature_wire import FP8, unpack_rows
+from common.feature_wire import feature_reader
 from common.grpc_server import MIB, start_grpc_server
 from common.logs import memory_summary
 from common.protocol import StatusError, TokenLogprob
@@ -191,11 +191,10 @@ def _remote_link(cfg: DrafterConfig, torch_dtype, target_cfg, draft_cfg
         check_verifier(answer, target_cfg, draft_cfg)
         check_replica(info, answer)
 
-    # Packed feature rows (--feature-wire fp8 on the verifiers) are unpacked onto the draft's device.
-    unpack = (functools.partial(unpack_rows, device=proposer.device, dtype=proposer.draft.fc.weight.dtype)
-              if info.feature_wire == FP8 else None)
+    # Each reply's feature rows go to the draft's device in one copy (unpacked there under --feature-wire fp8).
+    features = feature_reader(info.feature_wire, proposer.device, proposer.draft.fc.weight.dtype)
     link = ReplicaLink([Replica(a.address, GrpcLink(stub, vocab_size=info.vocab_size, feature_dim=proposer.feature_dim,
-                                                    max_seq_len=info.max_seq_len, unpack_features=unpack),
+                                                    max_seq_len=info.max_seq_len, features=features),
                                 functools.partial(stub.Info, pb.InfoRequest(), timeout=2.0),
                                 State.UP if i == first else State.REFUSED if i in refused else State.NEW,
                                 info.max_sessions if i == first else 0)

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from common.config import load_draft_config
-from common.feature_wire import FP8, FP8_MAX, SCALE_BYTES, pack_rows, row_bytes, scales_of, unpack_rows
+from common.feature_wire import (FP8, FP8_MAX, MODEL_DTYPE, SCALE_BYTES, FeatureReader, feature_reader, pack_rows,
+                                 row_bytes, scales_of, unpack_rows)
 from common.protocol import Extended, ExtendEntry, OpenEntry, Prefilled, SamplingParams, StepResult, TreeEntry, Verified
 from common.rpc import pb
 from common.tree import DraftTree
@@ -88,17 +89,20 @@ def _unpack(t: torch.Tensor) -> torch.Tensor:
     return unpack_rows(t, "cpu", torch.float32)
 
 
+PACKED = FeatureReader(True, _unpack)  # as `feature_reader(FP8, "cpu", torch.float32)` reads them
+
+
 def test_a_packed_reply_decodes_to_each_sessions_unpacked_rows():
     x = random_rows(9, 4)
     packed = pack_rows(x)
     got = decode_link_response(_reply(packed, F + SCALE_BYTES, torch.uint8), vocab_size=50, feature_dim=F,
-                               max_feature_rows=100, unpack_features=_unpack)
+                               max_feature_rows=100, reader=PACKED)
     rows = _unpack(packed)
     assert torch.equal(got[0].outcome.features, rows[:3]) and torch.equal(got[1].outcome.features, rows[3:7])
     assert torch.equal(got[2].outcome.features, rows[7:9])
     empty = pb.LinkResponse.FromString(encode_link_response(2, [], F + SCALE_BYTES, torch.uint8).data)
     assert decode_link_response(empty, vocab_size=50, feature_dim=F, max_feature_rows=100,
-                                unpack_features=_unpack) == []
+                                reader=PACKED) == []
 
 
 def test_packed_rows_to_a_drafter_that_reads_the_model_dtype_and_back_are_refused():
@@ -108,15 +112,15 @@ def test_packed_rows_to_a_drafter_that_reads_the_model_dtype_and_back_are_refuse
                              feature_dim=F + SCALE_BYTES, max_feature_rows=100)
     with pytest.raises(WireError, match="packed rows"):  # float rows as wide as packed ones
         decode_link_response(_reply(torch.zeros(9, F + SCALE_BYTES), F + SCALE_BYTES, torch.float32),
-                             vocab_size=50, feature_dim=F, max_feature_rows=100, unpack_features=_unpack)
+                             vocab_size=50, feature_dim=F, max_feature_rows=100, reader=PACKED)
     with pytest.raises(WireError, match="expected"):  # model-dtype rows to a drafter expecting packed ones
         decode_link_response(_reply(x, F, torch.float32), vocab_size=50, feature_dim=F, max_feature_rows=100,
-                             unpack_features=_unpack)
+                             reader=PACKED)
     bad = pack_rows(x)
     bad[4, -SCALE_BYTES:] = torch.tensor(list(struct.pack("<f", float("nan"))), dtype=torch.uint8)
     with pytest.raises(WireError, match="scale"):
         decode_link_response(_reply(bad, F + SCALE_BYTES, torch.uint8), vocab_size=50, feature_dim=F,
-                             max_feature_rows=100, unpack_features=_unpack)
+                             max_feature_rows=100, reader=PACKED)
 
 
 def test_a_packing_verifier_sends_the_packed_rows_of_the_plain_one(qwen3_pair):
@@ -165,3 +169,13 @@ def test_the_acceptance_bench_rounds_rows_as_the_drafter_unpacks_them():
         x = random_rows(10, 7).to(dtype).reshape(2, 5, F)
         want = unpack_rows(pack_rows(x).reshape(10, -1), "cpu", dtype).reshape(2, 5, F)
         assert torch.equal(as_sent(x), want)
+
+
+def test_the_reader_a_drafter_gets_for_each_format_and_device():
+    plain = feature_reader(MODEL_DTYPE, torch.device("cpu"), torch.float32)
+    assert plain == FeatureReader()  # on a CPU the rows stay where they are
+    packed = feature_reader(FP8, torch.device("cpu"), torch.bfloat16)
+    rows = pack_rows(random_rows(3, 8))
+    assert packed.packed and torch.equal(packed.to_draft(rows), unpack_rows(rows, "cpu", torch.bfloat16))
+    on_gpu = feature_reader(MODEL_DTYPE, torch.device("cuda"), torch.bfloat16)  # one copy to the device per reply
+    assert not on_gpu.packed and on_gpu.to_draft is not None

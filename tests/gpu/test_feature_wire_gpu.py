@@ -58,3 +58,15 @@ def test_a_packing_verifier_sends_the_packed_rows_of_the_plain_one(qwen3_pair):
             assert isinstance(a.outcome, Verified) and a.outcome.accepted_tokens == b.outcome.accepted_tokens
             assert torch.equal(b.outcome.features, pack_rows(a.outcome.features))
             roots[a.session_id] = a.outcome.next_token
+
+
+def test_a_gpu_drafter_reads_each_replys_rows_onto_its_device():
+    """Model-dtype rows go to the draft's device in one copy, packed ones are unpacked there: the
+    values are those the CPU reads."""
+    from common.feature_wire import MODEL_DTYPE, feature_reader
+
+    rows = torch.randn(40, 4096, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    plain = feature_reader(MODEL_DTYPE, torch.device("cuda"), torch.bfloat16).to_draft(rows)
+    assert plain.is_cuda and torch.equal(plain.cpu(), rows)
+    packed = feature_reader(FP8, torch.device("cuda"), torch.bfloat16).to_draft(pack_rows(rows))
+    assert packed.is_cuda and torch.equal(packed.cpu(), unpack_rows(pack_rows(rows), "cpu", torch.bfloat16))
