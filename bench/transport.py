@@ -448,7 +448,8 @@ def main(argv=None) -> dict:
         _tracing("drafter")
     vocab = load_target_config(TARGET).vocab_size
     tree = random_tree(a.nodes, vocab)
-    res = {"trace": a.trace, "feature_wire": a.feature_wire, "nodes": a.nodes, "cpus": os.cpu_count(), "rounds": a.rounds, "rows": []}
+    res = {"trace": a.trace, "feature_wire": a.feature_wire, "nodes": a.nodes, "cpus": os.cpu_count(),
+           "rounds": a.rounds, "rows": []}
     print(f"# transport bench: {a.nodes}-node trees, batches {batches}, {a.rounds} messages per case", flush=True)
     stages_dir = tempfile.mkdtemp(prefix="transport-stages-") if a.stages else None
     echo_proc, echo_port = _start(_echo_process)
