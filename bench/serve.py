@@ -593,16 +593,17 @@ COMPILES, COMPILE_SECONDS = "ddtree_kernel_compiles_total", "ddtree_kernel_compi
 ROUNDS = "ddtree_drafter_rounds_total"  # verify rounds that emitted tokens, summed over the sessions
 TREES = "ddtree_drafter_step_batch_size"  # sessions with a tree in each message that carries trees
 BUDGET = "ddtree_drafter_tree_budget"  # the adaptive budget's choice per message (only with a planner)
+LINK_BYTES = "ddtree_drafter_link_bytes_total"  # the link's bytes, by direction (up, down); none in process
 
 
 def scrape(urls: list[str]) -> dict[str, float]:
     """The _sum and _count samples of the STEP_PARTS, TREES and BUDGET histograms at these /metrics URLs, the
-    drafters' rounds (ROUNDS) and the kernel compiles while serving (COMPILES, COMPILE_SECONDS),
-    these three summed over the URLs."""
+    drafters' rounds (ROUNDS), their link's bytes down (LINK_BYTES) and the kernel compiles while serving
+    (COMPILES, COMPILE_SECONDS), these four summed over the URLs."""
     from prometheus_client.parser import text_string_to_metric_families
 
     wanted = {*STEP_PARTS.values(), TREES, BUDGET}
-    values: dict[str, float] = {COMPILES: 0.0, COMPILE_SECONDS: 0.0, ROUNDS: 0.0}
+    values: dict[str, float] = {COMPILES: 0.0, COMPILE_SECONDS: 0.0, ROUNDS: 0.0, LINK_BYTES: 0.0}
     for url in urls:
         with urllib.request.urlopen(url, timeout=10) as reply:
             text = reply.read().decode()
@@ -612,7 +613,7 @@ def scrape(urls: list[str]) -> dict[str, float]:
                     values[sample.name] = sample.value
                 elif sample.name in (COMPILES, COMPILE_SECONDS) and sample.labels.get("phase") == "serving":
                     values[sample.name] += sample.value
-                elif sample.name == ROUNDS:
+                elif sample.name == ROUNDS or (sample.name == LINK_BYTES and sample.labels.get("direction") == "down"):
                     values[sample.name] += sample.value
     return values
 
@@ -623,7 +624,8 @@ def step_breakdown(before: dict[str, float], after: dict[str, float], wall: floa
     is a wire) and the verifier's steps (vstep); step = wall / messages, other = step - draft -
     build - rpc, queue = rpc - vstep - link (the verifier's wait behind other steps, hand-offs, and a
     reply's wait for the drafter's read),
-    link_share = link / step; rounds_per_s: the sessions' verify rounds a second; tree_messages and
+    link_share = link / step; down_kb: the replies' bytes (KB, None in process); rounds_per_s: the sessions'
+    verify rounds a second; tree_messages and
     trees_per_message: the messages that carry trees, and their mean sessions; budget: the adaptive
     budget's mean choice (None without one); compiles and
     compile_ms: the kernel compiles while serving in the run (each stalled a step) and their time."""
@@ -644,6 +646,8 @@ def step_breakdown(before: dict[str, float], after: dict[str, float], wall: floa
     out["queue_ms"] = known[0] - known[1] - known[2] if None not in known else None
     out["link_share"] = out["link_ms"] / out["step_ms"] if out["link_ms"] is not None and out["step_ms"] else None
     out["rounds_per_s"] = (after.get(ROUNDS, 0.0) - before.get(ROUNDS, 0.0)) / wall if wall > 0 else None
+    down = after.get(LINK_BYTES, 0.0) - before.get(LINK_BYTES, 0.0)
+    out["down_kb"] = down / messages / 1e3 if messages and down else None
     def mean(name: str) -> float | None:  # a histogram's mean observation in the run (None: none)
         count = after.get(name + "_count", 0.0) - before.get(name + "_count", 0.0)
         return (after[name + "_sum"] - before.get(name + "_sum", 0.0)) / count if count else None
@@ -801,14 +805,16 @@ def print_table(result: dict) -> None:
           "rpc = its link round trips; vstep = the verifier's steps, vfwd = their batched verifies (forward, "
           "accept, KV compaction); link = gRPC and the codecs at both ends (rpc less the time the verifier held "
           "the message; no wire in process), link% = link / step; queue = rpc - vstep - link (waiting in the "
-          "verifier behind other steps, hand-offs, a reply waiting for the drafter's read); other = step - draft - "
+          "verifier behind other steps, hand-offs, a reply waiting for the drafter's read); down-KB = a reply's "
+          "bytes (target features included); other = step - draft - "
           "build - rpc (the drafter's scheduling and deliveries); rnd/s = the sessions' verify rounds a second; "
           "trees = the mean sessions with a tree in the messages that carry trees (tmsgs of them); budget = the "
           "adaptive budget's mean choice (drafted nodes a tree keeps at most); comp, comp-ms = "
           "kernel compiles while serving during the run (each stalled a step; the services' logs name them) "
           "and their time")
     head = [("setting", 16), ("mode", 5), ("N", 4), ("msgs", 6), ("step", 7), ("draft", 7), ("build", 7),
-            ("rpc", 7), ("vstep", 7), ("vfwd", 7), ("link", 7), ("link%", 6), ("queue", 7), ("other", 7),
+            ("rpc", 7), ("vstep", 7), ("vfwd", 7), ("link", 7), ("link%", 6), ("down-KB", 8), ("queue", 7),
+            ("other", 7),
             ("rnd/s", 7), ("tmsgs", 6), ("trees", 6), ("budget", 6), ("comp", 5), ("comp-ms", 8)]
     print(" ".join(f"{h:>{w}}" for h, w in head))
     for r in result["runs"]:
@@ -818,7 +824,8 @@ def print_table(result: dict) -> None:
                  _cell(int(b["messages"]) if "messages" in b else None, 6)] + [
                  _cell(b.get(k), 7, 2) for k in ("step_ms", "draft_ms", "build_ms", "rpc_ms", "vstep_ms", "vfwd_ms",
                                                  "link_ms")] + [
-                 _cell(share, 6, 1), _cell(b.get("queue_ms"), 7, 2), _cell(b.get("other_ms"), 7, 2),
+                 _cell(share, 6, 1), _cell(b.get("down_kb"), 8, 1), _cell(b.get("queue_ms"), 7, 2),
+                 _cell(b.get("other_ms"), 7, 2),
                  _cell(b.get("rounds_per_s"), 7, 0),
                  _cell(int(b["tree_messages"]) if "tree_messages" in b else None, 6),
                  _cell(b.get("trees_per_message"), 6, 1), _cell(b.get("budget"), 6, 1),

@@ -25,6 +25,7 @@ from typing import Protocol
 
 import grpc
 
+from common import metrics
 from common.config import DraftConfig, TargetConfig
 from common.feature_wire import FORMATS, FeatureReader
 from common.protocol import (CloseEntry, Entry, Extended, ExtendEntry, OpenEntry, Prefilled, StatusError, StepResult,
@@ -211,6 +212,7 @@ class GrpcLink(_Lockstep):
             self._steps += 1
             data = encode_link_request(self._steps, entries).SerializeToString()
             self.bytes_sent += len(data)
+            metrics.LINK_BYTES.labels("up").inc(len(data))
             self._unanswered.append((self._steps, entries, sent))
             self._requests.put(data)
 
@@ -265,6 +267,7 @@ class GrpcLink(_Lockstep):
             raise StatusError("UNAVAILABLE", "verifier link lost") if closed else item
         data, arrived = item
         self.bytes_received += len(data)
+        metrics.LINK_BYTES.labels("down").inc(len(data))
         return data, arrived
 
     def probe(self) -> bool:

@@ -13,8 +13,9 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from common.config import load_target_config
 from common.rpc import CHANNEL_OPTIONS, pb, pb_grpc
-from tests.test_http_api import MODEL_NAME, PROMPT, post, shipped_services, shipped_target_with_template
+from tests.test_http_api import MODEL_NAME, PAIR, PROMPT, post, shipped_services, shipped_target_with_template
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +67,7 @@ DRAFTER_FAMILIES = {
     "ddtree_drafter_tree_build_seconds": "histogram", "ddtree_drafter_verify_rpc_seconds": "histogram",
     "ddtree_drafter_step_batch_size": "histogram", "ddtree_drafter_step_seconds": "histogram",
     "ddtree_drafter_link_seconds": "histogram", "ddtree_drafter_tree_budget": "histogram",
-    "ddtree_drafter_budget_calibration": "gauge",
+    "ddtree_drafter_budget_calibration": "gauge", "ddtree_drafter_link_bytes": "counter",
 }
 VERIFIER_FAMILIES = {
     "ddtree_verifier_step_seconds": "histogram", "ddtree_verifier_step_batch_size": "histogram",
@@ -117,6 +118,12 @@ def test_a_completion_moves_the_counters_by_its_usage(client, drafter, services)
         before, after, "ddtree_drafter_verify_rpc_seconds_count")
     assert 0 < moved(before, after, "ddtree_drafter_link_seconds_sum") < moved(
         before, after, "ddtree_drafter_verify_rpc_seconds_sum")
+    # The bytes both ways: the replies carry the target features of every emitted token but the
+    # prefill's last (a prompt row and a path row each, hidden-size float32 context rows here).
+    down = moved(before, after, "ddtree_drafter_link_bytes_total", direction="down")
+    assert moved(before, after, "ddtree_drafter_link_bytes_total", direction="up") > 0
+    hidden = load_target_config(PAIR / "target").hidden_size
+    assert down > (out.usage.prompt_tokens + tokens - 1) * 4 * hidden
     assert value(after, "ddtree_drafter_active_sessions") == 0
     # The verifier verified every round's tree and ran the open; the closed session freed its slot.
     assert moved(verifier_before, verifier_after, "ddtree_verifier_step_batch_size_sum") == rounds

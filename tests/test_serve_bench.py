@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from bench.serve import BUDGET, COMPILE_SECONDS, COMPILES, ROUNDS, STEP_PARTS, TREES, parse_args, step_breakdown
+from bench.serve import (BUDGET, COMPILE_SECONDS, COMPILES, LINK_BYTES, ROUNDS, STEP_PARTS, TREES, parse_args,
+                         step_breakdown)
 
 
 def sample(name: str, total_s: float, count: float) -> dict[str, float]:
@@ -51,15 +52,17 @@ def test_step_breakdown_splits_the_round_trip_into_step_link_and_queue():
     step, queue = rpc - vstep - link; the sessions' rounds a second, the messages with trees and
     their mean sessions. In process (no link histogram) link, its share and queue are None."""
     before = {**sample(STEP_PARTS["rpc"], 0.0, 0), **sample(STEP_PARTS["vstep"], 0.0, 0),
-              **sample(STEP_PARTS["link"], 0.0, 0), ROUNDS: 50.0, **sample(TREES, 40.0, 5)}
+              **sample(STEP_PARTS["link"], 0.0, 0), ROUNDS: 50.0, **sample(TREES, 40.0, 5), LINK_BYTES: 1e6}
     after = {**sample(STEP_PARTS["rpc"], 1.0, 100), **sample(STEP_PARTS["vstep"], 0.6, 100),
-             **sample(STEP_PARTS["link"], 0.1, 100), ROUNDS: 850.0, **sample(TREES, 790.0, 80)}
+             **sample(STEP_PARTS["link"], 0.1, 100), ROUNDS: 850.0, **sample(TREES, 790.0, 80), LINK_BYTES: 2.5e6}
     parts = step_breakdown(before, after, wall=2.0)
     assert parts["link_ms"] == pytest.approx(1.0) and parts["queue_ms"] == pytest.approx(3.0)
     assert parts["link_share"] == pytest.approx(0.05) and parts["rounds_per_s"] == pytest.approx(400.0)
     assert parts["tree_messages"] == 75 and parts["trees_per_message"] == pytest.approx(10.0)
-    local = step_breakdown(before, {**after, **sample(STEP_PARTS["link"], 0.0, 0)}, wall=2.0)
+    assert parts["down_kb"] == pytest.approx(15.0)  # 1.5 MB over 100 replies
+    local = step_breakdown(before, {**after, **sample(STEP_PARTS["link"], 0.0, 0), LINK_BYTES: 1e6}, wall=2.0)
     assert local["link_ms"] is None and local["queue_ms"] is None and local["link_share"] is None
+    assert local["down_kb"] is None
 
 
 def test_colocate_takes_no_link_options(capsys):
