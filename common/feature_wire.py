@@ -13,6 +13,10 @@ verify step, which decides every token, runs on the target's own values. It cost
 acceptance where the draft is sensitive to 3-bit mantissas (relative error up to 2^-4 per value).
 The verifier packs on its device before the copy to the host, the drafter unpacks on its device
 after the copy from it.
+
+A drafter reads a reply's rows with a `FeatureReader` (`feature_reader`): on a GPU, all of a
+reply's rows go to the draft's device in one copy (unpacked there when packed), and the draft
+step's inputs are filled on the device.
 """
 from __future__ import annotations
 
