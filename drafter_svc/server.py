@@ -233,11 +233,12 @@ def _local_link(cfg: DrafterConfig, torch_dtype) -> tuple[LocalLink, pb.InfoResp
     steps run on the scheduler's thread, in lockstep rounds (`DrafterConfig.pipelined`)."""
     vcfg = cfg.local_verifier or local_verifier_config(cfg)
     verifier = load_verifier(vcfg)
+    link = LocalLink(verifier)  # before the Info: its features stay on the device, never packed
     info = verifier_info(verifier, vcfg)
     model = verifier.runner.model
     proposer = _load_proposer(cfg, torch_dtype, info, max(1, min(info.max_sessions, cfg.max_concurrent)),
                               (model.embed_tokens.weight, model.lm_head.weight))
-    return LocalLink(verifier), info, proposer
+    return link, info, proposer
 
 
 class DrafterEngine:

@@ -369,12 +369,14 @@ def test_pipelined_drafter_changes_no_output(qwen3_pair, client, verifier, verif
 def test_local_verifier_drafter_equals_the_services(qwen3_pair, client, verifier_stub):
     """A drafter with --verifier local (the target in its own process, linked in memory, rounds in
     lockstep) gives concurrent requests, greedy and seeded, the networked services' tokens, and
-    closes every session it opened on its verifier; it refuses --pipelining on."""
+    closes every session it opened on its verifier; it refuses --pipelining on. Its features stay
+    on the device: --feature-wire fp8 among its verifier flags packs nothing."""
     reqs = [request(PROMPTS[i % 3] + [i], n=12 + i, budget=(0, 4, 8, 16)[i % 4], temperature=(0.0, 0.9)[i % 2],
                     top_k=20, seed=70 + i) for i in range(MAX_SESSIONS)]
     alone = [run(client, r)[0] for r in reqs]
     cfg = DrafterConfig(draft_dir=str(qwen3_pair[1]), target_dir=str(qwen3_pair[0]), verifier="local",
-                        local_verifier=verifier_config(qwen3_pair), host="127.0.0.1", port=0, tree_budget=8,
+                        local_verifier=verifier_config(qwen3_pair, feature_wire="fp8"), host="127.0.0.1", port=0,
+                        tree_budget=8,
                         max_new_tokens=16)
     with pytest.raises(ValueError, match="lockstep"):
         dataclasses.replace(cfg, pipelining="on").pipelined("cpu")
@@ -382,6 +384,7 @@ def test_local_verifier_drafter_equals_the_services(qwen3_pair, client, verifier
     link = engine.scheduler.link
     assert isinstance(link, LocalLink) and not engine.scheduler.pipelined and engine.channels == []
     assert engine.info.max_sessions == MAX_SESSIONS and engine.info.feature_projection
+    assert engine.info.feature_wire == "" and link.verifier.runner.feature_wire == ""
     target = link.verifier.runner.model  # the draft shares the target's embedding and head
     assert engine.scheduler.proposer.lm_head is target.lm_head.weight
     assert engine.scheduler.proposer.embed_tokens is target.embed_tokens.weight

@@ -131,6 +131,7 @@ class TargetRunner:
         reads the features there: keep them there, and compile the kernel that places such trees
         (`ddtree_kernels.place_trees`) for every tree size now, not at a serving step."""
         self.features_on_device = True
+        self.feature_wire = MODEL_DTYPE  # nothing travels: --feature-wire has nothing to pack
         if kernel_backend(self.device) == "triton":
             warm_up_place_trees(self.device, max_nodes)
 
