@@ -2,7 +2,7 @@
 
     python bench/acceptance.py --target models/default/target --draft models/default/draft
         [--prompts 16] [--max-new-tokens 128] [--device cpu] [--temperatures 0,1]
-        [--budgets 4,8,16,32,64] [--feature-wire model|fp8] [--out-json FILE] [--out-png FILE]
+        [--budgets 4,8,16,32,64] [--projected] [--feature-wire model|fp8] [--out-json FILE] [--out-png FILE]
 
 Prompts are the beginnings (first `--prompt-tokens` tokens) of the held-out standard-library
 files that scripts/train_target.py wrote into TARGET/corpus.json (their first characters are
@@ -18,7 +18,9 @@ whose output equals AR's token for token.
 `--feature-wire fp8` sends them (`common.feature_wire`: packed, then unpacked by the drafter),
 which the in-process link otherwise hands over as they are; the acceptance it costs shows
 against a run without it. (The rounding is part of the target's forward here, inside its CUDA
-graphs on a GPU; the bundled pair's rows are its raw layer features, the draft's fc after them.)
+graphs on a GPU.) `--projected`: the target applies the draft's fc + hidden_norm and the rows are
+context rows, as the verifier service sends them given `--draft`; without it they are the raw
+layer features, the draft's fc after them (and after the rounding).
 """
 from __future__ import annotations
 
@@ -184,6 +186,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--no-ar", action="store_true", help="skip the AR baseline")
     p.add_argument("--no-chain", action="store_true", help="skip the chain")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--projected", action="store_true",
+                   help="the target projects its features (the draft's fc + hidden_norm), as the verifier service does")
     p.add_argument("--feature-wire", choices=("model", "fp8"), default="model",
                    help="the drafts read the features as a verifier with this --feature-wire sends them")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
@@ -216,7 +220,7 @@ def measure(a: argparse.Namespace, modes: list[DraftMode], budgets: list[int], t
     """Load the pair, run every mode on every prompt at every temperature, print the table."""
     engine = LocalEngine.load(a.target, a.draft, a.device, getattr(torch, a.dtype),
                               VerifierLimits(max_sessions=1, max_seq_len=a.prompt_tokens + a.max_new_tokens
-                                             + max(budgets + [16]) + 64))
+                                             + max(budgets + [16]) + 64), projected=a.projected)
     prompts = load_prompts(Path(a.target), engine.tokenizer, a.prompts, a.prompt_tokens)
     if not prompts:
         print("error: no held-out prompts found", file=sys.stderr)
@@ -230,7 +234,8 @@ def measure(a: argparse.Namespace, modes: list[DraftMode], budgets: list[int], t
     results = {f"T={t:g}": run(engine, prompts, modes, t, a.max_new_tokens, a.seed, log) for t in temps}
     print_table(results)
     return {"target": a.target, "draft": a.draft, "device": a.device, "dtype": a.dtype,
-            "threads": torch.get_num_threads(), "feature_wire": a.feature_wire, "prompts": [n for n, _ in prompts],
+            "threads": torch.get_num_threads(), "projected": a.projected, "feature_wire": a.feature_wire,
+            "prompts": [n for n, _ in prompts],
             "prompt_tokens": a.prompt_tokens, "max_new_tokens": a.max_new_tokens, "budgets": budgets,
             "wall_s": round(time.time() - t0, 1), "results": results}
 

@@ -19,6 +19,7 @@ import torch
 from common.checkpoint import load_tokenizer
 from common.cli import FlagParser, fail
 from common.config import CheckpointError, load_draft_config
+from common.feature_projection import FeatureProjection
 from common.protocol import SamplingParams, StatusError
 from drafter_svc.drafter import DFlashProposer, DraftMode
 from drafter_svc.link import LocalLink
@@ -45,16 +46,21 @@ class LocalEngine:
     @classmethod
     def load(cls, target_dir: str, draft_dir: str | None, device: str = "cpu", dtype: torch.dtype | None = None,
              limits: VerifierLimits = VerifierLimits(), cuda_graphs: bool = True,
-             sampling: str = "keyed") -> "LocalEngine":
+             sampling: str = "keyed", projected: bool = False) -> "LocalEngine":
         """`cuda_graphs` (on CUDA): replay captured graphs for the draft step and the verify step;
-        `sampling`: "keyed" (position-keyed) or "sample" (the coin walk), see `TargetRunner`."""
+        `sampling`: "keyed" (position-keyed) or "sample" (the coin walk), see `TargetRunner`;
+        `projected`: the target applies the draft's fc + hidden_norm to its features and the draft
+        takes context rows, as the verifier service does given `--draft` (default: the draft does)."""
         dtype = dtype or default_dtype(device)
         layer_ids = load_draft_config(draft_dir).target_layer_ids if draft_dir else ()
         proposer = None
         if draft_dir:
             proposer = DFlashProposer.from_pretrained(draft_dir, target_dir, device, dtype, limits.max_seq_len,
-                                                      limits.max_sessions, cuda_graphs)
+                                                      limits.max_sessions, cuda_graphs,
+                                                      projected_features=projected)
         model = TargetModel.from_pretrained(target_dir, layer_ids, device=device, dtype=dtype)
+        if projected and draft_dir:  # before the runner captures its graphs
+            model.feature_projection = FeatureProjection.from_draft(draft_dir, device, dtype)
         runner = TargetRunner(model, limits.max_sessions, limits.max_seq_len, limits.max_tree_nodes,
                               cuda_graphs=cuda_graphs, sampling=sampling)
         return cls(TreeVerifier(runner, limits), proposer, load_tokenizer(target_dir), model.cfg.eos_token_ids)

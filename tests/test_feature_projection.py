@@ -6,10 +6,14 @@ import torch
 from common.config import load_draft_config
 from common.feature_projection import FeatureProjection, projection_fingerprint
 from common.make_tiny import TinySizes, make_tiny
+from common.protocol import SamplingParams
 from drafter_svc.ddtree import build_ddtrees
-from drafter_svc.drafter import DFlashProposer
+from drafter_svc.drafter import DFlashProposer, DraftMode
+from drafter_svc.generate import LocalEngine
+from drafter_svc.scheduler import GenerationConfig
 from verifier_svc.target_model import TargetModel
 from verifier_svc.target_runner import TargetRunner
+from verifier_svc.tree_verifier import VerifierLimits
 
 
 def _features(pair, projected: bool, prompts):
@@ -57,6 +61,19 @@ def test_drafter_trees_are_the_same_either_way(qwen3_pair):
                 assert a.num_nodes == budget + 1
                 for x, y in ((a.tokens, b.tokens), (a.next_token, b.next_token), (a.next_sibling, b.next_sibling)):
                     assert torch.equal(x, y)
+
+
+def test_a_projecting_local_engine_generates_as_the_plain_one(qwen3_pair):
+    """`LocalEngine.load(projected=True)` (the target projects, as the verifier service does given
+    --draft): greedy and seeded outputs and their rounds equal the engine whose draft projects."""
+    engines = [LocalEngine.load(str(qwen3_pair[0]), str(qwen3_pair[1]), projected=p,
+                                limits=VerifierLimits(max_sessions=2, max_seq_len=128)) for p in (False, True)]
+    assert engines[1].verifier.runner.model.feature_projection is not None and engines[1].proposer.projected
+    for prompt, sampling in (([5, 17, 42, 99, 3], SamplingParams()),
+                             (list(range(60, 90)), SamplingParams(0.9, 20, 1.0, 3))):
+        config = GenerationConfig(max_new_tokens=20, sampling=sampling, mode=DraftMode("tree", 8))
+        plain, projected = (e.generate(prompt, config) for e in engines)
+        assert projected.tokens == plain.tokens and projected.acceptance_lengths == plain.acceptance_lengths
 
 
 def test_fingerprint_is_dtype_independent_and_tells_drafts_apart(qwen3_pair, tmp_path, tiny_tokenizer):
