@@ -39,7 +39,7 @@ from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 
-from common.feature_wire import FP8_DTYPE, SCALE_BYTES, pack_rows  # noqa: E402
+from common.feature_wire import dequantize, pack_rows  # noqa: E402
 from common.protocol import SamplingParams  # noqa: E402
 from drafter_svc.drafter import DraftMode  # noqa: E402
 from drafter_svc.generate import LocalEngine  # noqa: E402
@@ -75,9 +75,7 @@ def load_prompts(target_dir: Path, tokenizer, n: int, prompt_tokens: int) -> lis
 def as_sent(features: torch.Tensor) -> torch.Tensor:
     """`features` as the drafter's `unpack_rows` gives them back from `pack_rows` (without its
     check of the scales, a host read that a CUDA graph cannot hold)."""
-    packed = pack_rows(features)
-    values = packed[..., :-SCALE_BYTES].view(FP8_DTYPE).float() * packed[..., -SCALE_BYTES:].view(torch.float32)
-    return values.to(features.dtype)
+    return dequantize(pack_rows(features), features.dtype)
 
 
 @contextlib.contextmanager

@@ -37,7 +37,7 @@ import torch
 
 from bench.bench_timing import write_json
 from bench.transport import gpu_drafter_reader, random_tree
-from common.feature_wire import SCALE_BYTES, pack_rows
+from common.feature_wire import FORMATS, pack_rows, wire_rows
 from common.protocol import StepResult, TreeEntry, Verified
 from common.rpc import decode_message, pb
 from common.tree import TreeLayout, ancestor_masks, walk_trees
@@ -82,7 +82,7 @@ def main(argv=None) -> dict:
     for batch in batches:
         features = torch.randn(batch * a.rows, a.width, generator=torch.Generator().manual_seed(batch)).to(torch.bfloat16)
         sent = pack_rows(features) if packed else features
-        width, dtype = (a.width + SCALE_BYTES, torch.uint8) if packed else (a.width, torch.bfloat16)
+        width, dtype = wire_rows(a.width, FORMATS[a.feature_wire], torch.bfloat16)
         results = [StepResult(s, Verified([1] * (a.rows - 1), 2, sent[s * a.rows:(s + 1) * a.rows], 3))
                    for s in range(batch)]
         data = encode_link_response(1, results, width, dtype).data

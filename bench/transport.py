@@ -70,7 +70,7 @@ from opentelemetry import trace as otel_trace
 
 from bench.bench_timing import write_json
 from common.config import load_target_config
-from common.feature_wire import FORMATS, FeatureReader, feature_reader, row_bytes, scales_of
+from common.feature_wire import FORMATS, FeatureReader, check_packed, feature_reader, wire_rows
 from common.protocol import CloseEntry, OpenEntry, Prefilled, SamplingParams, TreeEntry, Verified
 from common.rpc import CHANNEL_OPTIONS
 from common.tracing import traceparent_of
@@ -136,7 +136,7 @@ def _verifier_process(port_out, rows: int, trace: bool, sessions: int, seq_len: 
     runner = verifier.runner
     # Packed rows (--feature-wire fp8): packed once here; a GPU verifier packs them on its device.
     runner.feature_wire = FORMATS[feature_wire]
-    width, packed = row_bytes(FEATURE_DIM, runner.feature_wire)
+    width, dtype = wire_rows(FEATURE_DIM, runner.feature_wire, torch.bfloat16)
     features = runner.features_for_host(torch.zeros(sessions * rows, FEATURE_DIM, dtype=torch.bfloat16))
     path = list(range(rows))  # root + rows - 1 "accepted" nodes: rows feature rows per session
     real_prefill = runner.prefill
@@ -160,7 +160,6 @@ def _verifier_process(port_out, rows: int, trace: bool, sessions: int, seq_len: 
     runner.launch_verify, runner.finish_verify = launch_verify, finish_verify
     # Replies and notices without rows (a close-only message, first tokens ahead of their prompt's
     # features) carry an empty tensor of the features' width.
-    dtype = packed or torch.bfloat16
     verifier_svc.scheduler.encode_link_response = (
         lambda step, results, feature_dim, _, step_s=0.0, **kw: encode_link_response(
             step, results, width, dtype, step_s, **kw))
@@ -321,8 +320,8 @@ def _host_part(rows: torch.Tensor, packed: bool) -> torch.Tensor:
     copy to the device; the rest (the copy, the unpack) runs on the device. The rows come back
     as they were sent (the benchmarks read only their count)."""
     global _staging
-    if packed and not bool(torch.isfinite(scales_of(rows)).all()):
-        raise ValueError("a packed feature row's scale is not finite")
+    if packed:
+        check_packed(rows)
     flat = rows.reshape(-1).view(torch.uint8)
     if _staging.numel() < flat.numel():
         _staging = torch.empty(flat.numel(), dtype=torch.uint8)
@@ -377,6 +376,7 @@ def time_link(port: int, tree: DraftTree, batch: int, rounds: int, trace: bool, 
             _check(results, Verified)
             rows = sum(res.outcome.features.shape[0] for res in results)
     window = (window_start, time.monotonic_ns())
+    width, dtype = wire_rows(FEATURE_DIM, FORMATS[feature_wire], torch.bfloat16)
     link.step([CloseEntry(sid) for sid in sids])
     for span in requests.values():
         span.end()
@@ -388,8 +388,7 @@ def time_link(port: int, tree: DraftTree, batch: int, rounds: int, trace: bool, 
             "wire_median_ms": statistics.median(warm_wire),
             "held_median_ms": statistics.median(t - w for t, w in zip(warm, warm_wire)),
             "request_bytes": int(statistics.median(up)), "reply_bytes": int(statistics.median(down)),
-            "feature_rows": rows, "feature_bytes": rows * row_bytes(FEATURE_DIM, FORMATS[feature_wire])[0]
-            * (1 if feature_wire == "fp8" else 2), "window_ns": window}
+            "feature_rows": rows, "feature_bytes": rows * width * dtype.itemsize, "window_ns": window}
 
 
 def time_echo(port: int, request_bytes: int, reply_bytes: int, rounds: int, gap_s: float) -> dict:

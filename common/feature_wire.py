@@ -38,10 +38,10 @@ FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448
 SCALE_BYTES = 4  # the row's float32 scale
 
 
-def row_bytes(feature_dim: int, wire: str) -> tuple[int, torch.dtype | None]:
-    """(width, dtype) of a feature row on the wire: (F, None: a float dtype) unpacked, else
-    (F + SCALE_BYTES, uint8)."""
-    return (feature_dim, None) if wire == MODEL_DTYPE else (feature_dim + SCALE_BYTES, torch.uint8)
+def wire_rows(feature_dim: int, wire: str, dtype: torch.dtype) -> tuple[int, torch.dtype]:
+    """(width, dtype) of a feature row on the wire, for rows of `feature_dim` values in `dtype`:
+    as they are, or packed, (F + SCALE_BYTES, uint8)."""
+    return (feature_dim, dtype) if wire == MODEL_DTYPE else (feature_dim + SCALE_BYTES, torch.uint8)
 
 
 def pack_rows(x: Tensor) -> Tensor:
@@ -65,21 +65,32 @@ def scales_of(packed: Tensor) -> Tensor:
     return packed[:, -SCALE_BYTES:].contiguous().view(torch.float32).reshape(-1)
 
 
-def unpack_rows(packed: Tensor, device: torch.device | str, dtype: torch.dtype) -> Tensor:
-    """Packed rows [rows, F + SCALE_BYTES] (uint8, on the host: wire data) as [rows, F] of `dtype`
-    on `device`. Raises ValueError when a scale is not a finite number >= 0 (fp8 values are
-    finite or NaN; a NaN value stays a NaN, as it would in the model's dtype)."""
-    if packed.dtype != torch.uint8 or packed.dim() != 2 or packed.shape[1] <= SCALE_BYTES:
-        raise ValueError(f"packed feature rows must be uint8 [rows, F + {SCALE_BYTES}], got {packed.dtype} "
-                         f"{list(packed.shape)}")
+def check_packed(packed: Tensor) -> None:
+    """Raise ValueError unless `packed` (wire data, on the host) is uint8 [rows, F + SCALE_BYTES]
+    with F a multiple of 4 and every scale a finite number >= 0. (fp8 values are finite or NaN;
+    a NaN value stays a NaN, as it would in the model's dtype.)"""
+    if packed.dtype != torch.uint8 or packed.dim() != 2 or packed.shape[1] <= SCALE_BYTES \
+            or packed.shape[1] % SCALE_BYTES:
+        raise ValueError(f"packed feature rows must be uint8 [rows, F + {SCALE_BYTES}] with F a multiple of "
+                         f"{SCALE_BYTES}, got {packed.dtype} {list(packed.shape)}")
     scales = scales_of(packed)
     if not bool(torch.isfinite(scales).all()) or bool((scales < 0).any()):
         raise ValueError("a packed feature row's scale is not a finite number >= 0")
-    if packed.shape[0] == 0:
-        return torch.empty(0, packed.shape[1] - SCALE_BYTES, dtype=dtype, device=device)
-    on_device = to_device(packed, device)
-    values = on_device[:, :-SCALE_BYTES].view(FP8_DTYPE).to(torch.float32)
-    return (values * to_device(scales, device)[:, None]).to(dtype)
+
+
+def dequantize(packed: Tensor, dtype: torch.dtype) -> Tensor:
+    """Packed rows [..., F + SCALE_BYTES] as [..., F] of `dtype`, where they are, unchecked: each
+    value times its row's scale."""
+    values = packed[..., :-SCALE_BYTES].view(FP8_DTYPE).to(torch.float32)
+    scales = packed[..., -SCALE_BYTES:].contiguous().view(torch.float32)  # aligned, wherever the rows lie
+    return (values * scales).to(dtype)
+
+
+def unpack_rows(packed: Tensor, device: torch.device | str, dtype: torch.dtype) -> Tensor:
+    """Packed rows [rows, F + SCALE_BYTES] (wire data, on the host) as [rows, F] of `dtype` on
+    `device`: checked (`check_packed`, ValueError), copied over in one go, dequantized there."""
+    check_packed(packed)
+    return dequantize(to_device(packed, device), dtype)
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ import torch
 
 from common.config import load_draft_config
 from common.feature_wire import (FP8, FP8_MAX, MODEL_DTYPE, SCALE_BYTES, FeatureReader, feature_reader, pack_rows,
-                                 row_bytes, scales_of, unpack_rows)
+                                 scales_of, unpack_rows, wire_rows)
 from common.protocol import Extended, ExtendEntry, OpenEntry, Prefilled, SamplingParams, StepResult, TreeEntry, Verified
 from common.rpc import pb
 from common.tree import DraftTree
@@ -44,7 +44,7 @@ def reference_unpack(packed: torch.Tensor) -> torch.Tensor:
 def test_packed_rows_round_trip_within_fp8_rounding(dtype, seed):
     x = random_rows(12, seed, dtype if dtype != torch.float16 else torch.float32).to(dtype)
     packed = pack_rows(x)
-    assert packed.dtype == torch.uint8 and packed.shape == (12, F + SCALE_BYTES) == (12, row_bytes(F, "fp8")[0])
+    assert packed.dtype == torch.uint8 and packed.shape == (12, F + SCALE_BYTES) == (12, wire_rows(F, FP8, torch.float32)[0])
     scales = scales_of(packed)
     amax = x.float().abs().amax(-1)
     assert torch.allclose(scales, amax / FP8_MAX) and scales[0] == 0
@@ -77,6 +77,12 @@ def test_a_bad_scale_is_refused(scale):
     packed[2, -SCALE_BYTES:] = torch.tensor(list(struct.pack("<f", scale)), dtype=torch.uint8)
     with pytest.raises(ValueError, match="scale"):
         unpack_rows(packed, "cpu", torch.float32)
+
+
+def test_packed_rows_of_a_width_that_is_not_a_multiple_of_4_are_refused():
+    packed = pack_rows(random_rows(4, 3))
+    with pytest.raises(ValueError, match="multiple of 4"):  # their scales would not lie aligned
+        unpack_rows(packed[:, 2:].contiguous(), "cpu", torch.float32)
 
 
 def _reply(rows: torch.Tensor, width: int, dtype: torch.dtype) -> pb.LinkResponse:

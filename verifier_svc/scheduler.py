@@ -39,7 +39,7 @@ import torch
 from opentelemetry import trace
 
 from common import metrics
-from common.feature_wire import row_bytes
+from common.feature_wire import wire_rows
 from common.protocol import CloseEntry, Entry, ExtendEntry, OpenEntry, StatusError, StepResult, TreeEntry, Verified
 from common.tracing import context_from_traceparent, tracer
 from common.wire import EncodedReply, encode_link_notice, encode_link_response
@@ -200,8 +200,8 @@ class ModelWorker:
         self.verifier = verifier
         model = verifier.runner.model
         # The width and dtype of the feature rows its replies carry (packed ones under --feature-wire fp8).
-        self.feature_dim, packed = row_bytes(model.feature_dim, verifier.runner.feature_wire)
-        self.dtype = packed or model.embed_tokens.weight.dtype
+        self.feature_dim, self.dtype = wire_rows(model.feature_dim, verifier.runner.feature_wire,
+                                                 model.embed_tokens.weight.dtype)
         self.overlap = verifier.runner.device.type == "cuda" if overlap is None else overlap
         self._queue: queue.SimpleQueue[LinkStep | _Close | None] = queue.SimpleQueue()
         self._lock = threading.Lock()  # orders submit() against stop()
