@@ -51,7 +51,9 @@ def pack_rows(x: Tensor) -> Tensor:
         raise ValueError(f"feature rows of {x.shape[-1]} values cannot be packed (a multiple of 4 is needed)")
     width = x.shape[-1]
     x = x.float()
-    scale = (x.abs().amax(dim=-1, keepdim=True) if width else x.new_zeros(*x.shape[:-1], 1)) / FP8_MAX
+    # Times the reciprocal, not divided by 448: a GPU divides a tensor by a number that way, and
+    # the scale, so every byte, must not depend on the device that packs.
+    scale = (x.abs().amax(dim=-1, keepdim=True) if width else x.new_zeros(*x.shape[:-1], 1)) * (1.0 / FP8_MAX)
     # The clamp keeps a rounding of amax / scale past 448 finite (fp8 e4m3fn has no infinity).
     q = (x / scale.clamp_min(torch.finfo(torch.float32).tiny)).clamp_(-FP8_MAX, FP8_MAX)
     packed = torch.empty(*x.shape[:-1], width + SCALE_BYTES, dtype=torch.uint8, device=x.device)
