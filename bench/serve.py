@@ -49,7 +49,9 @@ Reported per (setting, N): completion tokens/s over all clients (tokens / wall t
 (mean of the responses' `Stats.mean_acceptance`; `tau_rounds` in the JSON = emitted tokens /
 rounds), time to first token (request sent -> first token arrives, client side) p50 / p99,
 inter-token latency p50 / p99 (per streamed delta after a request's first: the time since the
-previous delta / the tokens it carries, one sample per token, pooled over clients), the
+previous delta / the tokens it carries, one sample per token, pooled over clients), a
+request's whole latency p50 / p99 (sent -> its stream ends; a change that brings the first
+token sooner but the next ones later shows here), the
 speed-up over AR at the same N, and `==AR`: the fraction of requests whose tokens equal the AR
 tokens of the same prompt. Greedy decoding is lossless, so that is 1.0 up to rounding: in
 bfloat16 the batch and tree shapes of the two runs round differently and near-ties flip
@@ -722,6 +724,7 @@ def summarise(mode: str, setting: Setting | None, n: int, timed: list[Request], 
     tokens = sum(len(r.tokens) for r in ok)
     ttft = [r.ttft_s for r in ok if r.ttft_s is not None]
     itl = [x for r in ok for x in r.itl_s]
+    latency = [r.elapsed_s for r in ok]
     rounds = sum(r.rounds for r in ok)
     row = {
         "mode": mode, "setting": setting.name if setting else "ar",
@@ -733,6 +736,7 @@ def summarise(mode: str, setting: Setting | None, n: int, timed: list[Request], 
         "tau_rounds": sum(sum(r.acceptance_lengths) for r in ok) / rounds if rounds else None,
         "ttft_p50_ms": ms(percentile(ttft, 50)), "ttft_p99_ms": ms(percentile(ttft, 99)),
         "itl_p50_ms": ms(percentile(itl, 50)), "itl_p99_ms": ms(percentile(itl, 99)),
+        "latency_p50_ms": ms(percentile(latency, 50)), "latency_p99_ms": ms(percentile(latency, 99)),
         "finish_reasons": {k: sum(r.finish_reason == k for r in ok) for k in sorted({r.finish_reason for r in ok})},
         "equals_ar": None,
     }
@@ -785,11 +789,13 @@ def print_table(result: dict) -> None:
           + (f"link delayed {o['delay_ms']:g} ms each way" if o.get("delay_ms") else "direct link"))
     print("tok/s = all completion tokens / wall time of the N's run; tau = mean Stats.mean_acceptance; "
           "TTFT = request sent -> first token (client); ITL = per streamed delta: gap since the previous "
-          "delta / its tokens, one sample per token; ==AR = fraction of requests with the AR tokens; v-busy = "
+          "delta / its tokens, one sample per token; lat = request sent -> its last token (client); "
+          "==AR = fraction of requests with the AR tokens; v-busy = "
           "share of the wall time the verifier spent in its model steps (InfoResponse.busy_s); conc/seq "
           "(--sequential) = wall time of the N concurrent clients / the same requests one after another")
     head = [("setting", 16), ("mode", 5), ("N", 4), ("reqs", 5), ("err", 4), ("tokens", 7), ("tok/s", 9),
-            ("vs AR", 6), ("tau", 5), ("ttft50", 8), ("ttft99", 8), ("itl50", 7), ("itl99", 7), ("==AR", 5),
+            ("vs AR", 6), ("tau", 5), ("ttft50", 8), ("ttft99", 8), ("itl50", 7), ("itl99", 7), ("lat50", 8),
+            ("lat99", 8), ("==AR", 5),
             ("v-busy", 6), ("conc/seq", 8)]
     print(" ".join(f"{h:>{w}}" for h, w in head) + "   (latencies in ms)")
     for r in result["runs"]:
@@ -797,7 +803,7 @@ def print_table(result: dict) -> None:
                  _cell(r["errors"], 4), _cell(r["completion_tokens"], 7), _cell(r["tokens_per_s"], 9),
                  _cell(r.get("speedup_vs_ar"), 6, 2), _cell(r["tau"], 5, 2), _cell(r["ttft_p50_ms"], 8),
                  _cell(r["ttft_p99_ms"], 8), _cell(r["itl_p50_ms"], 7, 2), _cell(r["itl_p99_ms"], 7, 2),
-                 _cell(r["equals_ar"], 5, 2), _cell(r.get("verifier_busy"), 6, 2),
+                 _cell(r.get("latency_p50_ms"), 8), _cell(r.get("latency_p99_ms"), 8), _cell(r["equals_ar"], 5, 2), _cell(r.get("verifier_busy"), 6, 2),
                  _cell(r.get("concurrent_over_sequential"), 8, 2)]
         print(" ".join(cells))
     print("\nstep breakdown of the timed runs, ms per link message (each part's total / the messages; both "

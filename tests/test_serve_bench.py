@@ -1,10 +1,10 @@
-"""bench/serve.py's own logic: the step breakdown from scraped histograms, and --colocate's checks."""
+"""bench/serve.py's own logic: the step breakdown from scraped histograms, the latencies, and --colocate's checks."""
 from __future__ import annotations
 
 import pytest
 
-from bench.serve import (BUDGET, COMPILE_SECONDS, COMPILES, LINK_BYTES, ROUNDS, STEP_PARTS, TREES, parse_args,
-                         step_breakdown)
+from bench.serve import (BUDGET, COMPILE_SECONDS, COMPILES, LINK_BYTES, ROUNDS, STEP_PARTS, TREES, Request,
+                         parse_args, print_table, step_breakdown, summarise)
 
 
 def sample(name: str, total_s: float, count: float) -> dict[str, float]:
@@ -102,3 +102,21 @@ def test_repeats_must_be_positive(capsys):
     with pytest.raises(SystemExit):
         parse_args(["--small", "--quick", "--repeats", "0"])
     assert "--repeats" in capsys.readouterr().err
+
+
+def test_a_requests_whole_latency_is_summarised_beside_its_first_token(capsys):
+    # Request 1's first token comes soonest but its stream ends last: the TTFT and the latency disagree.
+    timed = [Request([1], tokens=[5] * 4, ttft_s=0.010, itl_s=[0.050] * 3, elapsed_s=0.160),
+             Request([2], tokens=[5] * 4, ttft_s=0.030, itl_s=[0.010] * 3, elapsed_s=0.060),
+             Request([3], tokens=[5] * 4, ttft_s=0.020, itl_s=[0.020] * 3, elapsed_s=0.080),
+             Request([4], error="UNAVAILABLE: gone", elapsed_s=9.0)]  # a failed request counts in neither
+    row = summarise("tree", None, 3, timed, wall=0.2, reference=None)
+    assert row["ttft_p50_ms"] == pytest.approx(20.0) and row["latency_p50_ms"] == pytest.approx(80.0)
+    assert row["latency_p99_ms"] == pytest.approx(80.0 + (160.0 - 80.0) * 0.98)
+    print_table({"setup": "s", "device": "cpu", "torch": "t", "runs": [row], "breakdowns": [],
+                 "options": {"dtype": "float32", "prompt_len": 1, "max_new_tokens": 4, "tree_budget": 15,
+                             "requests_per_client": 1}})
+    lines = [line.split() for line in capsys.readouterr().out.splitlines()]
+    header = next(words for words in lines if words[:1] == ["setting"])
+    cells = next(words for words in lines if words[1:2] == ["tree"])
+    assert {"lat50", "lat99"} <= set(header) and {"80.0", "158.4"} <= set(cells)
