@@ -39,7 +39,7 @@ from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 
-from common.feature_wire import dequantize, pack_rows  # noqa: E402
+from common.feature_wire import FORMATS, dequantize, pack_rows  # noqa: E402
 from common.protocol import SamplingParams  # noqa: E402
 from drafter_svc.drafter import DraftMode  # noqa: E402
 from drafter_svc.generate import LocalEngine  # noqa: E402
@@ -186,7 +186,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--projected", action="store_true",
                    help="the target projects its features (the draft's fc + hidden_norm), as the verifier service does")
-    p.add_argument("--feature-wire", choices=("model", "fp8"), default="model",
+    p.add_argument("--feature-wire", choices=tuple(FORMATS), default="model",
                    help="the drafts read the features as a verifier with this --feature-wire sends them")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
     p.add_argument("--out-json", default=None)

@@ -66,7 +66,7 @@ def main(argv=None) -> dict:
     p.add_argument("--nodes", type=int, default=16, help="tree nodes per session in the request, root included "
                    "(default 16)")
     p.add_argument("--reps", type=int, default=300, help="timed calls per case (default 300)")
-    p.add_argument("--feature-wire", choices=("model", "fp8"), default="model",
+    p.add_argument("--feature-wire", choices=tuple(FORMATS), default="model",
                    help="feature rows in bf16, or packed as the verifier's --feature-wire fp8 sends them")
     p.add_argument("--out-json", help="write the results here")
     a = p.parse_args(argv)
