@@ -20,15 +20,31 @@ def env_flag(text: str) -> bool:
 
 class FlagParser(argparse.ArgumentParser):
     """argparse with one-line errors, and flags that fall back to an environment variable
-    and then to a default (given by the caller from its config dataclass)."""
+    and then to a default (given by the caller from its config dataclass).
+
+    A value from the environment passes the same checks as one on the command line: its `type`
+    (argparse applies it to string defaults) and its `choices` (which argparse skips for
+    defaults; `parse_known_args` checks them, naming the variable)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._envs: dict[str, str] = {}  # dest -> the environment variable a flag falls back to
+        self._raw: set[str] = set()  # flags whose next word is their value even when it begins with "-"
 
     def error(self, message: str) -> NoReturn:
         fail(message)
 
-    def flag(self, name: str, *, env: str, default=None, help: str, type=str, **kwargs) -> None:
-        # argparse applies `type` to string defaults, so a bad environment value fails like a bad flag.
-        self.add_argument(name, type=type, default=os.environ.get(env, default), help=f"{help} [env {env}]",
-                          **kwargs)
+    def flag(self, name: str, *, env: str, default=None, help: str, type=str, raw: bool = False, **kwargs) -> None:
+        """`raw`: the word after the flag is its value even when it begins with "-" (a value that
+        is itself a flag, e.g. --local-verifier-flags --deterministic)."""
+        if isinstance(default, (tuple, list)) and type is not str:  # shown and parsed as written: 1,2,4
+            default = ",".join(str(v) for v in default)
+        action = self.add_argument(name, type=type, default=os.environ.get(env, default), help=f"{help} [env {env}]",
+                                   **kwargs)
+        if env in os.environ:
+            self._envs[action.dest] = env
+        if raw:
+            self._raw.add(name)
 
     def switch(self, name: str, *, env: str, default: bool = False, help: str, negatable: bool = False) -> None:
         """An on/off flag whose environment variable takes 1/true/yes/on; `negatable` adds its
@@ -36,3 +52,20 @@ class FlagParser(argparse.ArgumentParser):
         action = argparse.BooleanOptionalAction if negatable else "store_true"
         self.add_argument(name, action=action, default=env_flag(os.environ.get(env, default)),
                           help=f"{help} [env {env}]")
+
+    def parse_known_args(self, args=None, namespace=None):
+        args = list(sys.argv[1:] if args is None else args)
+        for i in range(len(args) - 2, -1, -1):
+            if args[i] in self._raw:
+                args[i: i + 2] = [f"{args[i]}={args[i + 1]}"]
+        ns, rest = super().parse_known_args(args, namespace)
+        for action in self._actions:
+            value = getattr(ns, action.dest, None)
+            if action.choices is None or value is None or value in action.choices:
+                continue
+            # Only a default escapes argparse's check: the value comes from the environment.
+            env = self._envs.get(action.dest)
+            given = f"{env}={os.environ[env]!r}" if env else f"default {action.default!r}"
+            self.error(f"{given}: invalid choice for {action.option_strings[0]} "
+                       f"(choose from {', '.join(map(str, action.choices))})")
+        return ns, rest

@@ -23,6 +23,7 @@ from common import compiles
 from common.auth import ApiKeyError, check_api_key, read_api_key
 from common.cli import FlagParser, fail
 from common.config import CheckpointError
+from common.devices import parse_device
 from common.heap import freeze_startup_heap
 from common.logs import add_logging_flags, setup_logging
 from common.protocol import StatusError
@@ -47,7 +48,7 @@ def parse_args(argv=None) -> DrafterConfig:
                 "load the target in this process, on --device, linked in memory (one GPU for both models: one "
                 "CUDA context instead of two time-slicing the GPU, no gRPC; rounds in lockstep) "
                 f"(default {d.verifier})")
-    p.flag("--local-verifier-flags", env="DRAFTER_LOCAL_VERIFIER_FLAGS", default="",
+    p.flag("--local-verifier-flags", env="DRAFTER_LOCAL_VERIFIER_FLAGS", default="", raw=True,
            help="with --verifier local: the in-process verifier's settings, as `python -m verifier_svc` flags in one "
                 "string, e.g. '--max-seq-len 4096 --graph-batches 1,8,32' (their VERIFIER_* environment fallbacks "
                 "apply too); --target, --draft, --device, --dtype and --max-sessions default to this drafter's "
@@ -159,8 +160,13 @@ def parse_args(argv=None) -> DrafterConfig:
         fail("--tree-budget must be >= 0, --max-new-tokens and --max-concurrent >= 1")
     if a.max_message_mb < 1 or a.max_prompt_bytes < 1:
         fail("--max-message-mb and --max-prompt-bytes must be >= 1")
-    if not 0 <= a.http_port <= 65535:
-        fail(f"--http-port must be in [0, 65535], got {a.http_port}")
+    for name, port in (("--port", a.port), ("--http-port", a.http_port)):
+        if not 0 <= port <= 65535:
+            fail(f"{name} must be in [0, 65535], got {port}")
+    try:
+        parse_device(a.device)
+    except ValueError as exc:
+        fail(f"--device: {exc}")
     if a.local_verifier_flags and a.verifier != LOCAL:
         fail("--local-verifier-flags is for --verifier local")
     if a.verifier == LOCAL and a.pipelining == "on":

@@ -188,3 +188,86 @@ def test_our_packages_shadow_no_installed_distribution():
     for name in ours:
         others = {d for d in providers.get(name, []) if d != config["project"]["name"]}
         assert not others, f"package {name!r} is also installed by {sorted(others)}"
+
+
+@pytest.mark.parametrize("service, env, value, needle", [
+    ("verifier_svc", "VERIFIER_LOG_LEVEL", "bogus", "VERIFIER_LOG_LEVEL='bogus': invalid choice for --log-level"),
+    ("verifier_svc", "VERIFIER_LOG_FORMAT", "xml", "VERIFIER_LOG_FORMAT='xml': invalid choice for --log-format"),
+    ("verifier_svc", "VERIFIER_SAMPLING", "exact", "invalid choice for --sampling"),
+    ("drafter_svc", "DRAFTER_LOG_LEVEL", "loud", "DRAFTER_LOG_LEVEL='loud': invalid choice for --log-level"),
+    ("drafter_svc", "DRAFTER_DTYPE", "bogus", "DRAFTER_DTYPE='bogus': invalid choice for --dtype"),
+    ("drafter_svc", "DRAFTER_PIPELINING", "maybe", "invalid choice for --pipelining"),
+])
+def test_environment_values_pass_the_flags_choices(capsys, monkeypatch, service, env, value, needle):
+    """argparse checks a flag's choices on the command line only; a value from the environment
+    (a default to argparse) is checked too, and its error names the variable."""
+    import drafter_svc.__main__ as drafter_cli
+    import verifier_svc.__main__ as verifier_cli
+
+    monkeypatch.setenv(env, value)
+    with pytest.raises(SystemExit) as caught:
+        if service == "drafter_svc":
+            drafter_cli.parse_args(["--draft", "d", "--target", "t"])
+        else:
+            verifier_cli.parse_config(["--target", "t", "--device", "cpu"])
+    err = capsys.readouterr().err
+    assert caught.value.code != 0 and needle in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_environment_values_in_the_choices_are_taken(monkeypatch):
+    import drafter_svc.__main__ as drafter_cli
+    import verifier_svc.__main__ as verifier_cli
+
+    monkeypatch.setenv("VERIFIER_LOG_LEVEL", "debug")  # the flag's type (upper-casing) applies as on the command line
+    monkeypatch.setenv("DRAFTER_LOG_FORMAT", "JSON")
+    assert verifier_cli.parse_config(["--target", "t", "--device", "cpu"]).log_level == "DEBUG"
+    flags = ["--target", "t", "--device", "cpu", "--log-level", "warning"]
+    assert verifier_cli.parse_config(flags).log_level == "WARNING"
+    assert drafter_cli.parse_args(["--draft", "d", "--target", "t"]).log_format == "json"
+
+
+@pytest.mark.parametrize("service, args, needle", [
+    ("drafter", ["--port", "99999"], "--port must be in [0, 65535], got 99999"),  # it used to wrap around
+    ("drafter", ["--port", "-1"], "--port must be in [0, 65535], got -1"),
+    ("drafter", ["--device", "bogus"], "--device: bad device 'bogus'"),
+    ("drafter", ["--device", "cuda:99"], "--device: device 'cuda:99' asked for"),
+    ("verifier", ["--grace", "-5"], "grace_s must be >= 0, got -5.0"),
+    ("verifier", ["--graph-batches", "0"], "batch_buckets must be non-empty and >= 1"),  # graphs or not
+    ("verifier", ["--graph-trees", "0,-3"], "tree_buckets must be non-empty and >= 0"),
+    ("verifier", ["--device", "cuda:99"], "device 'cuda:99' asked for"),
+])
+def test_services_refuse_bad_ports_devices_grace_and_graph_buckets(capsys, service, args, needle):
+    """One line, before anything loads, on every machine (CUDA graphs or not)."""
+    import drafter_svc.__main__ as drafter_cli
+    import verifier_svc.__main__ as verifier_cli
+
+    with pytest.raises(SystemExit) as caught:
+        if service == "drafter":
+            drafter_cli.parse_args(["--draft", "d", "--target", "t", *args])
+        else:
+            verifier_cli.parse_config(["--target", "t", *args])
+    err = capsys.readouterr().err
+    assert caught.value.code != 0 and needle in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_list_defaults_show_and_parse_as_written(capsys):
+    """A list flag's default appears in --help as it is typed (1,2,4), and parses back to itself."""
+    import verifier_svc.__main__ as verifier_cli
+    from verifier_svc.server import VerifierConfig
+
+    with pytest.raises(SystemExit):
+        verifier_cli.parse_config(["--help"])
+    out = capsys.readouterr().out
+    assert "(default: " + ",".join(map(str, VerifierConfig.graph_batches)) + ")" in " ".join(out.split())
+    assert verifier_cli.parse_config(["--target", "t", "--device", "cpu"]).graph_batches == VerifierConfig.graph_batches
+
+
+def test_a_single_local_verifier_flag_needs_no_quoting_trick(qwen3_pair):
+    """--local-verifier-flags --deterministic: the word after it is its value, though it begins with '-'."""
+    import drafter_svc.__main__ as drafter_cli
+
+    target, draft = map(str, qwen3_pair)
+    base = ["--draft", draft, "--target", target, "--device", "cpu", "--verifier", "local"]
+    assert drafter_cli.parse_args(base + ["--local-verifier-flags", "--deterministic"]).local_verifier.deterministic
+    assert drafter_cli.parse_args(base + ["--local-verifier-flags", "--max-seq-len 256",
+                                          "--max-concurrent", "3"]).local_verifier.max_seq_len == 256

@@ -171,7 +171,7 @@ async def run(config: VerifierConfig, verifier: TreeVerifier) -> str | None:
     compiles.serving()
     print(f"verifier listening on {config.host}:{port}{served}", flush=True)
     await stop.wait()
-    logging.getLogger(__name__).info("shutting down (grace %g s)", config.grace_s)
+    logging.getLogger("verifier_svc").info("shutting down (grace %g s)", config.grace_s)
     await server.stop(config.grace_s)
     return None
 

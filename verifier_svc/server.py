@@ -26,7 +26,7 @@ from grpc_health.v1.health import aio as health_aio
 
 from common import metrics
 from common.config import CheckpointError, load_target_config
-from common.devices import device_id
+from common.devices import device_id, parse_device
 from common.feature_projection import FeatureProjection
 from common.feature_wire import FORMATS, FP8, SCALE_BYTES
 from common.grpc_server import MIB, start_grpc_server
@@ -117,6 +117,9 @@ class VerifierConfig:
         for name in ("idle_timeout_s", "open_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if not self.grace_s >= 0:
+            raise ValueError(f"grace_s must be >= 0, got {self.grace_s}")
+        self.graph_config().check()  # checked where graphs are off too: the same flags fail on every machine
         if self.max_message_mb < 0:
             raise ValueError(f"max_message_mb must be >= 0 (0 = what the limits need), got {self.max_message_mb}")
         if 0 < self.max_message_mb < _whole_mib(self.link_message_bytes()):
@@ -137,23 +140,18 @@ class VerifierConfig:
             raise ValueError(f"sampling must be keyed or coins, got {self.sampling!r}")
         if self.tensor_parallel < 1:
             raise ValueError(f"tensor_parallel must be >= 1, got {self.tensor_parallel}")
-        if self.tensor_parallel > 1 and self.torch_device().type == "cuda":
-            last = (self.torch_device().index or 0) + self.tensor_parallel - 1
+        device = self.torch_device()  # ValueError: malformed, or a GPU this machine lacks
+        if self.tensor_parallel > 1 and device.type == "cuda":
+            last = (device.index or 0) + self.tensor_parallel - 1
             if last >= torch.cuda.device_count():
                 raise ValueError(f"tensor_parallel {self.tensor_parallel} from {self.device} needs cuda:{last}, "
                                  f"but {torch.cuda.device_count()} GPUs are visible")
         if any(i < 0 for i in self.feature_layer_ids):
             raise ValueError(f"feature layer ids must be >= 0, got {list(self.feature_layer_ids)}")
-        if self.torch_device().type == "cuda" and not torch.cuda.is_available():
-            raise ValueError(f"device {self.device!r} asked for, but CUDA is not available")
         self.tls.check()  # TlsError, a ValueError: incomplete settings, unreadable or mismatched files
 
     def torch_device(self) -> torch.device:
-        try:
-            return torch.device(self.device if self.device != "auto" else
-                                "cuda" if torch.cuda.is_available() else "cpu")
-        except RuntimeError as exc:
-            raise ValueError(f"bad device {self.device!r}: {exc}") from None
+        return parse_device(self.device)
 
     def torch_dtype(self) -> torch.dtype:
         if self.dtype != "auto":
@@ -347,6 +345,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         self.worker, self.config = worker, config
         self._info = verifier_info(worker.verifier, config)
         self._links = 0
+        self.stopping = False  # set on shutdown: links cancelled from then on were cut by the grace's end
 
     async def Info(self, request: bytes, context: grpc.aio.ServicerContext) -> pb.InfoResponse:
         try:
@@ -368,7 +367,8 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         try:
             reason = await link.run()
         except asyncio.CancelledError:
-            reason = "cancelled by the drafter (or its deadline passed)"
+            reason = ("cut at the end of the shutdown's grace" if self.stopping else
+                      "cancelled by the drafter (or its deadline passed)")
             raise
         except Exception as exc:
             error = exc if isinstance(exc, VerifierError) else self._internal(exc)
@@ -387,12 +387,15 @@ class VerifierServicer(pb_grpc.VerifierServicer):
 class VerifierServer:
     """A running verifier: the gRPC server, its model worker and its health status."""
 
-    def __init__(self, server: grpc.aio.Server, worker: ModelWorker, health: health_aio.HealthServicer, port: int):
-        self.server, self.worker, self.health, self.port = server, worker, health, port
+    def __init__(self, server: grpc.aio.Server, servicer: VerifierServicer, health: health_aio.HealthServicer,
+                 port: int):
+        self.server, self.servicer, self.health, self.port = server, servicer, health, port
+        self.worker = servicer.worker
         self.metrics: metrics.MetricsServer | None = None  # the /metrics endpoint, when served
 
     async def stop(self, grace: float | None = None) -> None:
         """NOT_SERVING, let running RPCs finish for `grace` seconds, then stop the worker."""
+        self.servicer.stopping = True
         await self.health.enter_graceful_shutdown()
         await self.server.stop(grace)
         await asyncio.to_thread(self.worker.stop)
@@ -418,13 +421,13 @@ async def serve(config: VerifierConfig, verifier: TreeVerifier | None = None,
     worker = ModelWorker(verifier)
     worker.start()
     try:
-        server, port, health = await start_grpc_server(VerifierServicer(worker, config), VERIFIER_SERVICE,
-                                                       config.host, config.port, config.max_receive_bytes(),
-                                                       tls=config.tls)
+        servicer = VerifierServicer(worker, config)
+        server, port, health = await start_grpc_server(servicer, VERIFIER_SERVICE, config.host, config.port,
+                                                       config.max_receive_bytes(), tls=config.tls)
     except BaseException:
         await asyncio.to_thread(worker.stop)
         raise
-    running = VerifierServer(server, worker, health, port)
+    running = VerifierServer(server, servicer, health, port)
     metrics.VERIFIER_KV_SLOTS.set(verifier.runner.num_slots)
     metrics.VERIFIER_SESSIONS.set_function(lambda: verifier.num_sessions)  # a dict's length: read at scrape time
     if metrics_port is not None:
