@@ -56,9 +56,12 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
         if not (0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.seed is not None and not 0 <= self.seed < 2**63:
+        if self.seed is not None and not 0 <= self.seed < SEED_LIMIT:
             raise ValueError(f"seed must be in [0, 2^63), got {self.seed}")
 
+
+# Seeds are in [0, 2^63): the verifier keys its sampling on them as int64 (the wire's field is uint64).
+SEED_LIMIT = 1 << 63
 
 # Most alternatives a request may ask for per token (GenerateRequest.logprobs), as in OpenAI's API.
 MAX_LOGPROBS = 20

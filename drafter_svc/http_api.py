@@ -41,7 +41,7 @@ from aiohttp import web
 from common import metrics
 from common.auth import presents_key
 from common.grpc_server import MIB
-from common.protocol import MAX_LOGPROBS, StatusError, TokenLogprob
+from common.protocol import MAX_LOGPROBS, SEED_LIMIT, StatusError, TokenLogprob
 from common.rpc import pb
 from drafter_svc.scheduler import QueueFull
 from drafter_svc.server import Finished, GenerationService, TextDelta
@@ -61,7 +61,7 @@ HTTP_STATUS = {
     "UNAVAILABLE": (503, "service_unavailable"),
     "DEADLINE_EXCEEDED": (504, "timeout"),
 }
-INT32, UINT32, UINT64 = 1 << 31, 1 << 32, 1 << 64
+INT32, UINT32 = 1 << 31, 1 << 32
 # OpenAI fields this server does not implement: a request may send them only with these values.
 UNSUPPORTED = {
     "echo": (None, False), "suffix": (None, ""),
@@ -105,11 +105,12 @@ def _number(body: dict, name: str) -> float | None:
     return None if value is None else float(value)
 
 
-def _integer(body: dict, name: str, low: int, high: int) -> int | None:
-    """An integer in [low, high) (the range the protobuf field takes; the domain checks its own)."""
+def _integer(body: dict, name: str, low: int, high: int, high_text: str = "") -> int | None:
+    """An integer in [low, high) (the range the protobuf field takes, or the domain's where the
+    field's is wider); `high_text` writes `high` in the message (e.g. 2^63)."""
     value = _typed(body, name, (int,), "an integer")
     if value is not None and not low <= value < high:
-        raise BadRequest(f"{name} must be in [{low}, {high}), got {value}", name)
+        raise BadRequest(f"{name} must be in [{low}, {high_text or high}), got {value}", name)
     return value
 
 
@@ -155,7 +156,7 @@ def _fill_common(body: dict, req: pb.GenerateRequest, max_tokens: int | None) ->
     if max_tokens is not None:
         req.max_new_tokens = max_tokens
     temperature, top_p = _number(body, "temperature"), _number(body, "top_p")
-    top_k, seed = _integer(body, "top_k", -INT32, INT32), _integer(body, "seed", 0, UINT64)
+    top_k, seed = _integer(body, "top_k", -INT32, INT32), _integer(body, "seed", 0, SEED_LIMIT, "2^63")
     if temperature is not None:
         req.sampling.temperature = temperature
     if top_p is not None:
@@ -182,8 +183,16 @@ def _fill_common(body: dict, req: pb.GenerateRequest, max_tokens: int | None) ->
 
 
 def _object(data: bytes) -> dict:
+    """The body as a JSON object whose strings are all text: JSON lets a string hold a lone UTF-16
+    surrogate (an escape such as \\ud800), which no UTF-8 tokenizer or protobuf string takes."""
     try:
         body = json.loads(data)
+        json.dumps(body, ensure_ascii=False).encode("utf-8")  # UnicodeEncodeError at a lone surrogate
+    except UnicodeEncodeError:
+        raise BadRequest("the body holds a lone UTF-16 surrogate escape (\\ud800 to \\udfff), which is "
+                         "not text") from None
+    except RecursionError:
+        raise BadRequest("the body's JSON is nested too deeply") from None
     except (UnicodeDecodeError, ValueError) as exc:
         raise BadRequest(f"the body is not valid JSON: {exc}") from None
     if not isinstance(body, dict):
@@ -400,6 +409,9 @@ class OpenAIApi:
         except BadRequest as exc:
             metrics.REQUESTS.labels("http", "none", "INVALID_ARGUMENT").inc()
             return error_response(exc.status, exc.message, param=exc.param)
+        except Exception:  # a bug: the middleware answers 500 and logs it
+            metrics.REQUESTS.labels("http", "none", "INTERNAL").inc()
+            raise
         out = _Output(req, self.model, self.service.engine.tokenizer)
         async with contextlib.aclosing(self.service.generate(req.generate, "http")) as items:
             try:
@@ -489,16 +501,26 @@ class _InProgress:
 
 
 class HttpServer:
-    """A running HTTP API; `stop(grace)` lets the requests in progress finish for `grace` seconds."""
+    """A running HTTP API. Shutdown is in two parts: `drain(grace)` lets the requests in progress
+    finish for `grace` seconds while the port stays open (new requests and /health get 503: the
+    service is draining); `close()`, once the scheduler has failed whatever still runs (each
+    stream then ends with an error event and [DONE], each other request with a 503), closes the
+    port and the connections."""
+
+    # How long `close` waits for handlers to write the errors of the sessions the scheduler failed.
+    CLOSE_WAIT_S = 2.0
 
     def __init__(self, runner: web.AppRunner, port: int, in_progress: _InProgress):
         self.runner, self.port, self._in_progress = runner, port, in_progress
 
-    async def stop(self, grace: float = 0.0) -> None:
-        for site in list(self.runner.sites):  # no new connections
-            await site.stop()
+    async def drain(self, grace: float) -> None:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._in_progress.idle.wait(), grace)
+
+    async def close(self) -> None:
+        await self.drain(self.CLOSE_WAIT_S)
+        for site in list(self.runner.sites):  # no new connections
+            await site.stop()
         await self.runner.cleanup()  # closes the connections; handlers still running are cancelled
 
 

@@ -500,6 +500,7 @@ class GenerationService:
             record.status, record.error = exc.status, exc.message
             raise
         except Exception as exc:  # unexpected: the request's line says what it was
+            outcome = ("none", "INTERNAL")
             record.status, record.error = "INTERNAL", f"{type(exc).__name__}: {exc}"
             raise
         finally:
@@ -633,16 +634,24 @@ class DrafterServer:
         self.server, self.health, self.service, self.engine = server, health_servicer, service, service.engine
         self.http = http  # drafter_svc.http_api.HttpServer, or None
         self.http_port = http.port if http is not None else 0
+        self._stopping = False
 
     async def stop(self, grace: float | None = None) -> None:
-        """Report not serving, refuse new requests, give running ones `grace` seconds, stop the scheduler."""
+        """Report not serving, refuse new requests, give running ones `grace` seconds, stop the
+        scheduler (sessions still running get UNAVAILABLE: HTTP clients get it as an error event
+        or a 503, gRPC calls are cancelled at the grace's end). Later calls do nothing."""
+        if self._stopping:
+            return
+        self._stopping = True
         self.service.draining = True
         await self.health.enter_graceful_shutdown()
         stopping = [self.server.stop(grace)]
         if self.http is not None:
-            stopping.append(self.http.stop(grace or 0.0))
+            stopping.append(self.http.drain(grace or 0.0))
         await asyncio.gather(*stopping)
         await asyncio.to_thread(self.engine.stop)
+        if self.http is not None:
+            await self.http.close()
 
 
 async def serve(engine: DrafterEngine, host: str, port: int,

@@ -369,3 +369,91 @@ def test_chat_logprobs_equal_grpc(client, grpc_stub):
     assert [c.logprob for c in streamed] == [c.logprob for c in content]
     plain = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=4)
     assert plain.choices[0].logprobs is None
+
+
+DEEP = b"[" * 100_000 + b"]" * 100_000  # deeper than Python's JSON parser goes
+
+
+@pytest.mark.parametrize("path, data", [
+    ("/v1/completions", b'{"prompt": "\\ud800", "max_tokens": 4}'),  # a lone surrogate: valid JSON, not text
+    ("/v1/completions", b'{"prompt": "def f(x):", "stop": ["\\udfff"], "max_tokens": 4}'),
+    ("/v1/completions", b'{"prompt": ' + DEEP + b"}"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi \\ud83d"}], "max_tokens": 4}'),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": '
+                             b'{"\\udc00": "x"}, "max_tokens": 4}'),
+    ("/v1/chat/completions", b'{"messages": ' + DEEP + b"}"),
+])
+def test_bodies_that_are_json_but_not_text_get_400_not_500(drafter, path, data, caplog):
+    """A client's mistake, not the server's: 400 with one line, and no traceback in the log."""
+    with caplog.at_level("ERROR"):
+        status, reply = post(drafter, path, data)
+    assert status == 400 and reply["error"]["type"] == "invalid_request_error", reply
+    assert "\n" not in reply["error"]["message"]
+    assert not [r for r in caplog.records if r.levelname == "ERROR"]
+    fine = data.replace(b"\\ud800", b"x").replace(b"\\udfff", b"x").replace(b" \\ud83d", b"").replace(b"\\udc00", b"y")
+    if DEEP not in data:  # the same body without the surrogate is served
+        assert post(drafter, path, fine)[0] == 200
+
+
+def test_seed_range_is_the_servers(drafter):
+    """The HTTP layer refuses the seeds the engine would (2^63 and up), with the engine's words."""
+    for seed in (-1, 1 << 63):
+        status, reply = post(drafter, "/v1/completions", {"prompt": PROMPT, "seed": seed, "max_tokens": 2})
+        assert status == 400 and "seed must be in [0, 2^63)" in reply["error"]["message"], reply
+    assert post(drafter, "/v1/completions", {"prompt": PROMPT, "seed": (1 << 63) - 1, "max_tokens": 2})[0] == 200
+
+
+def test_shutdown_ends_running_requests_with_an_error(tmp_path):
+    """On shutdown the port stays open for the grace (/health and new requests get 503); at its end
+    a running stream ends with an error event and [DONE], a running whole request gets a 503."""
+    import http.client
+    import threading
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    target = shipped_target_with_template(tmp_path / MODEL_NAME)
+    with shipped_services(target) as (_, drafter):
+        scheduler = drafter.server.engine.scheduler
+        receive = scheduler.link.receive
+
+        def slow_receive(*args, **kwargs):  # rounds of 20 ms at least: the requests outlast the grace
+            time.sleep(0.02)
+            return receive(*args, **kwargs)
+        scheduler.link.receive = slow_receive
+        body = {"prompt": PROMPT, "max_tokens": 400, "temperature": 0}
+        conn = http.client.HTTPConnection("127.0.0.1", drafter.server.http_port, timeout=60)
+        conn.request("POST", "/v1/completions", json.dumps(body | {"stream": True}),
+                     {"Content-Type": "application/json"})
+        stream = conn.getresponse()
+        assert stream.status == 200 and stream.readline().startswith(b"data: ")
+        with ThreadPoolExecutor(1) as pool:
+            whole = pool.submit(post, drafter, "/v1/completions", body)
+            deadline = time.monotonic() + 30
+            while len(scheduler._running) < 2 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert len(scheduler._running) == 2
+            stopped = threading.Event()
+            stopping = asyncio_call(drafter, drafter.server.stop(grace=1.0), stopped)
+            time.sleep(0.2)  # within the grace
+            assert get(drafter, "/health") == (503, {"status": "not serving"})
+            assert post(drafter, "/v1/completions", body)[0] == 503
+            assert not stopped.is_set()
+            stopping.result(30)
+            rest = stream.read()  # to the end of the stream
+            status, reply = whole.result(30)
+        events = [line for line in rest.split(b"\n\n") if line]
+        assert events[-1] == b"data: [DONE]" and b'"error"' in events[-2] and b"unavailable" in events[-2], events[-3:]
+        assert status == 503 and reply["error"]["code"] == "unavailable", reply
+        conn.close()
+
+
+def asyncio_call(running, coro, done):
+    """Run `coro` on a server's loop without waiting; `done` is set when it returns."""
+    import asyncio
+
+    async def run():
+        try:
+            await coro
+        finally:
+            done.set()
+    return asyncio.run_coroutine_threadsafe(run(), running.loop)
