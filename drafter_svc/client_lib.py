@@ -18,7 +18,8 @@ cancels the RPC, which frees the server's session at once.
 """
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+import functools
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -154,13 +155,14 @@ def build_request(prompt: str | None = None, *, token_ids: Sequence[int] | None 
             raise ValueError("add_generation_prompt and template_kwargs go with messages (chat)")
         if isinstance(stop, str):
             stop = [stop]
-        req = pb.GenerateRequest(stop=list(stop), stop_token_ids=[int(t) for t in stop_token_ids])
+        req = pb.GenerateRequest(stop=list(stop))
+        _field(lambda: req.stop_token_ids.extend(int(t) for t in stop_token_ids), "stop_token_ids")
         if prompt is not None:
             if not isinstance(prompt, str):
                 raise ValueError(f"prompt must be a str, got {type(prompt).__name__}")
             req.text = prompt
         elif token_ids is not None:
-            req.token_ids.ids.extend(int(t) for t in token_ids)
+            _field(lambda: req.token_ids.ids.extend(int(t) for t in token_ids), "token_ids")
             req.token_ids.SetInParent()  # an empty list is still a token_ids prompt (the server refuses it)
         else:
             req.chat.messages.extend(_chat_message(m) for m in messages)
@@ -169,19 +171,25 @@ def build_request(prompt: str | None = None, *, token_ids: Sequence[int] | None 
                 req.chat.add_generation_prompt = bool(add_generation_prompt)
             for key, value in (template_kwargs or {}).items():
                 req.chat.template_kwargs[key] = value if isinstance(value, str) else str(value).lower()
-        if max_new_tokens is not None:
-            req.max_new_tokens = max_new_tokens
-        if tree_budget is not None:
-            req.tree_budget = tree_budget
-        if logprobs is not None:
-            req.logprobs = logprobs
+        for name, value in (("max_new_tokens", max_new_tokens), ("tree_budget", tree_budget), ("logprobs", logprobs)):
+            if value is not None:
+                _field(functools.partial(setattr, req, name, value), name)
         req.sampling.SetInParent()
         for name, value in (("temperature", temperature), ("top_k", top_k), ("top_p", top_p), ("seed", seed)):
             if value is not None:
-                setattr(req.sampling, name, value)
-    except (ValueError, TypeError) as exc:  # protobuf refuses out-of-range and mistyped values
+                _field(functools.partial(setattr, req.sampling, name, value), name)
+    except (ValueError, TypeError) as exc:
         raise GenerationError("INVALID_ARGUMENT", str(exc)) from None
     return req
+
+
+def _field(write: Callable[[], None], name: str) -> None:
+    """Run `write`, which sets one field of the request: protobuf refuses out-of-range and mistyped
+    values with a message that does not name the field ("Value out of range: -1"); name it."""
+    try:
+        write()
+    except (ValueError, TypeError) as exc:
+        raise ValueError(f"{name}: {exc}") from None
 
 
 class _Accumulator:

@@ -393,3 +393,20 @@ def test_a_cancelled_request_logs_what_it_delivered(client, verifier_stub, recor
     assert line.status == "CANCELLED" and line.mean_acceptance is None
     assert line.completion_tokens >= delivered
     wait_full(verifier_stub)
+
+
+@pytest.mark.parametrize("options, needle", [
+    (dict(max_new_tokens=-1), "max_new_tokens: "),
+    (dict(max_new_tokens=1 << 40), "max_new_tokens: "),
+    (dict(seed=-1), "seed: "),
+    (dict(logprobs=-1), "logprobs: "),
+    (dict(tree_budget=-1), "tree_budget: "),
+    (dict(top_k="many"), "top_k: "),
+])
+def test_values_the_request_cannot_hold_name_their_field(options, needle):
+    """protobuf's own message ("Value out of range: -1") does not say which argument was wrong."""
+    from drafter_svc.client_lib import build_request
+
+    with pytest.raises(GenerationError) as caught:
+        build_request(PROMPT, **options)
+    assert caught.value.code == "INVALID_ARGUMENT" and caught.value.message.startswith(needle), caught.value.message
