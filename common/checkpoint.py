@@ -6,12 +6,13 @@ drafter can take just `embed_tokens` and `lm_head` from a large target checkpoin
 """
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 from typing import Iterable
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from common.config import CheckpointError
 
@@ -28,8 +29,18 @@ def _shard_map(folder: Path) -> dict[str, str]:
     single = folder / "model.safetensors"
     if not single.is_file():
         raise CheckpointError(f"no model.safetensors or model.safetensors.index.json in {folder}")
-    with safe_open(single, framework="pt") as f:
+    with _opened(single) as f:
         return {name: single.name for name in f.keys()}
+
+
+@contextlib.contextmanager
+def _opened(path: Path):
+    """safe_open, with a file that is not safetensors (or cannot be read) as a CheckpointError."""
+    try:
+        with safe_open(path, framework="pt") as f:
+            yield f
+    except (SafetensorError, OSError) as exc:
+        raise CheckpointError(f"{path} is not a readable safetensors file: {exc}") from None
 
 
 def tensor_names(folder: str | Path) -> list[str]:
@@ -65,7 +76,7 @@ def load_tensors(
         path = folder / shard
         if not path.is_file():
             raise CheckpointError(f"{folder}: shard {shard} listed in the index is missing")
-        with safe_open(path, framework="pt") as f:
+        with _opened(path) as f:
             for name in shard_names:
                 tensor = f.get_tensor(stripped[name])
                 out[name] = tensor.to(dtype) if dtype is not None else tensor

@@ -8,8 +8,12 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TypeVar
+
+T = TypeVar("T")
 
 
 class CheckpointError(ValueError):
@@ -115,9 +119,39 @@ def read_config_json(folder: str | Path) -> dict:
     if not path.is_file():
         raise CheckpointError(f"missing config.json in {folder}")
     try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
+        raw = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise CheckpointError(f"{path} is not valid JSON: {exc}") from None
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{path} must hold a JSON object, got {type(raw).__name__}")
+    return raw
+
+
+def _read_values(where: str, read: Callable[[], T]) -> T:
+    """`read()`, which builds a config from config.json's values; a value of the wrong type
+    (a string for a size, a list for a number) becomes a CheckpointError naming the folder."""
+    try:
+        return read()
+    except CheckpointError:
+        raise
+    except (TypeError, ValueError, AttributeError, KeyError) as exc:
+        raise CheckpointError(f"{where}: config.json has a value of the wrong type: {exc}") from None
+
+
+def _check_sizes(cfg: TargetConfig | DraftConfig, where: str) -> None:
+    """Values a forward cannot run with, refused at load instead of at the first request."""
+    for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+                 "intermediate_size"):
+        if getattr(cfg, name) < 1:
+            raise CheckpointError(f"{where}: {name} must be >= 1, got {getattr(cfg, name)}")
+    if cfg.head_dim % 2:
+        raise CheckpointError(f"{where}: head_dim must be even (RoPE rotates pairs), got {cfg.head_dim}")
+    if cfg.num_heads % cfg.num_kv_heads:
+        raise CheckpointError(f"{where}: num_attention_heads {cfg.num_heads} is not a multiple of "
+                              f"num_key_value_heads {cfg.num_kv_heads}")
+    if not (cfg.rms_norm_eps > 0 and cfg.rope_theta > 0):
+        raise CheckpointError(f"{where}: rms_norm_eps and rope_theta must be > 0, got {cfg.rms_norm_eps} and "
+                              f"{cfg.rope_theta}")
 
 
 def _require(raw: dict, key: str, where: str):
@@ -236,6 +270,12 @@ def load_target_config(folder: str | Path) -> TargetConfig:
         )
     if raw.get("attention_bias"):
         raise CheckpointError(f"{where}: attention_bias=true is not supported")
+    cfg = _read_values(where, lambda: _target_config(raw, arch, folder, where))
+    _check_sizes(cfg, where)
+    return cfg
+
+
+def _target_config(raw: dict, arch: str, folder: str | Path, where: str) -> TargetConfig:
     _check_full_attention(raw, where)
     rope_theta, rope_scaling = _rope(raw, where)
     return TargetConfig(
@@ -264,6 +304,15 @@ def load_draft_config(folder: str | Path) -> DraftConfig:
         raise CheckpointError(
             f"{where}: unsupported architecture {archs or 'unknown'}; expected DFlashDraftModel"
         )
+    cfg = _read_values(where, lambda: _draft_config(raw, where))
+    _check_sizes(cfg, where)
+    if not 0 <= cfg.mask_token_id < cfg.vocab_size:
+        raise CheckpointError(f"{where}: dflash_config.mask_token_id {cfg.mask_token_id} is outside the "
+                              f"vocabulary ({cfg.vocab_size})")
+    return cfg
+
+
+def _draft_config(raw: dict, where: str) -> DraftConfig:
     dflash = raw.get("dflash_config") or {}
     num_target_layers = raw.get("num_target_layers")
     layer_ids = dflash.get("target_layer_ids")

@@ -42,6 +42,9 @@ class TinySizes:
     init_std: float = 0.25
 
 
+MIN_VOCAB = 258  # the byte-level BPE's 256 bytes and its 2 special tokens
+
+
 def train_tokenizer(vocab_size: int, texts: list[str] | None = None):
     """A byte-level BPE tokenizer (tokenizers library) with <|endoftext|> and <|mask|>."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -209,6 +212,14 @@ def main(argv: list[str] | None = None) -> None:
         fail(f"--target-layer-ids must be comma-separated integers, got {a.target_layer_ids!r}")
     if any(not 0 <= i < a.layers for i in layer_ids):
         fail(f"--target-layer-ids {layer_ids} must lie in [0, {a.layers})")
+    for flag in ("hidden", "layers", "heads", "kv_heads", "head_dim", "intermediate", "draft_layers", "shards"):
+        if getattr(a, flag) < 1:
+            fail(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(a, flag)}")
+    if a.vocab < MIN_VOCAB:
+        fail(f"--vocab must be >= {MIN_VOCAB} (the byte-level tokenizer's 256 bytes and 2 special tokens), "
+             f"got {a.vocab}")
+    if a.head_dim % 2:
+        fail(f"--head-dim must be even (RoPE rotates pairs), got {a.head_dim}")
     if a.block_size < 2 or a.heads % a.kv_heads:
         fail("--block-size must be >= 2 and --heads a multiple of --kv-heads")
     sizes = TinySizes(arch=a.arch, vocab=a.vocab, hidden=a.hidden, layers=a.layers, heads=a.heads,

@@ -167,6 +167,8 @@ def parse_args(argv=None) -> DrafterConfig:
         parse_device(a.device)
     except ValueError as exc:
         fail(f"--device: {exc}")
+    if a.verifier != LOCAL and any(part.strip().lower() == LOCAL for part in a.verifier.split(",")):
+        fail(f"--verifier {a.verifier!r}: '{LOCAL}' (the target in this process) stands alone, in lower case")
     if a.local_verifier_flags and a.verifier != LOCAL:
         fail("--local-verifier-flags is for --verifier local")
     if a.verifier == LOCAL and a.pipelining == "on":

@@ -19,6 +19,7 @@ import torch
 from common.checkpoint import load_tokenizer
 from common.cli import FlagParser, fail
 from common.config import CheckpointError, load_draft_config
+from common.devices import parse_device
 from common.feature_projection import FeatureProjection
 from common.protocol import SamplingParams, StatusError
 from drafter_svc.drafter import DFlashProposer, DraftMode
@@ -133,8 +134,10 @@ def build_parser() -> FlagParser:
                       help=f"DDTree nodes drafted per round (default {DraftMode.budget})")
     mode.add_argument("--chain", action="store_true", help="vanilla DFlash: verify the draft's argmax chain")
     mode.add_argument("--ar", action="store_true", help="plain target autoregressive decoding (baseline)")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="torch device")
-    p.add_argument("--max-seq-len", type=int, default=2048, help="KV capacity of the session in tokens")
+    p.add_argument("--device", default="auto", help="torch device: auto (cuda when there is a GPU, else cpu), cpu, "
+                   "cuda, cuda:1, ... (default auto)")
+    p.add_argument("--max-seq-len", type=int, default=2048,
+                   help="KV capacity of the session in tokens, prompt and output together (default 2048)")
     p.add_argument("--no-cuda-graphs", action="store_true",
                    help="run the draft step and the verify forward eagerly on CUDA (no captured CUDA graphs)")
     p.add_argument("--deterministic", action="store_true",
@@ -159,13 +162,23 @@ def main(argv: list[str] | None = None) -> None:
         fail(str(exc))
     if a.max_seq_len < 2:
         fail(f"--max-seq-len must be >= 2, got {a.max_seq_len}")
+    try:
+        device = str(parse_device(a.device))
+    except ValueError as exc:
+        fail(f"--device: {exc}")
     batch_invariant.set_enabled(a.deterministic)
     try:
-        engine = LocalEngine.load(a.target, a.draft if mode.kind != "ar" else None, a.device,
+        engine = LocalEngine.load(a.target, a.draft if mode.kind != "ar" else None, device,
                                   limits=VerifierLimits(max_sessions=1, max_seq_len=a.max_seq_len),
                                   cuda_graphs=not a.no_cuda_graphs)
     except CheckpointError as exc:
         fail(str(exc))
+    except (torch.OutOfMemoryError, MemoryError) as exc:
+        fail(f"out of memory loading the models with --max-seq-len {a.max_seq_len} on {device}: {exc}".split("\n")[0])
+    except RuntimeError as exc:
+        if "allocate" not in str(exc):  # the CPU allocator's out-of-memory is a RuntimeError
+            raise
+        fail(f"out of memory loading the models with --max-seq-len {a.max_seq_len} on {device}: {exc}".split("\n")[0])
     prompt_ids = parse_prompt_ids(a.prompt_ids) if a.prompt_ids is not None else engine.tokenizer.encode(a.prompt).ids
     try:
         result = engine.generate(prompt_ids, config)

@@ -32,6 +32,7 @@ from grpc_health.v1 import health_pb2
 from common.auth import ApiKeyInterceptor
 from common import metrics
 from common.checkpoint import load_tokenizer
+from common.cli import fail
 from common.config import load_draft_config, load_target_config
 from common.devices import device_id
 from common.feature_wire import feature_reader
@@ -218,10 +219,20 @@ def _load_proposer(cfg: DrafterConfig, torch_dtype, info: pb.InfoResponse, slots
     return proposer
 
 
+# The verifier service's flags that mean nothing in the drafter's process: its listening and
+# shutdown, its link's bytes and flow, and ranks in processes of their own.
+SERVICE_ONLY_FLAGS = ("--host", "--port", "--metrics-port", "--grace", "--max-inflight", "--max-message-mb",
+                      "--feature-wire", "--tensor-parallel", "--tls-cert", "--tls-key", "--tls-client-ca")
+
+
 def local_verifier_config(cfg: DrafterConfig, flags: Sequence[str] = ()) -> VerifierConfig:
     """The in-process verifier's settings: the drafter's target, draft, device, dtype and
     concurrency, then `flags` (`python -m verifier_svc` flags: the service's own parser, checks
-    and VERIFIER_* fallbacks; a bad one exits with one line)."""
+    and VERIFIER_* fallbacks; a bad one, or one of `SERVICE_ONLY_FLAGS`, exits with one line)."""
+    moot = [f for f in flags if f.split("=", 1)[0] in SERVICE_ONLY_FLAGS]
+    if moot:
+        fail(f"--local-verifier-flags: {', '.join(moot)} would have no effect: with --verifier local the "
+             "verifier runs in this process (no port, link or ranks of its own)")
     dtype = [] if cfg.dtype == "auto" else ["--dtype", cfg.dtype]
     return verifier_cli.parse_config(["--target", cfg.target_dir, "--draft", cfg.draft_dir, "--device", cfg.device,
                                       *dtype, "--max-sessions", str(cfg.max_concurrent), *flags])

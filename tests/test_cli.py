@@ -271,3 +271,54 @@ def test_a_single_local_verifier_flag_needs_no_quoting_trick(qwen3_pair):
     assert drafter_cli.parse_args(base + ["--local-verifier-flags", "--deterministic"]).local_verifier.deterministic
     assert drafter_cli.parse_args(base + ["--local-verifier-flags", "--max-seq-len 256",
                                           "--max-concurrent", "3"]).local_verifier.max_seq_len == 256
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--kv-heads", "0"], "--kv-heads must be >= 1"),
+    (["--hidden", "-8"], "--hidden must be >= 1"),
+    (["--draft-layers", "0"], "--draft-layers must be >= 1"),
+    (["--shards", "0"], "--shards must be >= 1"),
+    (["--head-dim", "7"], "--head-dim must be even"),
+    (["--vocab", "10"], "--vocab must be >= 258"),  # it used to write 258 without a word
+])
+def test_make_tiny_refuses_sizes_no_model_runs_with(tmp_path, capsys, args, needle):
+    from common import make_tiny
+
+    with pytest.raises(SystemExit) as caught:
+        make_tiny.main(["--out", str(tmp_path), *args])
+    err = capsys.readouterr().err
+    assert caught.value.code != 0 and needle in err and len(err.strip().splitlines()) == 1, err
+    assert not any(tmp_path.iterdir())  # refused before anything is written
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--device", "bogus"], "--device: bad device 'bogus'"),
+    (["--device", "cuda:99"], "--device: device 'cuda:99' asked for"),
+])
+def test_generate_refuses_bad_devices(dirs, capsys, args, needle):
+    from drafter_svc import generate
+
+    target, draft = dirs
+    with pytest.raises(SystemExit) as caught:
+        generate.main(["--target", target, "--draft", draft, "--prompt-ids", "1,2", *args])
+    err = capsys.readouterr().err
+    assert caught.value.code != 0 and needle in err and len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--verifier", "local,127.0.0.1:50051"], "'local' (the target in this process) stands alone"),
+    (["--verifier", "LOCAL"], "'local' (the target in this process) stands alone"),
+    (["--verifier", "local", "--local-verifier-flags", "--port 9999 --max-seq-len 256"], "--port would have no effect"),
+    (["--verifier", "local", "--local-verifier-flags", "--tensor-parallel=2"], "--tensor-parallel=2 would have no"),
+    (["--verifier", "local", "--local-verifier-flags", "--feature-wire fp8"], "--feature-wire would have no effect"),
+])
+def test_local_verifier_mixups_are_refused(qwen3_pair, capsys, args, needle):
+    """'local' among replica addresses was dialled as a host name; service-only flags in
+    --local-verifier-flags were dropped without a word."""
+    import drafter_svc.__main__ as drafter_cli
+
+    target, draft = map(str, qwen3_pair)
+    with pytest.raises(SystemExit) as caught:
+        drafter_cli.parse_args(["--draft", draft, "--target", target, "--device", "cpu", *args])
+    err = capsys.readouterr().err
+    assert caught.value.code != 0 and needle in err and len(err.strip().splitlines()) == 1, err

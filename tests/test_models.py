@@ -111,6 +111,36 @@ def test_loader_errors(tmp_path, pair_copy):
         TargetModel.from_pretrained(target)
 
 
+@pytest.mark.parametrize("which, changes, needle", [
+    ("target", dict(head_dim=7), "head_dim must be even"),
+    ("draft", dict(head_dim=7), "head_dim must be even"),
+    ("draft", dict(num_hidden_layers=0), "num_layers must be >= 1"),
+    ("target", dict(num_key_value_heads=3), "not a multiple of num_key_value_heads"),
+    ("target", dict(vocab_size=0), "vocab_size must be >= 1"),
+    ("target", dict(hidden_size="abc"), "value of the wrong type"),
+    ("draft", dict(rms_norm_eps=[1e-6]), "value of the wrong type"),
+    ("draft", dict(dflash_config={"target_layer_ids": [0, 1], "mask_token_id": 10**6}), "mask_token_id"),
+])
+def test_configs_a_forward_cannot_run_are_refused_at_load(pair_copy, which, changes, needle):
+    """Not at the first request (a service that loaded such a checkpoint failed every one)."""
+    target, draft = pair_copy
+    folder = target if which == "target" else draft
+    edit_config(folder, **changes)
+    with pytest.raises(CheckpointError, match=needle) as caught:
+        (load_target_config if which == "target" else load_draft_config)(folder)
+    assert str(folder) in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_unreadable_files_are_checkpoint_errors(pair_copy):
+    target, draft = pair_copy
+    (draft / "config.json").write_text("[1, 2]")
+    with pytest.raises(CheckpointError, match="must hold a JSON object"):
+        load_draft_config(draft)
+    (target / "model.safetensors").write_bytes(b"not safetensors at all")
+    with pytest.raises(CheckpointError, match="is not a readable safetensors file"):
+        TargetModel.from_pretrained(target)
+
+
 def test_mismatched_draft_is_refused(pair_copy):
     target, draft = pair_copy
     target_cfg = load_target_config(target)
