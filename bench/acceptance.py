@@ -39,7 +39,9 @@ from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 
+from common.devices import parse_device  # noqa: E402
 from common.feature_wire import FORMATS, dequantize, pack_rows  # noqa: E402
+from bench.bench_timing import number_list
 from common.protocol import SamplingParams  # noqa: E402
 from drafter_svc.drafter import DraftMode  # noqa: E402
 from drafter_svc.generate import LocalEngine  # noqa: E402
@@ -172,32 +174,42 @@ def plot(results: dict, budgets: list[int], path: Path, title: str) -> None:
 
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--target", default="models/default/target")
-    p.add_argument("--draft", default="models/default/draft")
+    p.add_argument("--target", default="models/default/target",
+                   help="target checkpoint folder (default the bundled one)")
+    p.add_argument("--draft", default="models/default/draft", help="DFlash draft folder (default the bundled one)")
     p.add_argument("--prompts", type=int, default=16, help="held-out prompts")
     p.add_argument("--prompt-tokens", type=int, default=64, help="tokens taken from the start of each held-out file")
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens generated per prompt (default 128)")
+    p.add_argument("--device", default="auto",
+                   help="torch device: auto (cuda when there is a GPU, else cpu), cpu, cuda")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="model dtype (default float32)")
     p.add_argument("--temperatures", default="0,1", help="comma-separated temperatures")
     p.add_argument("--budgets", default="4,8,16,32,64", help="comma-separated DDTree budgets")
     p.add_argument("--no-ar", action="store_true", help="skip the AR baseline")
     p.add_argument("--no-chain", action="store_true", help="skip the chain")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="sampling seed of the temperature > 0 runs (default 0)")
     p.add_argument("--projected", action="store_true",
                    help="the target projects its features (the draft's fc + hidden_norm), as the verifier service does")
     p.add_argument("--feature-wire", choices=tuple(FORMATS), default="model",
                    help="the drafts read the features as a verifier with this --feature-wire sends them")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
-    p.add_argument("--out-json", default=None)
-    p.add_argument("--out-png", default=None)
-    p.add_argument("--quiet", action="store_true")
+    p.add_argument("--out-json", default=None, help="write the summary here (its folder is made)")
+    p.add_argument("--out-png", default=None, help="plot mean acceptance per budget here")
+    p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     a = p.parse_args(argv)
+    if min(a.prompts, a.prompt_tokens, a.max_new_tokens) < 1 or a.threads < 0:
+        p.error("--prompts, --prompt-tokens and --max-new-tokens must be >= 1, --threads >= 0")
+    try:
+        a.device = str(parse_device(a.device))
+    except ValueError as exc:
+        p.error(f"--device: {exc}")
     if a.threads:
         torch.set_num_threads(a.threads)
     log = (lambda m: None) if a.quiet else (lambda m: print(m, file=sys.stderr, flush=True))
-    budgets = [int(x) for x in a.budgets.split(",") if x.strip()]
-    temps = [float(x) for x in a.temperatures.split(",") if x.strip()]
+    budgets = number_list(a.budgets, "--budgets")
+    temps = number_list(a.temperatures, "--temperatures", float)
+    if any(b < 0 for b in budgets) or not all(t >= 0 for t in temps):
+        p.error("--budgets and --temperatures must be >= 0")
     modes = ([] if a.no_ar else [DraftMode("ar", 0)]) + ([] if a.no_chain else [DraftMode("chain", 0)])
     modes += [DraftMode("tree", b) for b in budgets]
 

@@ -37,7 +37,7 @@ import torch  # noqa: E402
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # the kernel runs interpreted on the CPU
 
-from bench.bench_timing import device_ms, measure_bandwidth, write_json  # noqa: E402
+from bench.bench_timing import device_ms, measure_bandwidth, number_list, out_json, write_json  # noqa: E402
 from ddtree_kernels.slot_attention import AttentionTiles, key_ranges, slot_attention_triton  # noqa: E402
 
 _TILES = re.compile(r"(\d+)x(\d+)w(\d+)s(\d+)(?:p(\d+))?$")
@@ -126,7 +126,7 @@ def main(argv=None, extra: dict | None = None) -> dict:
     p.add_argument("--pasts", default=None, help="tokens in each slot before the tree (default 256,1024; small 40)")
     p.add_argument("--tiles", default="auto,masked", help="configurations, comma-separated (default auto,masked)")
     p.add_argument("--reps", type=int, default=None, help="timed replays (default 20 on GPU, 2 on CPU)")
-    p.add_argument("--out-json", default=None, help="write the results here")
+    p.add_argument("--out-json", type=out_json, default=None, help="write the results here")
     a = p.parse_args(argv)
     device = torch.device(a.device)
     cuda = device.type == "cuda"
@@ -134,9 +134,9 @@ def main(argv=None, extra: dict | None = None) -> dict:
     shape = (dict(layers=2, heads=4, kv_heads=2, head_dim=16) if small
              else dict(layers=36, heads=32, kv_heads=8, head_dim=128))
     dtype = torch.float32 if small else torch.bfloat16
-    batches = [int(x) for x in (a.batches or ("1,2" if small else "1,16,32")).split(",")]
-    trees = [int(x) for x in a.trees.split(",")]
-    pasts = [int(x) for x in (a.pasts or ("40" if small else "256,1024")).split(",")]
+    batches = number_list((a.batches or ("1,2" if small else "1,16,32")), "--batches")
+    trees = number_list(a.trees, "--trees")
+    pasts = number_list((a.pasts or ("40" if small else "256,1024")), "--pasts")
     impls = {config_name(c): attention_fn(c) for c in (parse_tiles(x) for x in a.tiles.split(","))}
     impls.update(extra or {})
     reps = a.reps or (20 if cuda else 2)

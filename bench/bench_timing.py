@@ -1,7 +1,9 @@
-"""Timing and bandwidth helpers shared by the benchmark scripts."""
+"""Timing and bandwidth helpers shared by the benchmark scripts, and their arguments' checks."""
 from __future__ import annotations
 
+import argparse
 import json
+import os
 import statistics
 import time
 
@@ -64,3 +66,22 @@ def write_json(path: str | None, obj) -> None:
     if path:
         with open(path, "w") as f:
             json.dump(obj, f, indent=1)
+
+
+def out_json(path: str) -> str:
+    """argparse type of --out-json: a file in a folder that exists and may be written, checked
+    before the run rather than after it."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+        raise argparse.ArgumentTypeError(f"cannot write {path}: {folder} is not a writable folder")
+    return path
+
+
+def number_list(text: str, flag: str, kind: type = int) -> list:
+    """Comma-separated numbers of a list flag; exits with one line naming `flag` otherwise."""
+    from common.cli import fail
+
+    try:
+        return [kind(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        fail(f"{flag} must be comma-separated {'integers' if kind is int else 'numbers'}, got {text!r}")

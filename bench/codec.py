@@ -35,7 +35,7 @@ import time
 
 import torch
 
-from bench.bench_timing import write_json
+from bench.bench_timing import number_list, out_json, write_json
 from bench.transport import gpu_drafter_reader, random_tree
 from common.feature_wire import FORMATS, pack_rows, wire_rows
 from common.protocol import StepResult, TreeEntry, Verified
@@ -68,9 +68,9 @@ def main(argv=None) -> dict:
     p.add_argument("--reps", type=int, default=300, help="timed calls per case (default 300)")
     p.add_argument("--feature-wire", choices=tuple(FORMATS), default="model",
                    help="feature rows in bf16, or packed as the verifier's --feature-wire fp8 sends them")
-    p.add_argument("--out-json", help="write the results here")
+    p.add_argument("--out-json", type=out_json, help="write the results here")
     a = p.parse_args(argv)
-    batches = [int(x) for x in a.batches.split(",") if x.strip()]
+    batches = number_list(a.batches, "--batches")
     if not batches or min(batches) < 1 or a.rows < 1 or a.width < 1 or a.reps < 1 or a.nodes < 1:
         p.error("--batches, --rows, --width, --nodes and --reps must be >= 1")
     torch.set_num_threads(1)

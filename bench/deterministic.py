@@ -37,6 +37,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from bench.verify import qwen3_8b_config, random_target  # noqa: E402
 from common.protocol import SamplingParams  # noqa: E402
+from bench.bench_timing import out_json
 from common.tree import DraftTree, ancestor_masks, walk_trees  # noqa: E402
 from ddtree_kernels import batch_invariant as bi  # noqa: E402
 from verifier_svc.cuda_graphs import GraphConfig, VerifyRow  # noqa: E402
@@ -237,7 +238,7 @@ def main(argv: list[str] | None = None) -> dict:
                    help="row counts of the GEMM table (GPU only; default 17,65,136,272,544,2080)")
     p.add_argument("--parts", default="decode,gemm", help="decode (equality and verify steps) and/or gemm (GPU)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out-json", help="write the results here")
+    p.add_argument("--out-json", type=out_json, help="write the results here")
     a = p.parse_args(argv)
     dtype = getattr(torch, a.dtype)
     cfg = qwen3_8b_config(small=a.dims == "small")

@@ -49,14 +49,10 @@ import time
 
 import torch
 
-from bench.bench_timing import device_ms, measure_bandwidth, sync, wall_ms, write_json
+from bench.bench_timing import device_ms, measure_bandwidth, number_list, out_json, sync, wall_ms, write_json
 from bench.verify import draft_config, qwen3_8b_config, random_draft
 from drafter_svc.draft_graphs import DraftGraphConfig, DraftGraphs
 from drafter_svc.drafter import DFlashProposer, DraftState
-
-
-def _int_list(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x.strip()]
 
 
 def proposers(small: bool, device, dtype, max_seq_len: int,
@@ -145,16 +141,16 @@ def main(argv=None) -> dict:
                                                                 "with --small)")
     p.add_argument("--max-seq-len", type=int, default=2048)
     p.add_argument("--reps", type=int, default=None, help="timed calls per point (default 50; 5 with --small)")
-    p.add_argument("--out-json", help="write the results here")
+    p.add_argument("--out-json", type=out_json, help="write the results here")
     a = p.parse_args(argv)
 
     device = torch.device(a.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    batches = sorted(set(_int_list(a.batches or ("1,4" if a.small else "1,4,16,32"))))
-    contexts = _int_list(a.contexts or ("64,256" if a.small else "512,1024,1920"))
-    rows = _int_list(a.rows or ("1,4,8" if a.small else "1,4,16"))
+    batches = sorted(set(number_list(a.batches or ("1,4" if a.small else "1,4,16,32"), "--batches")))
+    contexts = number_list(a.contexts or ("64,256" if a.small else "512,1024,1920"), "--contexts")
+    rows = number_list(a.rows or ("1,4,8" if a.small else "1,4,16"), "--rows")
     reps = a.reps or (5 if a.small else 50)
-    prompts = sorted(set(_int_list(a.prompts or ("1,2,4" if a.small else "1,2,4,8"))))
+    prompts = sorted(set(number_list(a.prompts or ("1,2,4" if a.small else "1,2,4,8"), "--prompts")))
     prompt_len = a.prompt_len or (32 if a.small else 128)
     max_seq = min(a.max_seq_len, 512) if a.small else a.max_seq_len
     block = draft_config(a.small, qwen3_8b_config(a.small)).block_size

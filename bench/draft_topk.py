@@ -27,7 +27,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # the Triton pass runs interpreted on the CPU
 
-from bench.bench_timing import device_ms, wall_ms, write_json
+from bench.bench_timing import device_ms, number_list, out_json, wall_ms, write_json
 from drafter_svc.ddtree import top_candidates
 from drafter_svc.drafter import DraftMode, build_trees
 from ddtree_kernels.draft_topk import top_logprobs_reference, top_logprobs_triton
@@ -44,13 +44,13 @@ def main(argv=None) -> dict:
     p.add_argument("--ks", default=None, help="comma-separated k (default 16,64; 4 with --small)")
     p.add_argument("--vocab", type=int, default=None, help="vocabulary (default 151936; 1024 with --small)")
     p.add_argument("--reps", type=int, default=None, help="timed calls (default 50 on GPU, 3 on CPU)")
-    p.add_argument("--out-json", help="write the results here")
+    p.add_argument("--out-json", type=out_json, help="write the results here")
     a = p.parse_args(argv)
     device = torch.device(a.device)
     cuda = device.type == "cuda"
     vocab = a.vocab or (1024 if a.small else 151_936)
-    batches = [int(x) for x in a.batches.split(",")] if a.batches else ([1, 2] if a.small else [1, 4, 16, 32])
-    ks = [int(x) for x in a.ks.split(",")] if a.ks else ([4] if a.small else [16, 64])
+    batches = number_list(a.batches, "--batches") if a.batches else ([1, 2] if a.small else [1, 4, 16, 32])
+    ks = number_list(a.ks, "--ks") if a.ks else ([4] if a.small else [16, 64])
     reps = a.reps or (50 if cuda else 3)
     res = {"device": torch.cuda.get_device_name(device) if cuda else "cpu", "torch": torch.__version__,
            "vocab": vocab, "depths": DEPTHS, "rows": []}

@@ -23,7 +23,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from bench.bench_timing import write_json
+from bench.bench_timing import number_list, out_json, write_json
 from ddtree_kernels.skinny_gemm import skinny_config, skinny_linear, split_config, split_linear
 
 SHAPES = {"q/k/v": (6144, 4096), "o": (4096, 4096), "gate/up": (24576, 4096), "down": (4096, 12288),
@@ -57,11 +57,11 @@ def main(argv: list[str] | None = None) -> dict:
                                 epilog=__doc__.split("\n\n", 1)[1], allow_abbrev=False)
     p.add_argument("--rows", default="1,16,32,48,64", help="rows (M) per GEMM, comma-separated (default 1,16,32,48,64)")
     p.add_argument("--reps", type=int, default=5, help="graph replays per point, the fastest kept (default 5)")
-    p.add_argument("--out-json", help="write the results here")
+    p.add_argument("--out-json", type=out_json, help="write the results here")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
         p.error("needs CUDA")
-    rows = [int(x) for x in a.rows.split(",") if x.strip()]
+    rows = number_list(a.rows, "--rows")
     dev, dtype = torch.device("cuda"), torch.bfloat16
     out = {"bench": "gemm", "device": torch.cuda.get_device_name(dev), "torch": torch.__version__, "points": []}
     print(f"us per GEMM (weight read TB/s) on {out['device']}, bf16; '-': no tiles for this shape")

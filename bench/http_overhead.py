@@ -42,7 +42,7 @@ from pathlib import Path
 import aiohttp
 import grpc
 
-from bench.bench_timing import write_json
+from bench.bench_timing import number_list, out_json, write_json
 from bench.serve import DEFAULT_DRAFT, DEFAULT_TARGET, ROOT, Service, heldout_windows, percentile
 from common.rpc import CHANNEL_OPTIONS, pb, pb_grpc
 
@@ -88,9 +88,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tree-budget", type=int, default=16)
     p.add_argument("--repeats", type=int, default=4, help="timed gRPC / HTTP phase pairs per concurrency")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
-    p.add_argument("--out-json", default="http_overhead.json")
+    p.add_argument("--out-json", type=out_json, default="http_overhead.json")
     a = p.parse_args(argv)
-    a.concurrency = [int(x) for x in a.concurrency.split(",") if x.strip()]
+    a.concurrency = number_list(a.concurrency, "--concurrency")
     if not a.concurrency or min(a.concurrency) < 1 or a.repeats < 1 or a.max_new_tokens < 1:
         p.error("--concurrency values, --repeats and --max-new-tokens must be >= 1")
     return a

@@ -34,7 +34,7 @@ import argparse
 import numpy as np
 import torch
 
-from bench.bench_timing import device_ms, measure_bandwidth, write_json
+from bench.bench_timing import device_ms, measure_bandwidth, number_list, out_json, write_json
 from common.tree import DraftTree
 from ddtree_kernels.fused_accept import tree_accept_reference, tree_accept_triton
 from tests.reference import distinct_sibling_tokens
@@ -123,14 +123,14 @@ def main(argv=None) -> dict:
     p.add_argument("--reps", type=int, default=None, help="timed repetitions (default 30 on GPU, 3 on CPU)")
     p.add_argument("--ref-max-rows", type=int, default=None,
                    help="time the PyTorch reference only where B * T <= this (default 129; it is slow)")
-    p.add_argument("--out-json", help="write the results here")
+    p.add_argument("--out-json", type=out_json, help="write the results here")
     a = p.parse_args(argv)
 
     device = torch.device(a.device)
     cuda = device.type == "cuda"
     vocab = a.vocab or (2048 if a.small else VOCAB)
-    batches = [int(x) for x in a.batches.split(",")] if a.batches else ([1, 2] if a.small else [1, 2, 4, 8, 16, 32])
-    trees = [int(x) for x in a.trees.split(",")] if a.trees else ([8, 16] if a.small else [16, 32, 64, 128])
+    batches = number_list(a.batches, "--batches") if a.batches else ([1, 2] if a.small else [1, 2, 4, 8, 16, 32])
+    trees = number_list(a.trees, "--trees") if a.trees else ([8, 16] if a.small else [16, 32, 64, 128])
     reps = a.reps or (30 if cuda else 3)
     ref_max_rows = a.ref_max_rows if a.ref_max_rows is not None else 129
     triton_ok = cuda or os.environ.get("TRITON_INTERPRET") == "1"

@@ -23,7 +23,7 @@ import statistics
 
 import torch
 
-from bench.bench_timing import measure_bandwidth, sync, write_json
+from bench.bench_timing import measure_bandwidth, out_json, sync, write_json
 from bench.verify import (_ints, feature_layers, fill_slots, make_batch, make_runner, qwen3_8b_config, random_target,
                           replay_ms, weight_bytes)
 from common.buckets import auto_kv_buckets
@@ -49,7 +49,7 @@ def main(argv=None) -> dict:
     p.add_argument("--rounds", type=int, default=None,
                    help="timing rounds, off and on taking turns (default 5; CPU 1)")
     p.add_argument("--reps", type=int, default=None, help="replays per timing (default 20; CPU 2)")
-    p.add_argument("--out-json", help="write the results here")
+    p.add_argument("--out-json", type=out_json, help="write the results here")
     a = p.parse_args(argv)
 
     device = torch.device(a.device)

@@ -39,7 +39,7 @@ import warnings
 
 import torch
 
-from bench.bench_timing import sync, write_json
+from bench.bench_timing import number_list, out_json, sync, write_json
 from bench.verify import feature_layers, qwen3_8b_config, random_target
 from verifier_svc.target_runner import TargetRunner, prefill_mask
 
@@ -134,10 +134,10 @@ def main(argv=None) -> dict:
     p.add_argument("--profile", action="store_true", help="print the torch profiler's host ops of one call per past")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                    help="torch device (default cuda when there is one, else cpu)")
-    p.add_argument("--out-json", help="write the results here")
+    p.add_argument("--out-json", type=out_json, help="write the results here")
     a = p.parse_args(argv)
     chunk = a.chunk or (32 if a.small else 1024)
-    pasts = [int(x) for x in (a.pasts or ("0,32" if a.small else "0,1024,3072")).split(",") if x.strip()]
+    pasts = number_list((a.pasts or ("0,32" if a.small else "0,1024,3072")), "--pasts")
     if chunk < 1 or not pasts or min(pasts) < 0 or a.reps < 1:
         p.error("--chunk and --reps must be >= 1, --pasts >= 0")
     device = torch.device(a.device)

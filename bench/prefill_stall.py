@@ -59,7 +59,7 @@ import grpc
 import torch
 
 from bench import serve
-from bench.bench_timing import write_json
+from bench.bench_timing import out_json, write_json
 from common.rpc import CHANNEL_OPTIONS, pb, pb_grpc
 
 LONG_NEW_TOKENS = 16  # new tokens of the long request
@@ -106,7 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--request-timeout", type=float, default=600.0, help="deadline of one request in s (default 600)")
     p.add_argument("--log-dir", default=None,
                    help="keep the services' logs here (default: a temporary folder, removed at the end)")
-    p.add_argument("--out-json", help="write the setup and all numbers here")
+    p.add_argument("--out-json", type=out_json, help="write the setup and all numbers here")
     return p
 
 

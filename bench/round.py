@@ -51,7 +51,7 @@ import time
 import torch
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from bench.bench_timing import write_json
+from bench.bench_timing import out_json, write_json
 from common.protocol import SamplingParams, StatusError
 from common.tracing import setup_tracing
 from drafter_svc.draft_graphs import DraftGraphConfig
@@ -362,7 +362,7 @@ def main(argv=None) -> dict:
     p.add_argument("--raw-features", action="store_true",
                    help="the verifier sends raw layer features (default: context rows, the draft's fc + "
                         "hidden_norm applied on the verifier, as `python -m verifier_svc --draft` does)")
-    p.add_argument("--out-json", help="write the results here")
+    p.add_argument("--out-json", type=out_json, help="write the results here")
     a = p.parse_args(argv)
 
     device = torch.device(a.device)
@@ -371,6 +371,9 @@ def main(argv=None) -> dict:
     prompt_len = a.prompt_len or (32 if a.small else 512)
     max_seq = min(a.max_seq_len, 512) if a.small else a.max_seq_len
     modes = [m.strip() for m in a.modes.split(",") if m.strip()]
+    bad = [m for m in modes if m not in ("ar", "chain") and not m.isdigit()]
+    if bad or not modes:
+        p.error(f"--modes takes ar, chain and tree budgets (integers >= 0), got {a.modes!r}")
     sessions = sorted(set(a.sessions))
     skip = 2 if rounds > 4 else 0
     # Room for the prompt, every step's tokens (a round emits at most block_size) and a full tree:

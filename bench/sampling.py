@@ -24,7 +24,7 @@ import time
 
 import torch
 
-from bench.bench_timing import write_json
+from bench.bench_timing import out_json, write_json
 from bench.kernels import graphed
 from tests.test_fused_accept import random_stage
 from verifier_svc.accept import accept_batch
@@ -72,7 +72,7 @@ def main(argv=None) -> dict:
     p.add_argument("--nodes", type=int, default=17, help="tree nodes T, root included (default 17)")
     p.add_argument("--vocab", type=int, default=None, help="vocabulary (default 151936; 4096 on CPU)")
     p.add_argument("--reps", type=int, default=None, help="timed calls per case (default 50 on CUDA, 2 on CPU)")
-    p.add_argument("--out-json", help="write the results here")
+    p.add_argument("--out-json", type=out_json, help="write the results here")
     a = p.parse_args(argv)
     device = torch.device(a.device)
     vocab = a.vocab or (151_936 if device.type == "cuda" else 4096)

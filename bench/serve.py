@@ -98,7 +98,7 @@ import grpc
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from bench.bench_timing import write_json
+from bench.bench_timing import out_json, write_json
 from common.rpc import CHANNEL_OPTIONS, pb, pb_grpc
 from verifier_svc.cuda_graphs import GraphConfig
 
@@ -241,7 +241,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeline", metavar="DIR", default=None,
                    help="qwen3-8b setup only: both services record host spans and device intervals into DIR "
                         "(summarise with bench/timeline.py DIR)")
-    p.add_argument("--out-json", help="write the results here")
+    p.add_argument("--out-json", type=out_json, help="write the results here")
     return p
 
 
@@ -250,6 +250,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a = p.parse_args(argv)
     quick = a.quick
     a.concurrency = a.concurrency or ([1, 4] if quick else [1, 4, 8, 16, 32, 64])
+    given = {"--requests-per-client": a.requests_per_client, "--prompt-len": a.prompt_len,
+             "--max-new-tokens": a.max_new_tokens, "--max-seq-len": a.max_seq_len, "--max-sessions": a.max_sessions}
+    for flag, value in given.items():  # None: the default; 0 would read as one below
+        if value is not None and value < 1:
+            p.error(f"{flag} must be >= 1, got {value}")
     a.requests_per_client = a.requests_per_client or (1 if quick else 2)
     a.prompt_len = a.prompt_len or (32 if quick else 128)
     a.max_new_tokens = a.max_new_tokens or (32 if quick else 128)
@@ -260,7 +265,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a.max_sessions = a.max_sessions or max(a.concurrency)
     if a.budgets is not None:  # the largest one sizes the trees
         a.tree_budget = max([b for b in a.budgets if b != "adaptive"], default=a.tree_budget)
-    a.max_seq_len = a.max_seq_len or -(-(a.prompt_len + a.max_new_tokens + a.tree_budget + 1) // 64) * 64
+    needed = a.prompt_len + a.max_new_tokens + a.tree_budget + 1
+    if a.max_seq_len is not None and a.max_seq_len < needed:
+        p.error(f"--max-seq-len {a.max_seq_len} does not hold a request: --prompt-len + --max-new-tokens + the "
+                f"largest tree + 1 = {needed}")
+    a.max_seq_len = a.max_seq_len or -(-needed // 64) * 64
     a.graph_batches = a.graph_batches or sorted(set(a.concurrency))
     # With --prefill-graphs the prompts need a tree bucket that holds them (and its cache headroom).
     prefill_bucket = next((b for b in GraphConfig.tree_buckets if b + 1 >= a.prompt_len), 0) if a.prefill_graphs else 0

@@ -25,6 +25,8 @@ import json  # noqa: E402
 import time  # noqa: E402
 
 import torch  # noqa: E402
+
+from bench.bench_timing import out_json  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
 
@@ -73,7 +75,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seconds", type=float, default=6.0, help="timed seconds per case (default 6)")
-    p.add_argument("--out-json", help="write the results here")
+    p.add_argument("--out-json", type=out_json, help="write the results here")
     a = p.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench/shared_gpu.py needs a CUDA GPU")

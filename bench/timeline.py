@@ -38,6 +38,8 @@ import threading
 import time
 from collections import defaultdict
 
+from bench.bench_timing import out_json
+
 Interval = tuple[int, int]
 
 
@@ -412,7 +414,7 @@ def main(argv: list[str] | None = None) -> dict:
                    help="the part of the drafter's run to summarise, as fractions from its first to its last "
                         "message (default 0.3,0.7)")
     p.add_argument("--excerpt-ms", type=float, default=60.0, help="length of the printed excerpt (default 60)")
-    p.add_argument("--out-json", help="write the summary here")
+    p.add_argument("--out-json", type=out_json, help="write the summary here")
     a = p.parse_args(argv)
     try:
         lo, hi = (float(x) for x in a.window.split(","))

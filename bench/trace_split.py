@@ -35,6 +35,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from common.config import load_draft_config  # noqa: E402
 from common.protocol import TreeEntry  # noqa: E402
 from common.rpc import CHANNEL_OPTIONS, pb, pb_grpc  # noqa: E402
+from bench.bench_timing import number_list, out_json
 from common.tracing import setup_tracing  # noqa: E402
 from drafter_svc.server import DrafterConfig, DrafterEngine  # noqa: E402
 from drafter_svc.server import serve as serve_drafter  # noqa: E402
@@ -107,8 +108,9 @@ def main() -> None:
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens per request")
     p.add_argument("--budgets", default="0,4,16", help="comma-separated tree budgets")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="device of both services")
-    p.add_argument("--out-json", help="write the results here")
+    p.add_argument("--out-json", type=out_json, help="write the results here")
     a = p.parse_args()
+    budgets = number_list(a.budgets, "--budgets")
     exporter = InMemorySpanExporter()
     setup_tracing("trace-split").add_span_processor(SimpleSpanProcessor(exporter))
     layers = load_draft_config(a.draft).target_layer_ids
@@ -122,7 +124,7 @@ def main() -> None:
         with ServerThread(lambda: serve_drafter(engine, "127.0.0.1", 0)) as drafter, \
                 grpc.insecure_channel(f"127.0.0.1:{drafter.port}", options=CHANNEL_OPTIONS) as channel:
             stub = pb_grpc.GenerationStub(channel)
-            for budget in [int(b) for b in a.budgets.split(",")]:
+            for budget in budgets:
                 req = pb.GenerateRequest(text=a.prompt, max_new_tokens=a.max_new_tokens, tree_budget=budget)
                 stub.GenerateOnce(req, timeout=600)  # warm-up
                 exporter.clear()

@@ -68,7 +68,7 @@ import numpy as np
 import torch
 from opentelemetry import trace as otel_trace
 
-from bench.bench_timing import write_json
+from bench.bench_timing import number_list, out_json, write_json
 from common.config import load_target_config
 from common.feature_wire import FORMATS, FeatureReader, check_packed, feature_reader, wire_rows
 from common.protocol import CloseEntry, OpenEntry, Prefilled, SamplingParams, TreeEntry, Verified
@@ -411,8 +411,6 @@ def time_echo(port: int, request_bytes: int, reply_bytes: int, rounds: int, gap_
     return {"median_ms": statistics.median(warm), "p90_ms": float(np.percentile(warm, 90))}
 
 
-def ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x.strip()]
 
 
 def main(argv=None) -> dict:
@@ -432,9 +430,10 @@ def main(argv=None) -> dict:
     p.add_argument("--feature-wire", choices=tuple(FORMATS), default="model",
                    help="feature rows as the verifier's --feature-wire sends them: model (bf16) or fp8 (packed, "
                    "half the bytes); default model")
-    p.add_argument("--out-json", help="write the results here")
+    p.add_argument("--out-json", type=out_json, help="write the results here")
     a = p.parse_args(argv)
-    batches, feature_rows, gaps = ints(a.batches), ints(a.feature_rows), [float(x) for x in a.gaps_ms.split(",")]
+    batches, feature_rows = number_list(a.batches, "--batches"), number_list(a.feature_rows, "--feature-rows")
+    gaps = number_list(a.gaps_ms, "--gaps-ms", float)
     if a.nodes < 1 or a.rounds < 10:
         p.error("--nodes must be >= 1 and --rounds >= 10")
     if not batches or min(batches) < 1 or not feature_rows or min(feature_rows) < 1:

@@ -27,7 +27,7 @@ import time
 import torch
 
 import drafter_svc.ddtree as ddtree
-from bench.bench_timing import write_json
+from bench.bench_timing import number_list, out_json, write_json
 from drafter_svc.ddtree import select_ddtrees
 from ddtree_kernels.tree_sampling import kernel_backend
 
@@ -71,11 +71,11 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--reps", type=int, default=20, help="timed calls per point (default 20)")
     p.add_argument("--device", default="cpu", help="where the block logits are (default cpu)")
     p.add_argument("--vocab", type=int, default=VOCAB, help=f"vocabulary of the block logits (default {VOCAB})")
-    p.add_argument("--out-json", help="write the results here")
+    p.add_argument("--out-json", type=out_json, help="write the results here")
     a = p.parse_args(argv)
     try:
-        sessions = [int(x) for x in a.sessions.split(",") if x.strip()]
-        peaks = [float(x) for x in a.peak.split(",") if x.strip()]
+        sessions = number_list(a.sessions, "--sessions")
+        peaks = number_list(a.peak, "--peak", float)
     except ValueError:
         p.error("--sessions takes integers and --peak numbers, comma-separated")
     if not sessions or min(sessions) < 1 or a.budget < 1 or a.reps < 1 or not peaks or a.vocab < 1:

@@ -43,7 +43,7 @@ from contextlib import nullcontext
 import torch
 import torch.nn.functional as F
 
-from bench.bench_timing import device_ms, measure_bandwidth, sync, wall_ms, write_json
+from bench.bench_timing import device_ms, measure_bandwidth, number_list, out_json, sync, wall_ms, write_json
 from common.buckets import auto_kv_buckets
 from common.config import DraftConfig, TargetConfig
 from common.layers import RotaryEmbedding
@@ -286,8 +286,8 @@ def profile_pass(fn, device) -> dict:
             "top": [{"ms": us / 1e3, "count": c, "name": n} for us, c, n in top[:12]]}
 
 
-def _ints(text: str | None, default: list[int]) -> list[int]:
-    return [int(x) for x in text.split(",") if x.strip()] if text else default
+def _ints(text: str | None, default: list[int], flag: str) -> list[int]:
+    return number_list(text, flag) if text else default
 
 
 def main(argv=None) -> dict:
@@ -305,15 +305,15 @@ def main(argv=None) -> dict:
     p.add_argument("--prefill", default=None,
                    help="prompt lengths, comma-separated, whose one-session prefill (the verifier's eager "
                         "`TargetRunner.prefill`, wall with sync) to time after the verify steps (default none)")
-    p.add_argument("--out-json", help="write the results here")
+    p.add_argument("--out-json", type=out_json, help="write the results here")
     a = p.parse_args(argv)
 
     device = torch.device(a.device)
     cuda = device.type == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
     cfg = qwen3_8b_config(a.small)
-    batches = sorted(set(_ints(a.batches, [1, 4] if a.small else [1, 4, 16, 32])))
-    trees = _ints(a.trees, [8, 16] if a.small else [16, 32, 64, 128])
+    batches = sorted(set(_ints(a.batches, [1, 4] if a.small else [1, 4, 16, 32], "--batches")))
+    trees = _ints(a.trees, [8, 16] if a.small else [16, 32, 64, 128], "--trees")
     if min(batches) < 1 or min(trees) < 0:
         p.error("--batches must be >= 1 and --trees >= 0")
     past = a.past if a.past is not None else (48 if a.small else 1024)
@@ -398,7 +398,7 @@ def main(argv=None) -> dict:
                   f"sample eager/graph {row['eager_sample_ms']:8.2f}/{row['graph_sample_ms']:8.2f}  "
                   f"floor {floor_ms:6.2f} ms", flush=True)
     res["verify"] = rows_out
-    prefill = _ints(a.prefill, [])
+    prefill = _ints(a.prefill, [], "--prefill")
     if prefill and max(prefill) > max_seq:
         p.error(f"--prefill {max(prefill)} does not fit --max-seq-len {max_seq}")
     res["prefill"] = []

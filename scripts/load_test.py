@@ -53,6 +53,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from bench.serve import ROOT as SERVE_ROOT
 from bench.serve import Service, free_port, heldout_windows, percentile
 from common.config import load_target_config
+from bench.bench_timing import out_json
 from common.rpc import CHANNEL_OPTIONS, pb, pb_grpc
 
 ROOT = Path(ROOT_DIR)
@@ -86,7 +87,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="seconds a service may take to start (default 300)")
     p.add_argument("--seed", type=int, default=0, help="prompt seed (default 0)")
     p.add_argument("--log-dir", help="keep the services' logs here (default: a temporary folder, removed)")
-    p.add_argument("--out-json", help="write the results here")
+    p.add_argument("--out-json", type=out_json, help="write the results here")
     a = p.parse_args(argv)
     if a.clients < 1 or a.requests < 1 or a.max_new_tokens < 1 or a.prompt_len < 1 or a.tree_budget < 0:
         p.error("--clients, --requests, --max-new-tokens and --prompt-len must be >= 1, --tree-budget >= 0")
@@ -94,6 +95,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--kill-at must be below 1 (a negative value: no kill)")
     if a.replicas < 1:
         p.error(f"--replicas must be >= 1, got {a.replicas}")
+    if not a.down_s >= 0:
+        p.error(f"--down-s must be >= 0, got {a.down_s}")
     a.target, a.draft = str((ROOT / a.target).resolve()), str((ROOT / a.draft).resolve())
     return a
 

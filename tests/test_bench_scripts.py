@@ -33,3 +33,29 @@ def test_every_bench_script_has_help_and_keeps_bench_off_the_path():
     assert done.returncode == 0, done.stderr[-2000:]
     results = json.loads(done.stdout.strip().splitlines()[-1])
     assert results == {name: 0 for name in SCRIPTS}, {k: v for k, v in results.items() if v != 0}
+
+
+def test_bench_arguments_are_checked_before_any_work(tmp_path, capsys):
+    """A list that is not numbers, a value below its minimum or an --out-json folder that does not
+    exist ends the script with one line before it runs (they used to end in a traceback, the last
+    only after the whole run)."""
+    import pytest
+
+    from bench import acceptance, codec, round as round_bench, serve, transport
+
+    cases = [
+        (codec.main, ["--batches", "abc"], "--batches must be comma-separated integers"),
+        (codec.main, ["--out-json", str(tmp_path / "missing" / "x.json")], "is not a writable folder"),
+        (transport.main, ["--gaps-ms", "x"], "--gaps-ms must be comma-separated numbers"),
+        (serve.parse_args, ["--small", "--quick", "--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
+        (serve.parse_args, ["--small", "--quick", "--max-seq-len", "8"], "does not hold a request"),
+        (round_bench.main, ["--small", "--modes", "ar,foo"], "--modes takes ar, chain and tree budgets"),
+        (acceptance.main, ["--budgets", "-1"], "--budgets and --temperatures must be >= 0"),
+        (acceptance.main, ["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
+    ]
+    for main, argv, needle in cases:
+        with pytest.raises(SystemExit) as caught:
+            main(argv)
+        err = capsys.readouterr().err
+        assert caught.value.code != 0 and needle in err and "Traceback" not in err, (argv, err)
+    assert not (tmp_path / "missing").exists()
