@@ -10,6 +10,7 @@ offline. Tests and the demo use these checkpoints.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import sysconfig
 from dataclasses import dataclass
@@ -89,6 +90,19 @@ def _layer_tensors(gen, prefix: str, s: TinySizes, qk_norm: bool) -> dict[str, t
 
 
 def _save(tensors: dict[str, torch.Tensor], folder: Path, shards: int) -> None:
+    """The tensors as safetensors in `folder`: one file, or `shards` files and their index. The
+    files get the umask's permissions (safetensors writes 0600, which a container's user could
+    not read)."""
+    try:
+        _write_shards(tensors, folder, shards)
+    finally:
+        umask = os.umask(0)
+        os.umask(umask)
+        for f in folder.glob("model*.safetensors*"):
+            f.chmod(0o666 & ~umask)
+
+
+def _write_shards(tensors: dict[str, torch.Tensor], folder: Path, shards: int) -> None:
     tensors = {k: v.contiguous() for k, v in tensors.items()}
     if shards <= 1:
         save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})

@@ -64,7 +64,9 @@ def stop(proc: subprocess.Popen) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                epilog="Flags it does not know go to the client (python -m drafter_svc.client), "
+                                       "e.g. --max-new-tokens 96 --temperature 0.7.")
     p.add_argument("--target", default=str(ROOT / "models" / "default" / "target"), help="target checkpoint folder")
     p.add_argument("--draft", default=str(ROOT / "models" / "default" / "draft"), help="DFlash draft checkpoint folder")
     p.add_argument("--prompt", default="def fibonacci(n):", help="prompt text")

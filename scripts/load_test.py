@@ -72,7 +72,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--clients", type=int, default=64, help="concurrent clients (default 64)")
     p.add_argument("--requests", type=int, default=20, help="requests per client after its warm-up (default 20)")
     p.add_argument("--max-new-tokens", type=int, default=32, help="new tokens per request (default 32)")
-    p.add_argument("--prompt-len", type=int, default=32, help="prompt tokens, random ids (default 32)")
+    p.add_argument("--prompt-len", type=int, default=32, help="prompt tokens: windows of the target's held-out text, random ids where "
+                   "it has too few (default 32)")
     p.add_argument("--tree-budget", type=int, default=8, help="drafted nodes per tree (default 8)")
     p.add_argument("--kill-at", type=float, default=0.3,
                    help="kill replica 0 once this fraction of the requests has finished (default 0.3; "

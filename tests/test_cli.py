@@ -322,3 +322,18 @@ def test_local_verifier_mixups_are_refused(qwen3_pair, capsys, args, needle):
         drafter_cli.parse_args(["--draft", draft, "--target", target, "--device", "cpu", *args])
     err = capsys.readouterr().err
     assert caught.value.code != 0 and needle in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_make_tiny_files_take_the_umask(tmp_path):
+    """safetensors writes 0600; a container running as another user could not read the pair."""
+    import os
+
+    from common import make_tiny
+
+    old = os.umask(0o022)
+    try:
+        make_tiny.main(["--out", str(tmp_path), "--shards", "2"])
+    finally:
+        os.umask(old)
+    files = list(tmp_path.glob("*/model*.safetensors*"))
+    assert len(files) == 4 and all(f.stat().st_mode & 0o777 == 0o644 for f in files), files
