@@ -120,7 +120,8 @@ def main(argv=None, extra: dict | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=__doc__.split("\n", 2)[2],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--small", action="store_true", help="toy sizes (2 layers, 4 / 2 heads x 16), float32 on CPU")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="torch device (default cuda when there is a GPU, else cpu)")
     p.add_argument("--batches", default=None, help="sessions per pass, comma-separated (default 1,16,32; small 1,2)")
     p.add_argument("--trees", default="16,64", help="drafted nodes per tree, comma-separated (default 16,64)")
     p.add_argument("--pasts", default=None, help="tokens in each slot before the tree (default 256,1024; small 40)")

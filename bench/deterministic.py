@@ -225,8 +225,9 @@ def print_decode_tables(modes: dict) -> None:
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--dims", choices=("8b", "small"), default="8b", help="Qwen3-8B dimensions or toy ones (CPU)")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="torch device (default cuda when there is a GPU, else cpu)")
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"), help="model dtype")
     p.add_argument("--prompts", type=int, default=60, help="prompts (sessions) per setting (default 60)")
     p.add_argument("--prompt-len", type=int, default=64, help="prompt tokens (default 64)")
     p.add_argument("--new-tokens", type=int, default=48, help="tokens generated per prompt (default 48)")
@@ -237,7 +238,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--gemm-rows", type=ints, default=[17, 65, 136, 272, 544, 2080],
                    help="row counts of the GEMM table (GPU only; default 17,65,136,272,544,2080)")
     p.add_argument("--parts", default="decode,gemm", help="decode (equality and verify steps) and/or gemm (GPU)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     p.add_argument("--out-json", type=out_json, help="write the results here")
     a = p.parse_args(argv)
     dtype = getattr(torch, a.dtype)

@@ -129,7 +129,8 @@ def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--small", action="store_true", help="toy sizes (runs on CPU)")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="torch device (default cuda when there is a GPU, else cpu)")
     p.add_argument("--batches", default=None, help="sessions per step (default 1,4,16,32; 1,4 with --small)")
     p.add_argument("--contexts", default=None, help="context rows of each session before the step (default "
                                                     "512,1024,1920; 64,256 with --small)")
@@ -139,7 +140,7 @@ def main(argv=None) -> dict:
                                                    "1,2,4,8; 1,2,4 with --small; at most the largest batch)")
     p.add_argument("--prompt-len", type=int, default=None, help="feature rows of each prompt (default 128; 32 "
                                                                 "with --small)")
-    p.add_argument("--max-seq-len", type=int, default=2048)
+    p.add_argument("--max-seq-len", type=int, default=2048, help="KV capacity per session in tokens")
     p.add_argument("--reps", type=int, default=None, help="timed calls per point (default 50; 5 with --small)")
     p.add_argument("--out-json", type=out_json, help="write the results here")
     a = p.parse_args(argv)

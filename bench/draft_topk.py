@@ -39,7 +39,8 @@ def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog=__doc__.split("\n\n", 1)[1])
     p.add_argument("--small", action="store_true", help="toy sizes (runs on CPU)")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="torch device (default cuda when there is a GPU, else cpu)")
     p.add_argument("--batches", default=None, help="comma-separated sessions B (default 1,4,16,32; 1,2 with --small)")
     p.add_argument("--ks", default=None, help="comma-separated k (default 16,64; 4 with --small)")
     p.add_argument("--vocab", type=int, default=None, help="vocabulary (default 151936; 1024 with --small)")

@@ -116,7 +116,8 @@ def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog=__doc__.split("\n\n", 1)[1])
     p.add_argument("--small", action="store_true", help="toy sizes (runs on CPU)")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="torch device (default cuda when there is a GPU, else cpu)")
     p.add_argument("--batches", default=None, help="comma-separated batch sizes (default 1,2,4,8,16,32)")
     p.add_argument("--trees", default=None, help="drafted nodes per tree (default 16,32,64,128)")
     p.add_argument("--vocab", type=int, default=None, help=f"vocabulary (default {VOCAB})")

@@ -41,11 +41,12 @@ def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--small", action="store_true", help="toy sizes (runs on CPU)")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="torch device (default cuda when there is a GPU, else cpu)")
     p.add_argument("--batches", default="1", help="sessions per step, comma-separated (default 1)")
     p.add_argument("--trees", default="0,15,63", help="drafted nodes per tree, comma-separated (default 0,15,63)")
     p.add_argument("--past", type=int, default=None, help="tokens in each session's KV slot (default 128; small 48)")
-    p.add_argument("--max-seq-len", type=int, default=512)
+    p.add_argument("--max-seq-len", type=int, default=512, help="KV capacity per session in tokens")
     p.add_argument("--rounds", type=int, default=None,
                    help="timing rounds, off and on taking turns (default 5; CPU 1)")
     p.add_argument("--reps", type=int, default=None, help="replays per timing (default 20; CPU 2)")

@@ -350,13 +350,14 @@ def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog=__doc__.split("\n\n", 1)[1])
     p.add_argument("--small", action="store_true", help="toy sizes (runs on CPU)")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="torch device (default cuda when there is a GPU, else cpu)")
     p.add_argument("--modes", default="ar,chain,8,16,32,64", help="ar, chain or a tree budget, comma-separated")
     p.add_argument("--sessions", type=parse_sessions, default=[1],
                    help="concurrent sessions per step: N, or a comma-separated list of N (default 1)")
     p.add_argument("--rounds", type=int, default=None, help="timed steps per case (default 32; 6 with --small)")
     p.add_argument("--prompt-len", type=int, default=None, help="prompt tokens (default 512; 32 with --small)")
-    p.add_argument("--max-seq-len", type=int, default=2048)
+    p.add_argument("--max-seq-len", type=int, default=2048, help="KV capacity per session in tokens")
     p.add_argument("--no-cuda-graphs", action="store_true", help="verifier without CUDA graphs")
     p.add_argument("--no-draft-graphs", action="store_true", help="draft step without CUDA graphs")
     p.add_argument("--raw-features", action="store_true",

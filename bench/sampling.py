@@ -67,7 +67,8 @@ def time_mode(mode: str, args, extra, device: torch.device, reps: int) -> float:
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog=__doc__.split("\n\n", 1)[1])
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="torch device (default cuda when there is a GPU, else cpu)")
     p.add_argument("--batches", default="1,32", help="comma-separated batch sizes (default 1,32)")
     p.add_argument("--nodes", type=int, default=17, help="tree nodes T, root included (default 17)")
     p.add_argument("--vocab", type=int, default=None, help="vocabulary (default 151936; 4096 on CPU)")

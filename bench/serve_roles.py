@@ -174,9 +174,10 @@ def _verifier_flag(argv: list[str]) -> str:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog=__doc__.split("\n\n", 1)[1], allow_abbrev=False)
-    p.add_argument("role", choices=("verifier", "drafter"))
+    p.add_argument("role", choices=("verifier", "drafter"), help="which service's half of the run this process plays")
     p.add_argument("--small", action="store_true", help="toy dimensions (runs on CPU)")
-    p.add_argument("--seed", type=int, default=None, help="weights seed (default 0 for the verifier, 1 for the drafter)")
+    p.add_argument("--seed", type=int, default=None,
+                   help="weights seed (default 0 for the verifier, 1 for the drafter)")
     p.add_argument("--timeline", metavar="DIR", default=None,
                    help="record host spans and device intervals into DIR (bench/timeline.py reads them)")
     a, rest = p.parse_known_args(argv)

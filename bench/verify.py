@@ -294,11 +294,12 @@ def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog=__doc__.split("\n\n", 1)[1])
     p.add_argument("--small", action="store_true", help="toy sizes (runs on CPU)")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="torch device (default cuda when there is a GPU, else cpu)")
     p.add_argument("--batches", default=None, help="sessions per step, comma-separated (default 1,4,16,32; small 1,4)")
     p.add_argument("--trees", default=None, help="drafted nodes per tree, comma-separated (default 16,32,64,128)")
     p.add_argument("--past", type=int, default=None, help="tokens already in each session's KV slot (default 1024)")
-    p.add_argument("--max-seq-len", type=int, default=2048)
+    p.add_argument("--max-seq-len", type=int, default=2048, help="KV capacity per session in tokens")
     p.add_argument("--reps", type=int, default=None, help="timed repetitions (default 20 on GPU, 3 on CPU)")
     p.add_argument("--no-attention", action="store_true", help="skip the attention micro-benchmark")
     p.add_argument("--no-profile", action="store_true", help="skip the kernel profile")

@@ -484,7 +484,8 @@ def check_schema(doc: dict, schema_path: Path, c: Checker) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--compose", default=str(ROOT / "compose.yaml"))
+    p.add_argument("--compose", default=str(ROOT / "compose.yaml"),
+                   help="the compose file to check (default the repository's)")
     p.add_argument("--dockerfile", default=str(ROOT / "Dockerfile"),
                    help="Dockerfile to lint ('' to skip)")
     p.add_argument("--schema", default="", help="compose JSON schema to validate against as well")

@@ -179,11 +179,13 @@ def mean(values) -> float:
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("snapshot", type=Path, help="copy of github.com/liranringel/ddtree")
-    p.add_argument("--target", default=str(ROOT / "models/default/target"))
-    p.add_argument("--draft", default=str(ROOT / "models/default/draft"))
+    p.add_argument("--target", default=str(ROOT / "models/default/target"),
+                   help="target checkpoint folder (default the bundled one)")
+    p.add_argument("--draft", default=str(ROOT / "models/default/draft"),
+                   help="DFlash draft checkpoint folder (default the bundled one)")
     p.add_argument("--prompts", type=int, default=8, help="held-out prompts")
-    p.add_argument("--prompt-tokens", type=int, default=64)
-    p.add_argument("--max-new-tokens", type=int, default=96)
+    p.add_argument("--prompt-tokens", type=int, default=64, help="tokens taken from the start of each held-out file")
+    p.add_argument("--max-new-tokens", type=int, default=96, help="tokens generated per request")
     p.add_argument("--budget", type=int, default=16, help="DDTree budget of the tree mode")
     p.add_argument("--threads", type=int, default=2, help="torch threads")
     p.add_argument("--out-json", default=None, help="write the results here")
