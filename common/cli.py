@@ -13,6 +13,14 @@ def fail(message: str, code: int = 2) -> NoReturn:
     raise SystemExit(code)
 
 
+def token_ids(text: str, flag: str = "--prompt-ids") -> list[int]:
+    """Comma-separated token ids (spaces allowed, no empty item); exits with one line otherwise."""
+    try:
+        return [int(x) for x in text.split(",")]
+    except ValueError:
+        fail(f"{flag} must be comma-separated integers, got {text!r}")
+
+
 def env_flag(text: str) -> bool:
     """An on/off value from the environment: 1, true, yes, on."""
     return str(text).lower() in ("1", "true", "yes", "on")

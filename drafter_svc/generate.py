@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from common.checkpoint import load_tokenizer
-from common.cli import FlagParser, fail
+from common.cli import FlagParser, fail, token_ids
 from common.config import CheckpointError, load_draft_config
 from common.devices import parse_device
 from common.feature_projection import FeatureProjection
@@ -110,13 +110,6 @@ def result_json(result: GenerationResult, text: str) -> dict:
     }
 
 
-def parse_prompt_ids(text: str) -> list[int]:
-    try:
-        return [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        fail(f"--prompt-ids must be comma-separated integers, got {text!r}")
-
-
 def build_parser() -> FlagParser:
     p = FlagParser(prog="python -m drafter_svc.generate", description=__doc__.split("\n\n")[0])
     p.add_argument("--target", required=True, help="target checkpoint folder (config.json, safetensors, tokenizer.json)")
@@ -179,7 +172,7 @@ def main(argv: list[str] | None = None) -> None:
         if "allocate" not in str(exc):  # the CPU allocator's out-of-memory is a RuntimeError
             raise
         fail(f"out of memory loading the models with --max-seq-len {a.max_seq_len} on {device}: {exc}".split("\n")[0])
-    prompt_ids = parse_prompt_ids(a.prompt_ids) if a.prompt_ids is not None else engine.tokenizer.encode(a.prompt).ids
+    prompt_ids = token_ids(a.prompt_ids) if a.prompt_ids is not None else engine.tokenizer.encode(a.prompt).ids
     try:
         result = engine.generate(prompt_ids, config)
     except StatusError as exc:

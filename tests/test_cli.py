@@ -35,6 +35,7 @@ def test_generate_json_output(dirs):
     (["--tree-budget", "-3"], "tree-budget"),
     (["--prompt-ids", "1,2,999999"], "outside the vocabulary"),
     (["--prompt-ids", "1,x"], "comma-separated"),
+    (["--prompt-ids", "1,,2"], "comma-separated"),  # an empty item is a typo, not nothing
     (["--prompt", ""], "empty"),
 ])
 def test_generate_rejects_bad_input(dirs, extra, needle):
