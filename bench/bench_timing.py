@@ -9,6 +9,8 @@ import time
 
 import torch
 
+from common.cli import number_list  # noqa: F401  (the benches' list flags go through it)
+
 
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
@@ -75,13 +77,3 @@ def out_json(path: str) -> str:
     if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
         raise argparse.ArgumentTypeError(f"cannot write {path}: {folder} is not a writable folder")
     return path
-
-
-def number_list(text: str, flag: str, kind: type = int) -> list:
-    """Comma-separated numbers of a list flag; exits with one line naming `flag` otherwise."""
-    from common.cli import fail
-
-    try:
-        return [kind(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        fail(f"{flag} must be comma-separated {'integers' if kind is int else 'numbers'}, got {text!r}")

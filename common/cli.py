@@ -13,12 +13,13 @@ def fail(message: str, code: int = 2) -> NoReturn:
     raise SystemExit(code)
 
 
-def token_ids(text: str, flag: str = "--prompt-ids") -> list[int]:
-    """Comma-separated token ids (spaces allowed, no empty item); exits with one line otherwise."""
+def number_list(text: str, flag: str, kind: type = int) -> list:
+    """The comma-separated numbers of a list flag (spaces allowed; an empty item is a typo, not
+    nothing); exits with one line naming `flag` otherwise."""
     try:
-        return [int(x) for x in text.split(",")]
+        return [kind(x) for x in text.split(",")]
     except ValueError:
-        fail(f"{flag} must be comma-separated integers, got {text!r}")
+        fail(f"{flag} must be comma-separated {'integers' if kind is int else 'numbers'}, got {text!r}")
 
 
 def env_flag(text: str) -> bool:

@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass
 
 from common.auth import ApiKeyError, read_api_key
-from common.cli import FlagParser, fail, token_ids
+from common.cli import FlagParser, fail, number_list
 from common.rpc import pb
 from common.tls import ChannelTls, TlsError
 from drafter_svc import client_lib
@@ -30,7 +30,7 @@ def request_options(a) -> dict:
                    seed=a.seed, stop=a.stop or [], stop_token_ids=a.stop_token_id or [], tree_budget=a.tree_budget,
                    logprobs=a.logprobs)
     if a.prompt_ids is not None:
-        options["token_ids"] = token_ids(a.prompt_ids)
+        options["token_ids"] = number_list(a.prompt_ids, "--prompt-ids")
     elif a.chat:
         system = [{"role": "system", "content": a.system}] if a.system is not None else []
         options["messages"] = [*system, {"role": "user", "content": a.prompt}]

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from common.checkpoint import load_tokenizer
-from common.cli import FlagParser, fail, token_ids
+from common.cli import FlagParser, fail, number_list
 from common.config import CheckpointError, load_draft_config
 from common.devices import parse_device
 from common.feature_projection import FeatureProjection
@@ -166,13 +166,11 @@ def main(argv: list[str] | None = None) -> None:
                                   cuda_graphs=not a.no_cuda_graphs)
     except CheckpointError as exc:
         fail(str(exc))
-    except (torch.OutOfMemoryError, MemoryError) as exc:
-        fail(f"out of memory loading the models with --max-seq-len {a.max_seq_len} on {device}: {exc}".split("\n")[0])
-    except RuntimeError as exc:
-        if "allocate" not in str(exc):  # the CPU allocator's out-of-memory is a RuntimeError
+    except (RuntimeError, MemoryError) as exc:  # torch.OutOfMemoryError and the CPU allocator's are RuntimeErrors
+        if not isinstance(exc, (torch.OutOfMemoryError, MemoryError)) and "allocate" not in str(exc):
             raise
         fail(f"out of memory loading the models with --max-seq-len {a.max_seq_len} on {device}: {exc}".split("\n")[0])
-    prompt_ids = token_ids(a.prompt_ids) if a.prompt_ids is not None else engine.tokenizer.encode(a.prompt).ids
+    prompt_ids = number_list(a.prompt_ids, "--prompt-ids") if a.prompt_ids is not None else engine.tokenizer.encode(a.prompt).ids
     try:
         result = engine.generate(prompt_ids, config)
     except StatusError as exc:
