@@ -38,8 +38,8 @@ runs; with the `default` pair, tree mode at its real acceptance; then per `--acc
 value (default: the p giving tau ~ 3 and ~ 6, tau = 1 + p (1 - p^D) / (1 - p), D = block
 size - 1, found by bisection) the drafter restarted with `--bench-oracle`
 (drafter_svc/oracle.py), fed the AR continuations, and tree mode (`--tree-budget`). The
-drafter runs with its default `--pipelining auto` (lockstep here: the two services share
-one device); with `--lockstep` every oracle setting runs twice in the same run, with the
+drafter runs with its default `--pipelining auto` (lockstep here below 64 sessions: the two
+services share one device); with `--lockstep` every oracle setting runs twice in the same run, with the
 drafter started with `--pipelining on` and then `--pipelining off` (rows `SETTING-ls`). With
 `--budgets 8,16,32,adaptive` every oracle setting runs once per budget (rows `SETTING bB`, with
 the drafter's `--adaptive-budget off`) and once with `--adaptive-budget on` capped at the
