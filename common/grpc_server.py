@@ -4,6 +4,9 @@ health service and server reflection; TLS or mutual TLS when given (`common.tls.
 and interceptors (e.g. `common.auth.ApiKeyInterceptor`)."""
 from __future__ import annotations
 
+import os
+import socket
+
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
@@ -26,6 +29,38 @@ _HANDLERS = {  # (client streaming, server streaming) -> handler factory
 
 def listen_address(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+
+
+def bind_error_reason(exc: OSError) -> str:
+    """Why a bind failed, as the OS says it ("address already in use"), without the wrapper text
+    asyncio adds ("error while attempting to bind on address ...")."""
+    return os.strerror(exc.errno).lower() if exc.errno else str(exc)
+
+
+def check_bindable(host: str, port: int) -> None:
+    """Raise OSError with the reason (``address already in use``, a name that does not resolve)
+    when no address of `host` can take `port`. gRPC binds the same addresses and succeeds when
+    one of them binds, but says why it failed only in a log line of its own; this check runs
+    first so that the usual mistakes end in one line. (A port taken between the two still fails
+    in `start_grpc_server`.)"""
+    if port == 0:
+        return
+    address = listen_address(host, port)
+    try:
+        resolved = socket.getaddrinfo(host.strip("[]") or None, port, type=socket.SOCK_STREAM,
+                                      flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise OSError(f"cannot listen on {address}: {(e.strerror or str(e)).lower()}") from None
+    reasons = []
+    for family, kind, proto, _, sockaddr in resolved:
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC's listeners
+            try:
+                probe.bind(sockaddr)
+                return
+            except OSError as e:
+                reasons.append(bind_error_reason(e))
+    raise OSError(f"cannot listen on {address}: {', '.join(dict.fromkeys(reasons))}")
 
 
 def server_options(max_receive_bytes: int) -> list[tuple[str, int]]:
@@ -82,6 +117,7 @@ async def start_grpc_server(servicer, service_name: str, host: str, port: int, m
     (a ValueError) when the TLS files are unusable.
     """
     credentials = tls.credentials() if tls is not None and tls.enabled else None  # checked before binding
+    check_bindable(host, port)
     server = grpc.aio.server(options=server_options(max_receive_bytes), interceptors=list(interceptors) or None)
     add_raw_servicer(server, service_name, servicer)
     health = health_aio.HealthServicer()

@@ -19,6 +19,8 @@ import asyncio
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, Counter, Gauge, Histogram, generate_latest
 
+from common.grpc_server import bind_error_reason
+
 _LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _PER_TOKEN = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56)
 _REQUEST = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
@@ -172,5 +174,5 @@ async def serve_metrics(host: str, port: int) -> MetricsServer:
         await site.start()
     except OSError as exc:
         await runner.cleanup()
-        raise OSError(f"cannot serve metrics on {host}:{port}: {exc.strerror or exc}") from None
+        raise OSError(f"cannot serve metrics on {host}:{port}: {bind_error_reason(exc)}") from None
     return MetricsServer(runner, runner.addresses[0][1])

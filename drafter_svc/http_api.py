@@ -40,7 +40,7 @@ from aiohttp import web
 
 from common import metrics
 from common.auth import presents_key
-from common.grpc_server import MIB
+from common.grpc_server import MIB, bind_error_reason
 from common.protocol import MAX_LOGPROBS, SEED_LIMIT, StatusError, TokenLogprob
 from common.rpc import pb
 from drafter_svc.scheduler import QueueFull
@@ -557,5 +557,5 @@ async def serve_http(service: GenerationService, host: str, port: int) -> HttpSe
         await site.start()
     except OSError as exc:
         await runner.cleanup()
-        raise OSError(f"cannot listen on {host}:{port} (HTTP): {exc.strerror or exc}") from None
+        raise OSError(f"cannot listen on {host}:{port} (HTTP): {bind_error_reason(exc)}") from None
     return HttpServer(runner, runner.addresses[0][1], in_progress)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import random
+import socket
 import subprocess
 import sys
 import threading
@@ -17,7 +18,7 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common.config import load_draft_config
-from common.grpc_server import MIB
+from common.grpc_server import MIB, check_bindable
 from common.rpc import GENERATION_SERVICE, VERIFIER_SERVICE, pb, pb_grpc
 from drafter_svc.chat import ChatTemplate
 from drafter_svc.server import DrafterConfig, DrafterEngine
@@ -143,9 +144,23 @@ def test_clis_on_a_busy_port_exit_with_one_line(qwen3_pair, verifier, verifier_c
                   "--port", busy, "--verifier", f"127.0.0.1:{busy}", "--verifier-wait", "10")):
         r = run_cli(*args)
         assert r.returncode != 0, r.stderr
-        assert f"error: cannot listen on 127.0.0.1:{busy}" in r.stderr and "Traceback" not in r.stderr, r.stderr
+        assert f"error: cannot listen on 127.0.0.1:{busy}: address already in use" in r.stderr, r.stderr
+        assert "Traceback" not in r.stderr and "add_port" not in r.stderr, r.stderr  # no gRPC log line either
         assert r.stderr.strip().splitlines()[-1].startswith("error: cannot listen on")
     assert serving(verifier_channel)
+
+
+def test_the_bind_check_names_the_reason():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(OSError, match=f"^cannot listen on 127.0.0.1:{port}: address already in use$"):
+            check_bindable("127.0.0.1", port)
+        with pytest.raises(OSError, match=f"^cannot listen on 192.0.2.1:{port}: cannot assign requested address$"):
+            check_bindable("192.0.2.1", port)  # TEST-NET-1: no address of this host
+    check_bindable("127.0.0.1", port)  # free again
+    check_bindable("127.0.0.1", 0)  # any free port: nothing to check
 
 
 # -- 2. message-size caps -----------------------------------------------------------------------

@@ -3,6 +3,7 @@ the drafter's HTTP port and the verifier's --metrics-port, and the counters move
 a request did (tokens, rounds, requests by API, finish reason and status code)."""
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
 import time
@@ -14,6 +15,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from common.config import load_target_config
+from common.metrics import serve_metrics
 from common.rpc import CHANNEL_OPTIONS, pb, pb_grpc
 from tests.test_http_api import MODEL_NAME, PAIR, PROMPT, post, shipped_services, shipped_target_with_template
 
@@ -185,3 +187,12 @@ def test_each_service_exposes_only_its_own_metrics():
     drafter, verifier = metrics.render("drafter").decode(), metrics.render("verifier").decode()
     assert "ddtree_drafter_draft_seconds" in drafter and "ddtree_verifier_" not in drafter
     assert "ddtree_verifier_step_seconds" in verifier and "ddtree_drafter_" not in verifier
+
+
+def test_a_busy_metrics_port_is_one_line():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(OSError, match=f"^cannot serve metrics on 127.0.0.1:{port}: address already in use$"):
+            asyncio.run(serve_metrics("127.0.0.1", port))
