@@ -24,6 +24,15 @@ class StatusError(Exception):
         self.message = message
 
 
+class ContextTooLong(StatusError):
+    """A request whose prompt, or prompt plus the new tokens it asks for, does not fit a session's
+    context (INVALID_ARGUMENT); `field` is the request field at fault ("prompt", "max_new_tokens")."""
+
+    def __init__(self, message: str, field: str):
+        super().__init__("INVALID_ARGUMENT", message)
+        self.field = field
+
+
 class LinkLost(StatusError):
     """A session's verifier went away with it (its link broke): the session may re-open elsewhere."""
 
@@ -65,6 +74,9 @@ SEED_LIMIT = 1 << 63
 
 # Most alternatives a request may ask for per token (GenerateRequest.logprobs), as in OpenAI's API.
 MAX_LOGPROBS = 20
+# Stop strings a request may give: each is scanned for every round, and a stream holds back
+# the text that could still begin one (the longest's length less one character).
+MAX_STOP_STRINGS, MAX_STOP_CHARS = 64, 1024
 
 
 @dataclass(frozen=True)

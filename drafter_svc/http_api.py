@@ -41,10 +41,11 @@ from aiohttp import web
 from common import metrics
 from common.auth import presents_key
 from common.grpc_server import MIB, bind_error_reason
-from common.protocol import MAX_LOGPROBS, SEED_LIMIT, StatusError, TokenLogprob
+from common.protocol import MAX_LOGPROBS, SEED_LIMIT, ContextTooLong, StatusError, TokenLogprob
 from common.rpc import pb
 from drafter_svc.scheduler import QueueFull
 from drafter_svc.server import Finished, GenerationService, TextDelta
+from drafter_svc.text_stream import TextStream, TokenBytes
 
 log = logging.getLogger("drafter_svc.http")
 
@@ -62,11 +63,13 @@ HTTP_STATUS = {
     "DEADLINE_EXCEEDED": (504, "timeout"),
 }
 INT32, UINT32 = 1 << 31, 1 << 32
+DEFAULT_TEMPERATURE = 1.0  # OpenAI's, for requests that send none
 # OpenAI fields this server does not implement: a request may send them only with these values.
 UNSUPPORTED = {
     "echo": (None, False), "suffix": (None, ""),
     "best_of": (None, 1), "frequency_penalty": (None, 0), "presence_penalty": (None, 0), "logit_bias": (None, {}),
-    "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
+    "tools": (None, []), "tool_choice": (None, "none", "auto"), "functions": (None, []),
+    "function_call": (None, "none", "auto"),  # with no tools (any given get 400), "auto" calls none
     "response_format": (None, {"type": "text"}),
 }
 
@@ -140,7 +143,7 @@ def _is_default(value: Any, allowed: tuple) -> bool:
 
 
 def _check_unsupported(body: dict) -> None:
-    if body.get("n") not in (None, 1):
+    if not _is_default(body.get("n"), (None, 1)):
         raise BadRequest("only n=1 is supported", "n")
     for name, allowed in UNSUPPORTED.items():
         if not _is_default(body.get(name), allowed):
@@ -157,8 +160,10 @@ def _fill_common(body: dict, req: pb.GenerateRequest, max_tokens: int | None) ->
         req.max_new_tokens = max_tokens
     temperature, top_p = _number(body, "temperature"), _number(body, "top_p")
     top_k, seed = _integer(body, "top_k", -INT32, INT32), _integer(body, "seed", 0, SEED_LIMIT, "2^63")
-    if temperature is not None:
-        req.sampling.temperature = temperature
+    # OpenAI samples at temperature 1 unless told otherwise (the gRPC API's unset is greedy).
+    req.sampling.temperature = DEFAULT_TEMPERATURE if temperature is None else temperature
+    if top_k == -1:  # vLLM's "no top-k"
+        top_k = 0
     if top_p is not None:
         req.sampling.top_p = top_p
     if top_k is not None:
@@ -279,9 +284,26 @@ def error_response(status: int, message: str, kind: str = "invalid_request_error
     return _json(error_body(message, kind, param, code), status)
 
 
-def status_error_body(exc: StatusError) -> tuple[int, dict]:
+# The request field a refusal from the generation path names first, as this API calls it (the
+# prompt is the chat's messages); the longest name that begins the message wins.
+_PARAMS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "seed": "seed",
+           "max_new_tokens": "max_tokens", "tree_budget": "tree_budget", "logprobs": "logprobs",
+           "stop token ids": "stop_token_ids", "stop": "stop", "prompt": "prompt"}
+
+
+def status_error_body(exc: StatusError, chat: bool = False) -> tuple[int, dict]:
+    """An error from the generation path: its HTTP status and OpenAI's body, with the field at
+    fault (`param`) where the message names one, and `context_length_exceeded` as its `code` for
+    a context the request overflows (else the gRPC status, lowercased)."""
     status, kind = HTTP_STATUS.get(exc.status, (500, "server_error"))
-    return status, error_body(exc.message, kind, None, exc.status.lower())
+    if isinstance(exc, ContextTooLong):
+        param, code = exc.field, "context_length_exceeded"
+    else:
+        param = next((name for name in sorted(_PARAMS, key=len, reverse=True)
+                      if exc.status == "INVALID_ARGUMENT" and exc.message.startswith(name)), None)
+        code = exc.status.lower()
+    param = _PARAMS.get(param, param)
+    return status, error_body(exc.message, kind, "messages" if chat and param == "prompt" else param, code)
 
 
 def _dumps(obj: Any) -> bytes:
@@ -301,9 +323,11 @@ def _usage(end: Finished) -> dict:
 class _Output:
     """The response objects of one request, in the completions or chat format."""
 
-    def __init__(self, req: ApiRequest, model: str, tokenizer):
-        self.req, self.model, self.tokenizer = req, model, tokenizer
-        self._offset = 0  # text_offset of the next token (completions' logprobs)
+    def __init__(self, req: ApiRequest, model: str, tokenizer, token_bytes: TokenBytes):
+        self.req, self.model, self.tokenizer, self.token_bytes = req, model, tokenizer, token_bytes
+        # completions' text_offset: where each token's text begins in the completion's text, by
+        # the same incremental decoding (a token ending part of a character begins where it does)
+        self._text, self._offset = TextStream(tokenizer), 0
         self.id = ("chatcmpl-" if req.chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
         self.object = "chat.completion.chunk" if req.chat else "text_completion"
@@ -319,16 +343,15 @@ class _Output:
         text = self.tokenizer.decode
         if self.req.chat:
             def entry(token: int, value: float) -> dict:
-                piece = text([token])
-                return {"token": piece, "logprob": value, "bytes": list(piece.encode("utf-8"))}
+                return {"token": text([token]), "logprob": value, "bytes": list(self.token_bytes(token))}
 
             return {"content": [{**entry(t.token, t.logprob), "top_logprobs": [entry(i, v) for i, v in t.top]}
                                 for t in logprobs], "refusal": None}
         tokens = [text([t.token]) for t in logprobs]
         offsets = []
-        for piece in tokens:
+        for t in logprobs:
             offsets.append(self._offset)
-            self._offset += len(piece)
+            self._offset += len(self._text.push([t.token])[1])
         return {"tokens": tokens, "token_logprobs": [t.logprob for t in logprobs],
                 "top_logprobs": [{text([i]): v for i, v in t.top} for t in logprobs], "text_offset": offsets}
 
@@ -375,6 +398,7 @@ class OpenAIApi:
         self.model = cfg.model_name
         self.api_key = cfg.api_key
         self.started = int(time.time())
+        self.token_bytes = TokenBytes(service.engine.tokenizer)
 
     def _authorized(self, request: web.Request) -> bool:
         return not self.api_key or presents_key(request.headers.get("Authorization"), self.api_key)
@@ -412,12 +436,12 @@ class OpenAIApi:
         except Exception:  # a bug: the middleware answers 500 and logs it
             metrics.REQUESTS.labels("http", "none", "INTERNAL").inc()
             raise
-        out = _Output(req, self.model, self.service.engine.tokenizer)
+        out = _Output(req, self.model, self.service.engine.tokenizer, self.token_bytes)
         async with contextlib.aclosing(self.service.generate(req.generate, "http")) as items:
             try:
                 first = await anext(items)  # validation, queueing and the first token: errors keep their status
             except StatusError as exc:
-                status, body = status_error_body(exc)
+                status, body = status_error_body(exc, req.chat)
                 response = _json(body, status)
                 if isinstance(exc, QueueFull):  # the queue is full: when to try again, in whole seconds
                     response.headers["Retry-After"] = str(math.ceil(exc.retry_after_s))
@@ -431,7 +455,7 @@ class OpenAIApi:
                     text.append(item.text)
                     item = await anext(items)
             except StatusError as exc:
-                status, body = status_error_body(exc)
+                status, body = status_error_body(exc, req.chat)
                 return _json(body, status)
             return _json(out.whole("".join(text), item))
 
@@ -452,7 +476,7 @@ class OpenAIApi:
                 if out.req.include_usage:
                     await response.write(_event(out.usage_chunk(item)))
             except StatusError as exc:
-                await response.write(_event(status_error_body(exc)[1]))
+                await response.write(_event(status_error_body(exc, out.req.chat)[1]))
             await response.write(b"data: [DONE]\n\n")
             await response.write_eof()
         except ConnectionError:  # the client went away: closing the generator cancels the generation
@@ -544,7 +568,7 @@ async def serve_http(service: GenerationService, host: str, port: int) -> HttpSe
     app = web.Application(client_max_size=service.engine.cfg.max_message_mb * MIB,
                           middlewares=[in_progress.middleware])
     app.router.add_get("/v1/models", api.models)
-    app.router.add_get("/v1/models/{model}", api.models)
+    app.router.add_get("/v1/models/{model:.+}", api.models)  # names may hold "/" (org/model)
     app.router.add_post("/v1/completions", api.completions)
     app.router.add_post("/v1/chat/completions", api.chat_completions)
     app.router.add_get("/health", api.health)

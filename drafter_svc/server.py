@@ -38,7 +38,7 @@ from common.devices import device_id
 from common.feature_wire import feature_reader
 from common.grpc_server import MIB, start_grpc_server
 from common.logs import memory_summary
-from common.protocol import StatusError, TokenLogprob
+from common.protocol import MAX_STOP_CHARS, MAX_STOP_STRINGS, ContextTooLong, StatusError, TokenLogprob
 from common.rpc import GENERATION_SERVICE, decode_message, pb, pb_grpc
 from common.tls import ChannelTls, ServerTls
 from common.wire import decode_sampling
@@ -319,15 +319,18 @@ class DrafterEngine:
 
     def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """A text prompt's token ids; ValueError, before tokenising, past max_prompt_bytes (tokenising
-        takes about a second per MB)."""
+        takes about a second per MB). Through `encode_batch`, which lets go of the interpreter lock
+        while it works (`encode` holds it: a long prompt would stall the event loop's every stream
+        and health check, though it runs in a worker thread)."""
         size = len(text.encode("utf-8"))
         if size > self.cfg.max_prompt_bytes:
             raise ValueError(f"prompt of {size} bytes exceeds the server's limit of {self.cfg.max_prompt_bytes} bytes")
-        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        return self.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def parse(self, request: pb.GenerateRequest) -> _Request:
-        """Validate a request; ValueError with a one-line message when it is bad. It may take
-        seconds (a long prompt is tokenised): call it off the event loop."""
+        """Validate a request; ValueError with a one-line message when it is bad (ContextTooLong, a
+        StatusError, when it overflows a session's context). It may take seconds (a long prompt is
+        tokenised): call it off the event loop."""
         kind = request.WhichOneof("prompt")
         if kind == "text":
             prompt_ids = self.tokenize(request.text)
@@ -345,11 +348,21 @@ class DrafterEngine:
         if bad:
             raise ValueError(f"prompt token ids {bad[:5]} outside the vocabulary [0, {self.vocab_size})")
         if len(prompt_ids) >= self.info.max_seq_len:
-            raise ValueError(f"prompt of {len(prompt_ids)} tokens does not fit the verifier's max_seq_len "
-                             f"{self.info.max_seq_len}")
+            raise ContextTooLong(f"prompt of {len(prompt_ids)} tokens does not fit the verifier's max_seq_len "
+                                 f"{self.info.max_seq_len}", "prompt")
+        if len(request.stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_CHARS for s in request.stop):
+            raise ValueError(f"stop takes at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_CHARS} characters "
+                             f"each, got {len(request.stop)} of up to {max(len(s) for s in request.stop)}")
         bad = [t for t in request.stop_token_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"stop token ids {bad[:5]} outside the vocabulary [0, {self.vocab_size})")
+        # A session holds max_seq_len tokens in its cache, and its last token needs none.
+        fits = self.info.max_seq_len + 1 - len(prompt_ids)
+        if request.HasField("max_new_tokens") and request.max_new_tokens > fits:
+            raise ContextTooLong(f"max_new_tokens {request.max_new_tokens} and a prompt of {len(prompt_ids)} tokens "
+                                 f"exceed the verifier's max_seq_len {self.info.max_seq_len}: at most {fits} new "
+                                 f"tokens fit", "max_new_tokens")
+        # Unset: the server's default, which the context may cut short (finish reason "length").
         max_new = request.max_new_tokens if request.HasField("max_new_tokens") else self.cfg.max_new_tokens
         budget = request.tree_budget if request.HasField("tree_budget") else self.cfg.tree_budget
         if budget > self.info.max_tree_nodes - 1:

@@ -18,6 +18,8 @@ tokens end with the one in which the stop string ends; the rest are dropped.
 """
 from __future__ import annotations
 
+import json
+import re
 from collections.abc import Sequence
 
 INCOMPLETE = "\ufffd"  # what the decoder shows for the bytes of an unfinished character
@@ -117,3 +119,43 @@ class TextStream:
             if self.tokenizer.decode(self.window[:k]).startswith(target):
                 return k
         return len(self.window)
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """Byte-level BPE writes each byte as one printable character: the printable Latin-1 bytes as
+    themselves, the other 68 (controls, space, a few more) as the characters from U+0100 on, in
+    byte order. Returns character -> byte."""
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    others = [b for b in range(256) if b not in printable]
+    return {**{chr(b): b for b in printable}, **{chr(0x100 + i): b for i, b in enumerate(others)}}
+
+
+_BYTE_OF = _byte_level_alphabet()
+WORD_MARKER = "\u2581"  # SentencePiece's word start: a space
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+class TokenBytes:
+    """Each token's own bytes, as OpenAI's logprobs report them (`bytes`): a token may hold part
+    of a character, which decoding it alone shows as U+FFFD, so they come from the vocabulary:
+    a byte-level BPE token's characters mapped back to bytes, a byte-fallback token (<0xE4>) its
+    byte, a SentencePiece piece with its word marker as a space; special tokens as decoding them
+    alone gives them (the `token` beside these bytes), which is nothing."""
+
+    def __init__(self, tokenizer):
+        decoder = json.dumps(json.loads(tokenizer.to_str()).get("decoder"), ensure_ascii=False)
+        self.tokenizer = tokenizer
+        self.byte_level = '"ByteLevel"' in decoder
+        self.word_marker = WORD_MARKER in decoder  # Metaspace, or Replace(WORD_MARKER, " ")
+        self.special = {i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special}
+
+    def __call__(self, token: int) -> bytes:
+        piece = self.tokenizer.id_to_token(token)
+        if piece is None or token in self.special:
+            return self.tokenizer.decode([token]).encode("utf-8")
+        if self.byte_level and all(c in _BYTE_OF for c in piece):
+            return bytes(_BYTE_OF[c] for c in piece)
+        fallback = _BYTE_FALLBACK.fullmatch(piece)
+        if fallback:
+            return bytes([int(fallback[1], 16)])
+        return (piece.replace(WORD_MARKER, " ") if self.word_marker else piece).encode("utf-8")

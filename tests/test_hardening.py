@@ -3,6 +3,7 @@ messages are capped, malformed bytes get INVALID_ARGUMENT with one line and no t
 and a long prompt is tokenised off the event loop, after a byte-length check."""
 from __future__ import annotations
 
+import asyncio
 import logging
 import random
 import socket
@@ -11,10 +12,13 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from types import SimpleNamespace
 
 import grpc
 import pytest
 import torch
+from tokenizers import Tokenizer
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common.config import load_draft_config
@@ -28,6 +32,7 @@ from verifier_svc.server import VerifierConfig
 from verifier_svc.server import serve as serve_verifier
 
 MAX_PROMPT_BYTES = 4096
+SHIPPED_TOKENIZER = Path(__file__).resolve().parents[1] / "models" / "default" / "target" / "tokenizer.json"
 CLEAN = {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT}  # what a fuzzed message may get
 
 
@@ -273,17 +278,17 @@ def test_fuzzed_requests_get_clean_statuses(drafter_channel, log):
 
 
 class GatedTokenizer:
-    """The engine's tokenizer, its `encode` held until `release` and its calls recorded."""
+    """The engine's tokenizer, its `encode_batch` held until `release` and its calls recorded."""
 
     def __init__(self, tokenizer):
         self.tokenizer, self.threads = tokenizer, []
         self.entered, self.gate = threading.Event(), threading.Event()
 
-    def encode(self, *args, **kwargs):
+    def encode_batch(self, *args, **kwargs):
         self.threads.append(threading.current_thread())
         self.entered.set()
         assert self.gate.wait(30)
-        return self.tokenizer.encode(*args, **kwargs)
+        return self.tokenizer.encode_batch(*args, **kwargs)
 
     def __getattr__(self, name):
         return getattr(self.tokenizer, name)
@@ -308,6 +313,36 @@ def test_health_answers_while_a_prompt_is_tokenised(drafter, drafter_channel, ga
         gated.gate.set()
         assert len(pending.result(60).token_ids) == 4
     assert gated.threads and all(t is not drafter._thread for t in gated.threads)
+
+
+def test_tokenising_lets_the_event_loop_run():
+    """The shipped byte-level BPE tokenizer's `encode` holds the interpreter lock for its whole
+    run, so a long prompt tokenised in a worker thread would still stall every stream and health
+    check on the event loop; the engine's tokenize must let go of it."""
+    tokenizer = Tokenizer.from_file(str(SHIPPED_TOKENIZER))
+    stand_in = SimpleNamespace(cfg=SimpleNamespace(max_prompt_bytes=1 << 21), tokenizer=tokenizer)
+    text = "x " * 400_000
+
+    async def tokenise_beside_a_heartbeat() -> tuple[float, float]:
+        done, gaps = asyncio.Event(), [0.0]
+
+        async def beat():
+            last = time.perf_counter()
+            while not done.is_set():
+                await asyncio.sleep(0.005)
+                gaps.append(time.perf_counter() - last)
+                last = time.perf_counter()
+        beating = asyncio.create_task(beat())
+        await asyncio.sleep(0.02)  # the heartbeat runs before the tokeniser starts
+        started = time.perf_counter()
+        ids = await asyncio.to_thread(DrafterEngine.tokenize, stand_in, text)
+        took = time.perf_counter() - started
+        done.set()
+        await beating
+        assert len(ids) >= 400_000
+        return took, max(gaps)
+    took, worst_gap = asyncio.run(tokenise_beside_a_heartbeat())
+    assert worst_gap < took / 2, (worst_gap, took)  # `encode` itself: one gap of the whole run
 
 
 @pytest.mark.parametrize("kind", ["text", "chat"])

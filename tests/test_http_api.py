@@ -16,10 +16,14 @@ import openai
 import pytest
 import torch
 
+from common.checkpoint import load_tokenizer
 from common.config import load_draft_config
+from common.protocol import TokenLogprob
 from common.rpc import CHANNEL_OPTIONS, pb, pb_grpc
 from common.tls import ServerTls
+from drafter_svc.http_api import ApiRequest, _Output, parse_chat, parse_completion
 from drafter_svc.server import DrafterConfig, DrafterEngine
+from drafter_svc.text_stream import TokenBytes
 from drafter_svc.server import serve as serve_drafter
 from tests.servers import ServerThread
 from verifier_svc.server import VerifierConfig
@@ -207,9 +211,10 @@ def test_stop_cuts_text_and_usage(client, grpc_stub):
 
 
 @pytest.mark.parametrize("body, param, needle", [
-    ({"prompt": PROMPT, "temperature": -1}, None, "temperature"),
-    ({"prompt": PROMPT, "top_p": 0}, None, "top_p"),
+    ({"prompt": PROMPT, "temperature": -1}, "temperature", "temperature"),
+    ({"prompt": PROMPT, "top_p": 0}, "top_p", "top_p"),
     ({"prompt": PROMPT, "n": 2}, "n", "n=1"),
+    ({"prompt": PROMPT, "n": True}, "n", "n=1"),
     ({"prompt": PROMPT, "max_tokens": "ten"}, "max_tokens", "integer"),
     ({"prompt": PROMPT, "max_tokens": 0}, "max_tokens", "max_tokens"),
     ({"prompt": PROMPT, "temperature": "hot"}, "temperature", "number"),
@@ -223,12 +228,16 @@ def test_stop_cuts_text_and_usage(client, grpc_stub):
     ({"prompt": PROMPT, "seed": -1}, "seed", "seed"),
     ({"prompt": ["a", "b"]}, "prompt", "batched"),
     ({"prompt": [1, "x"]}, "prompt", "token ids"),
-    ({"prompt": [5, 999999]}, None, "outside the vocabulary"),
+    ({"prompt": [5, 999999]}, "prompt", "outside the vocabulary"),
     ({"prompt": 5}, "prompt", "prompt"),
-    ({"prompt": ""}, None, "empty"),
+    ({"prompt": ""}, "prompt", "empty"),
     ({}, "prompt", "required"),
     ({"prompt": PROMPT, "model": 3}, "model", "string"),
-    ({"prompt": PROMPT, "tree_budget": 1000}, None, "tree_budget"),
+    ({"prompt": PROMPT, "tree_budget": 1000}, "tree_budget", "tree_budget"),
+    ({"prompt": PROMPT, "stop": ["x"] * 65}, "stop", "at most 64 strings"),
+    ({"prompt": PROMPT, "stop": "x" * 1025}, "stop", "of at most 1024 characters"),
+    ({"prompt": PROMPT, "stop_token_ids": [999999]}, "stop_token_ids", "outside the vocabulary"),
+    ({"prompt": PROMPT, "top_k": -2}, "top_k", "top_k"),
 ])
 def test_bad_completion_requests_get_400_with_openai_error_body(drafter, body, param, needle):
     status, reply = post(drafter, "/v1/completions", body)
@@ -237,6 +246,39 @@ def test_bad_completion_requests_get_400_with_openai_error_body(drafter, body, p
     assert set(error) == {"message", "type", "param", "code"}
     assert error["type"] == "invalid_request_error" and error["param"] == param
     assert needle in error["message"] and "\n" not in error["message"]
+
+
+def test_requests_past_the_context_get_context_length_exceeded(drafter, grpc_stub):
+    """OpenAI's code for a prompt, or prompt plus max_tokens, that the context cannot hold (the
+    verifier's max_seq_len is 512 here: a prompt of P tokens leaves room for 513 - P); the
+    largest max_tokens that fits is served to the end, and without max_tokens the server's
+    default is cut short by the context as before."""
+    ids = [5] * 500
+    for path, body, param in (
+            ("/v1/completions", {"prompt": ids, "max_tokens": 14}, "max_tokens"),
+            ("/v1/completions", {"prompt": [5] * 512}, "prompt"),
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x " * 600}]}, "messages"),
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 10 ** 6},
+             "max_tokens")):
+        status, reply = post(drafter, path, body)
+        assert status == 400 and reply["error"]["code"] == "context_length_exceeded", reply
+        assert reply["error"]["param"] == param, reply
+    status, reply = post(drafter, "/v1/completions", {"prompt": ids, "max_tokens": 13, "temperature": 0})
+    assert status == 200 and reply["usage"]["completion_tokens"] == 13, reply
+    with pytest.raises(grpc.RpcError) as info:
+        grpc_stub.GenerateOnce(pb.GenerateRequest(token_ids=pb.TokenIds(ids=ids), max_new_tokens=14), timeout=60)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "at most 13 new tokens fit" in info.value.details()
+
+
+def test_openai_defaults_and_lenient_values():
+    """Unset temperature samples at OpenAI's 1 (the gRPC API's unset is greedy); vLLM's top_k -1
+    is no top-k; tool_choice "auto" with no tools is no tool call."""
+    req = parse_completion(json.dumps({"prompt": "x"}).encode()).generate
+    assert req.sampling.HasField("temperature") and req.sampling.temperature == 1.0
+    assert parse_completion(json.dumps({"prompt": "x", "temperature": 0}).encode()).generate.sampling.temperature == 0
+    assert parse_completion(json.dumps({"prompt": "x", "top_k": -1}).encode()).generate.sampling.top_k == 0
+    chat = {"messages": [{"role": "user", "content": "x"}], "tool_choice": "auto"}
+    assert parse_chat(json.dumps(chat).encode()).generate.sampling.temperature == 1.0
 
 
 @pytest.mark.parametrize("body, needle", [
@@ -345,6 +387,28 @@ def test_completion_logprobs_equal_grpc(client, grpc_stub):
         if c.choices and c.choices[0].logprobs is not None]
     assert [v for c in streamed for v in c.token_logprobs] == lp.token_logprobs
     assert [o for c in streamed for o in c.text_offset] == lp.text_offset
+
+
+def test_logprobs_of_tokens_that_split_a_character():
+    """Completions' text_offset indexes the completion's text, and chat's bytes are each token's
+    own bytes, also for tokens that hold part of a character (decoded alone: U+FFFD), as OpenAI's
+    are: rounds of one and of several tokens."""
+    tokenizer = load_tokenizer(PAIR / "target")
+    text = "naïve 日本語 🙂 x"
+    ids = tokenizer.encode(text).ids
+    assert tokenizer.decode(ids) == text and any("\ufffd" in tokenizer.decode([t]) for t in ids)
+    for rounds in ([ids], [[t] for t in ids], [ids[:3], ids[3:4], ids[4:]]):
+        outs = {chat: _Output(ApiRequest(chat, pb.GenerateRequest(), False, False), "m", tokenizer,
+                              TokenBytes(tokenizer)) for chat in (False, True)}
+        offsets, content = [], []
+        for r in rounds:
+            offsets += outs[False].logprobs([TokenLogprob(t, -1.0) for t in r])["text_offset"]
+            content += outs[True].logprobs([TokenLogprob(t, -1.0) for t in r])["content"]
+        assert offsets == sorted(offsets) and offsets[0] == 0 and offsets[-1] < len(text)
+        for t, at in zip(ids, offsets):
+            alone = tokenizer.decode([t])
+            assert "\ufffd" in alone or text[at:at + len(alone)] == alone, (t, at, alone)
+        assert bytes(b for c in content for b in c["bytes"]) == text.encode()
 
 
 def test_chat_logprobs_equal_grpc(client, grpc_stub):

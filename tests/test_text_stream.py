@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from common.checkpoint import load_tokenizer
-from drafter_svc.text_stream import TextStream
+from drafter_svc.text_stream import TextStream, TokenBytes
 
 SHIPPED = Path(__file__).resolve().parent.parent / "models" / "default" / "target"
 # Multi-byte characters, so that byte-level tokens split them.
@@ -183,3 +183,27 @@ def test_text_before_a_possible_stop_is_held(tiny_tokenizer):
     released = "".join(text.push([t])[1] for t in ids)
     assert released == "hel"  # "lo" could begin the stop string
     assert text.finish() == "lo" and not text.stopped
+
+
+def test_token_bytes_make_up_the_text(tokenizer):
+    """Each token's own bytes, joined, are the text's UTF-8, also where a token holds part of a
+    character (which decoding it alone shows as U+FFFD)."""
+    token_bytes = TokenBytes(tokenizer)
+    split = byte_tokens(tokenizer, TEXT)
+    assert any("\ufffd" in tokenizer.decode([t]) for t in split)
+    for ids in (tokenizer.encode(TEXT).ids, split):
+        assert b"".join(token_bytes(t) for t in ids) == TEXT.encode()
+    assert all(token_bytes(t) == tokenizer.decode([t]).encode() for t in tokenizer.encode("def f(x):\n\treturn x").ids)
+
+
+def test_token_bytes_of_sentencepiece_style_pieces():
+    """Pieces with SentencePiece's word marker and byte-fallback pieces (Llama's tokenizers)."""
+    from tokenizers import Tokenizer, decoders, models
+    vocab = {"<unk>": 0, "<s>": 1, "\u2581hello": 2, "\u2581": 3, "x": 4, "<0xE4>": 5, "<0xB8>": 6, "<0x96>": 7}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True))
+    tok.add_special_tokens(["<s>"])
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+    token_bytes = TokenBytes(tok)
+    ids = [1, 2, 3, 5, 6, 7, 4]
+    assert b"".join(token_bytes(t) for t in ids) == " hello \u4e16x".encode() == tok.decode(ids).encode()
+    assert token_bytes(5) == b"\xe4" and token_bytes(1) == b""
