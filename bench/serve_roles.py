@@ -67,6 +67,9 @@ class PlaceholderTokenizer:
     def encode(self, text: str):
         raise ValueError("the random-weight models have no tokenizer: send the prompt as token_ids")
 
+    def encode_batch(self, texts, add_special_tokens: bool = True):
+        return [self.encode(text) for text in texts]
+
 
 EMBED_STD = 32.0  # >> what the 36 random layers add to the residual stream (a few units per element)
 

@@ -118,7 +118,8 @@ def parse_args(argv=None) -> DrafterConfig:
            default=d.shared_gpu_pipeline_sessions, type=int,
            help="with --pipelining auto and the drafter on the verifier's own GPU: pipeline rounds only while at "
                 "least this many sessions run or wait (fewer: two half-size verify passes on one device cost more "
-                f"than the host work they hide) (default {d.shared_gpu_pipeline_sessions})")
+                "than the host work they hide), or 16 while none drafts (plain decoding) "
+                f"(default {d.shared_gpu_pipeline_sessions})")
     p.flag("--pipeline-groups", env="DRAFTER_PIPELINE_GROUPS", default=d.pipeline_groups, type=int,
            help="pipelined rounds: how many link messages are in flight, each with that share of the sessions "
                 "(more groups keep the verifier's queue fuller while the drafter works on one, at the cost of "

@@ -45,6 +45,12 @@ RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.max_reco
 # window updates (about 2 ms of a 1.8 MB reply's write, loopback); a fixed 8 MiB window lets it
 # go at once, and covers 1.6 GB/s at a 5 ms round trip.
 FLOW_OPTIONS = [("grpc.http2.lookahead_bytes", 8 << 20), ("grpc.http2.bdp_probe", 0)]
+# A reply this late: ask the verifier for its Info (in PROBE_TIMEOUT_S); one that does not answer
+# is lost. gRPC's keepalive alone took 80 s to notice a verifier that was stopped (SIGSTOP) or a
+# link that stalled, and never noticed a 45 s stall, while its sessions froze. One that answers
+# (a long prefill) is waited for again.
+STALL_PROBE_S = 5.0
+PROBE_TIMEOUT_S = 2.0
 LINK_METHOD = "/ddtree.v1.Verifier/Link"
 
 
@@ -258,7 +264,16 @@ class GrpcLink(_Lockstep):
             if self._call is None:  # closed meanwhile
                 raise StatusError("UNAVAILABLE", "verifier link lost")
             replies = self._replies
-        item = replies.get()
+        while True:
+            try:
+                item = replies.get(timeout=STALL_PROBE_S)
+                break
+            except queue.Empty:
+                if self.probe():
+                    continue
+            item = StatusError("UNAVAILABLE", f"the verifier does not answer: no reply for {STALL_PROBE_S:g} s, "
+                                              f"nor to Info within {PROBE_TIMEOUT_S:g} s")
+            break
         if isinstance(item, StatusError):
             with self._lock:
                 closed = self._call is None or self._replies is not replies  # closed (or reconnected) meanwhile
@@ -272,7 +287,7 @@ class GrpcLink(_Lockstep):
 
     def probe(self) -> bool:
         try:
-            self.stub.Info(pb.InfoRequest(), timeout=2.0)
+            self.stub.Info(pb.InfoRequest(), timeout=PROBE_TIMEOUT_S)
             return True
         except grpc.RpcError:
             return False

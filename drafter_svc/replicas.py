@@ -14,7 +14,8 @@ on it once it is back: `DraftScheduler._recover`), or the failure itself when it
 UNAVAILABLE (a bad reply), and the other replicas' sessions carry on untouched. A thread of its
 own asks lost replicas (and those that never answered) for their Info, with backoff, and
 brings them back once they answer and pass the check that they serve the same model; one that
-does not is refused for good, with one logged line. An open that finds no healthy replica gets
+does not is refused, with one logged line, and asked again every `REFUSED_RETRY_S` (an operator
+may restart it with the right flags). An open that finds no healthy replica gets
 `LinkLost` at once, so the link is `up` exactly while some replica is.
 """
 from __future__ import annotations
@@ -38,6 +39,7 @@ from drafter_svc.link import OnNotice, VerifierLink, connect_error, status_error
 
 log = logging.getLogger(__name__)
 WAIT_REPORT_S = 5.0  # while start-up waits for a verifier, a progress line this often
+REFUSED_RETRY_S = 10.0  # a refused replica is asked again this often
 # Fields of a replica's Info that must equal the first replica's: they shape the drafter's
 # sessions (length, trees, features) and make a re-opened session's output the same.
 SAME_AS_FIRST = ("max_seq_len", "max_tree_nodes", "feature_projection", "sampling", "deterministic", "feature_wire")
@@ -163,7 +165,7 @@ class State(enum.Enum):
     NEW = "new"          # has not answered yet: probed
     UP = "up"            # takes sessions
     DOWN = "down"        # its link failed: probed with backoff
-    REFUSED = "refused"  # serves another model or shape: never used
+    REFUSED = "refused"  # serves another model or shape: unused, asked again every REFUSED_RETRY_S
 
 
 @dataclass
@@ -176,7 +178,8 @@ class Replica:
     max_sessions: int = 0  # from its Info
     sessions: set[int] = field(default_factory=set)  # open or opening there
     backoff_s: float = 0.0
-    retry_at: float = 0.0  # monotonic time of its next probe (NEW or DOWN)
+    retry_at: float = 0.0  # monotonic time of its next probe (while not UP)
+    silent_reported: bool = False  # a NEW one that did not answer has been logged
 
     def load(self) -> float:
         return len(self.sessions) / max(1, self.max_sessions)
@@ -354,33 +357,43 @@ class ReplicaLink:
     # -- the prober thread -----------------------------------------------------------------------
 
     def _probe_loop(self) -> None:
-        """Probe every NEW or DOWN replica when its backoff is due, until closed."""
+        """Probe every replica not up when its wait is due, until closed."""
         while not self._closed.is_set():
             self._wake.clear()
             now = time.monotonic()
             with self._lock:
-                due = [r for r in self.replicas if r.state in (State.NEW, State.DOWN) and r.retry_at <= now]
+                due = [r for r in self.replicas if r.state is not State.UP and r.retry_at <= now]
             for replica in due:
                 self._probe_one(replica)
             with self._lock:
-                waits = [r.retry_at for r in self.replicas if r.state in (State.NEW, State.DOWN)]
+                waits = [r.retry_at for r in self.replicas if r.state is not State.UP]
             self._wake.wait(max(0.0, min(waits) - time.monotonic()) if waits else None)
 
     def _probe_one(self, replica: Replica) -> None:
         """Ask a replica for its Info: it comes up when it answers and passes the check, is refused
-        when it fails the check, and backs off when it does not answer."""
+        (one logged line, asked again after `REFUSED_RETRY_S`) when it fails the check, and backs off
+        when it does not answer."""
         try:
             info = replica.ask_info()
-        except Exception:  # grpc.RpcError, or whatever a broken answer raises: not up
+        except Exception as exc:  # grpc.RpcError, or whatever a broken answer raises: not up
+            if replica.state is State.NEW and not replica.silent_reported:  # say so once: a typo, a dead host
+                replica.silent_reported = True
+                reason = exc.details() if isinstance(exc, grpc.RpcError) and hasattr(exc, "details") else exc
+                log.warning("verifier at %s does not answer (%s); it is asked again until it does",
+                            replica.address, str(reason).splitlines()[0] if str(reason) else type(exc).__name__)
             with self._lock:
-                self._back_off(replica)
+                if replica.state is State.REFUSED:
+                    replica.retry_at = time.monotonic() + REFUSED_RETRY_S
+                else:
+                    self._back_off(replica)
             return
         try:
             self.check(info)
         except StatusError as exc:
-            log.error("verifier at %s refused: %s", replica.address, exc.message)
+            if replica.state is not State.REFUSED:
+                log.error("verifier at %s refused: %s", replica.address, exc.message)
             with self._lock:
-                replica.state = State.REFUSED
+                replica.state, replica.retry_at = State.REFUSED, time.monotonic() + REFUSED_RETRY_S
             return
         with self._lock:
             replica.state, replica.max_sessions = State.UP, info.max_sessions

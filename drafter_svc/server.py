@@ -99,8 +99,9 @@ class DrafterConfig:
     # "on": `pipeline_groups` link messages in flight, each with that share of the sessions; "off": lockstep rounds;
     # "auto": on when the draft runs on a GPU; on the verifier's own GPU only from
     # `shared_gpu_pipeline_sessions` running sessions (below that, two half-size verify passes
-    # on one device cost more than the host work they hide; on an H100 lockstep gave 1.42x the
-    # pipelined throughput at 16 sessions, 1.11x at 32, and the two were even at 64); off on a CPU.
+    # on one device cost more than the host work they hide; on an H100 lockstep gave 1.23-1.42x the
+    # pipelined throughput at 16 sessions, 1.02-1.11x at 32, and the two were even at 64), or 16
+    # while no session drafts (`DraftScheduler.PLAIN_PIPELINE_SESSIONS`); off on a CPU.
     pipelining: str = "auto"
     shared_gpu_pipeline_sessions: int = 64
     pipeline_groups: int = 2  # pipelined: link messages in flight, each with 1 / this of the sessions
@@ -290,8 +291,10 @@ class DrafterEngine:
                                    adapt_sampled=info.sampling == "keyed", max_queue=cfg.max_queue,
                                    prefill_chunk=cfg.prefill_chunk, prefill_ahead=cfg.prefill_ahead,
                                    prefill_chunk_idle=cfg.prefill_chunk_idle)
+        plain = scheduler.PLAIN_PIPELINE_SESSIONS
         log.info("rounds %s (--pipelining %s; verifier %son %s); tree budget %s",
                  f"pipelined in {scheduler.pipeline_groups} groups from {scheduler.pipeline_min_sessions} sessions"
+                 + (f" ({plain} while none drafts)" if scheduler.pipeline_min_sessions > plain else "")
                  if scheduler.pipelined
                  else "in lockstep", cfg.pipelining, "in this process " if cfg.verifier == LOCAL else "",
                  info.device_id or "?",
@@ -476,6 +479,15 @@ class GenerationService:
         self.engine = engine
         self.draining = False  # set on shutdown: new requests get UNAVAILABLE, health reports not serving
         self._mailbox: _Mailbox | None = None
+        self._running = 0  # generations in progress, either API
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    async def wait_idle(self, timeout: float) -> bool:
+        """Wait until no generation runs, for at most `timeout` seconds; whether none does."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._idle.wait(), timeout)
+        return self._idle.is_set()
 
     @property
     def serving(self) -> bool:
@@ -500,6 +512,8 @@ class GenerationService:
         arrived = time.perf_counter()
         outcome = ("cancelled", "CANCELLED")  # unless it ends otherwise: the consumer went away
         record = RequestRecord(uuid.uuid4().hex[:16], api, arrived)
+        self._running += 1
+        self._idle.clear()
         try:
             if self.draining:
                 raise StatusError("UNAVAILABLE", "the drafter is shutting down")
@@ -531,6 +545,9 @@ class GenerationService:
         finally:
             metrics.REQUESTS.labels(api, *outcome).inc()
             record.log()
+            self._running -= 1
+            if not self._running:
+                self._idle.set()
 
     async def _run(self, req: _Request, arrived: float) -> AsyncIterator[TextDelta | GenerationResult]:
         """Submit, then yield a TextDelta per round with new output, then the GenerationResult."""
@@ -655,6 +672,8 @@ async def _abort(context, exc: StatusError) -> None:
 class DrafterServer:
     """A running drafter: the gRPC server, the HTTP API when enabled, the scheduler and health."""
 
+    FLUSH_S = 1.0  # at the grace's end: how long the calls the scheduler failed have to send their status
+
     def __init__(self, server: grpc.aio.Server, health_servicer, service: GenerationService, http=None):
         self.server, self.health, self.service, self.engine = server, health_servicer, service, service.engine
         self.http = http  # drafter_svc.http_api.HttpServer, or None
@@ -662,19 +681,21 @@ class DrafterServer:
         self._stopping = False
 
     async def stop(self, grace: float | None = None) -> None:
-        """Report not serving, refuse new requests, give running ones `grace` seconds, stop the
-        scheduler (sessions still running get UNAVAILABLE: HTTP clients get it as an error event
-        or a 503, gRPC calls are cancelled at the grace's end). Later calls do nothing."""
+        """Report not serving (health, on both ports, which stay open) and refuse new requests
+        with UNAVAILABLE; give running ones `grace` seconds; then stop the scheduler, which fails
+        those still running with UNAVAILABLE "the drafter is shutting down" (a gRPC call's status,
+        an HTTP stream's error event or a 503), and close the ports. Later calls do nothing."""
         if self._stopping:
             return
         self._stopping = True
         self.service.draining = True
         await self.health.enter_graceful_shutdown()
-        stopping = [self.server.stop(grace)]
+        draining = [self.service.wait_idle(grace or 0.0)]
         if self.http is not None:
-            stopping.append(self.http.drain(grace or 0.0))
-        await asyncio.gather(*stopping)
+            draining.append(self.http.drain(grace or 0.0))
+        await asyncio.gather(*draining)
         await asyncio.to_thread(self.engine.stop)
+        await self.server.stop(self.FLUSH_S)  # the calls failed just now send their status
         if self.http is not None:
             await self.http.close()
 

@@ -143,14 +143,18 @@ class TokenBytes:
     alone gives them (the `token` beside these bytes), which is nothing."""
 
     def __init__(self, tokenizer):
-        decoder = json.dumps(json.loads(tokenizer.to_str()).get("decoder"), ensure_ascii=False)
+        """`tokenizer`: a `tokenizers.Tokenizer`; one with no vocabulary to read (only `decode`, as
+        the benchmark's random models have) gives each token's text decoded alone."""
         self.tokenizer = tokenizer
+        self.vocabulary = hasattr(tokenizer, "to_str") and hasattr(tokenizer, "id_to_token")
+        spec = json.loads(tokenizer.to_str()) if self.vocabulary else {}
+        decoder = json.dumps(spec.get("decoder"), ensure_ascii=False)
         self.byte_level = '"ByteLevel"' in decoder
         self.word_marker = WORD_MARKER in decoder  # Metaspace, or Replace(WORD_MARKER, " ")
-        self.special = {i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special}
+        self.special = {t["id"] for t in spec.get("added_tokens", ()) if t.get("special")}
 
     def __call__(self, token: int) -> bytes:
-        piece = self.tokenizer.id_to_token(token)
+        piece = self.tokenizer.id_to_token(token) if self.vocabulary else None
         if piece is None or token in self.special:
             return self.tokenizer.decode([token]).encode("utf-8")
         if self.byte_level and all(c in _BYTE_OF for c in piece):

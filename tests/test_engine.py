@@ -160,12 +160,17 @@ def test_pipelined_rounds_change_no_output(engine, groups):
     assert engine.proposer.free_slots == engine.verifier.limits.max_sessions
 
 
-@pytest.mark.parametrize("min_sessions, most", [(4, 2), (5, 1)])
-def test_pipelining_starts_from_its_session_count(engine, min_sessions, most):
+@pytest.mark.parametrize("min_sessions, kind, plain_from, most", [
+    (4, "tree", 16, 2), (5, "tree", 16, 1), (64, "ar", 4, 2), (64, "tree", 4, 1), (3, "ar", 5, 2)])
+def test_pipelining_starts_from_its_session_count(engine, monkeypatch, min_sessions, kind, plain_from, most):
     """`pipeline_min_sessions` (the drafter on the verifier's own GPU): with 4 sessions, rounds
     are pipelined from 4 (two messages in flight) and stay in lockstep from 5 (one), with the
-    same tokens either way."""
+    same tokens either way; while no session drafts (plain decoding), a threshold above
+    PLAIN_PIPELINE_SESSIONS gives way to it."""
     from drafter_svc.link import LocalLink
+    from drafter_svc.scheduler import DraftScheduler
+
+    monkeypatch.setattr(DraftScheduler, "PLAIN_PIPELINE_SESSIONS", plain_from)
 
     class CountingLink(LocalLink):
         most = 0
@@ -174,7 +179,8 @@ def test_pipelining_starts_from_its_session_count(engine, min_sessions, most):
             super().send(entries)
             self.most = max(self.most, self.in_flight)
 
-    requests = [(PROMPTS[i % len(PROMPTS)] + [i], GenerationConfig(N, mode=DraftMode("tree", 8))) for i in range(4)]
+    mode = DraftMode("tree", 8) if kind == "tree" else DraftMode("ar", 0)
+    requests = [(PROMPTS[i % len(PROMPTS)] + [i], GenerationConfig(N, mode=mode)) for i in range(4)]
     lockstep = engine.generate_many(requests)
     link = CountingLink(engine.verifier)
     scheduler = _scheduler(engine, engine.proposer, pipelined=True, pipeline_min_sessions=min_sessions)
@@ -264,6 +270,35 @@ def test_sessions_recover_from_a_lost_verifier_link(engine):
     for end, alone in zip(ends, undisturbed):
         assert end["items"][-1].tokens == alone.tokens
     assert engine.verifier.free_capacity == engine.verifier.limits.max_sessions
+    assert engine.proposer.free_slots == engine.verifier.limits.max_sessions
+
+
+def test_a_request_waits_for_a_verifier_one_recovery_timeout_from_its_arrival(engine):
+    """A request that has had no token counts its wait for a verifier from its arrival, its time
+    in the queue included (it used to get a fresh --recovery-timeout at its first failed open), and
+    its error says how long it waited."""
+    import time
+
+    from common.protocol import StatusError
+    from drafter_svc.link import LocalLink
+
+    class DeadLink(LocalLink):
+        def send(self, entries):
+            raise StatusError("UNAVAILABLE", "verifier went away")
+
+    scheduler = _scheduler(engine, engine.proposer, recovery_timeout_s=5.0)
+    scheduler.link = DeadLink(engine.verifier)
+    waited, fresh = _ends(scheduler, [(PROMPTS[0], GenerationConfig(8)), (PROMPTS[1], GenerationConfig(8))])
+    scheduler._take_commands()
+    scheduler._waiting[0].arrived -= 12.0  # as if it had waited 12 s in the queue
+    scheduler._waiting[1].arrived -= 4.8  # 0.2 s of its 5 left
+    started = time.monotonic()
+    scheduler.run_until_idle()
+    for end, seconds in ((waited, 12), (fresh, 5)):
+        error = end["items"][-1]
+        assert isinstance(error, StatusError) and error.status == "UNAVAILABLE", error
+        assert error.message.startswith(f"verifier unavailable for {seconds} s"), error.message
+    assert 0.15 < time.monotonic() - started < 3.0
     assert engine.proposer.free_slots == engine.verifier.limits.max_sessions
 
 

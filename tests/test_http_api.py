@@ -15,6 +15,7 @@ import grpc
 import openai
 import pytest
 import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common.checkpoint import load_tokenizer
 from common.config import load_draft_config
@@ -468,8 +469,10 @@ def test_seed_range_is_the_servers(drafter):
 
 
 def test_shutdown_ends_running_requests_with_an_error(tmp_path):
-    """On shutdown the port stays open for the grace (/health and new requests get 503); at its end
-    a running stream ends with an error event and [DONE], a running whole request gets a 503."""
+    """On shutdown both ports stay open for the grace (/health and new requests get 503, gRPC
+    health NOT_SERVING and new calls UNAVAILABLE); at its end a running stream ends with an error
+    event and [DONE], a running whole request gets a 503, a running gRPC call UNAVAILABLE "the
+    drafter is shutting down" (not gRPC's own cancellation)."""
     import http.client
     import threading
     import time
@@ -490,25 +493,40 @@ def test_shutdown_ends_running_requests_with_an_error(tmp_path):
                      {"Content-Type": "application/json"})
         stream = conn.getresponse()
         assert stream.status == 200 and stream.readline().startswith(b"data: ")
+        channel = grpc.insecure_channel(f"127.0.0.1:{drafter.port}", options=CHANNEL_OPTIONS)
+        stub = pb_grpc.GenerationStub(channel)
+        request = pb.GenerateRequest(text=PROMPT, max_new_tokens=400)
+        grpc_stream = stub.Generate(request, timeout=60)
+        assert next(grpc_stream).HasField("delta")
         with ThreadPoolExecutor(1) as pool:
             whole = pool.submit(post, drafter, "/v1/completions", body)
             deadline = time.monotonic() + 30
-            while len(scheduler._running) < 2 and time.monotonic() < deadline:
+            while len(scheduler._running) < 3 and time.monotonic() < deadline:
                 time.sleep(0.01)
-            assert len(scheduler._running) == 2
+            assert len(scheduler._running) == 3
             stopped = threading.Event()
             stopping = asyncio_call(drafter, drafter.server.stop(grace=1.0), stopped)
             time.sleep(0.2)  # within the grace
             assert get(drafter, "/health") == (503, {"status": "not serving"})
             assert post(drafter, "/v1/completions", body)[0] == 503
+            health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+            assert health.status == health_pb2.HealthCheckResponse.NOT_SERVING
+            with pytest.raises(grpc.RpcError) as refused:
+                stub.GenerateOnce(request, timeout=10)
+            assert refused.value.code() == grpc.StatusCode.UNAVAILABLE and "shutting down" in refused.value.details()
             assert not stopped.is_set()
             stopping.result(30)
             rest = stream.read()  # to the end of the stream
             status, reply = whole.result(30)
+            with pytest.raises(grpc.RpcError) as cut:
+                list(grpc_stream)
         events = [line for line in rest.split(b"\n\n") if line]
         assert events[-1] == b"data: [DONE]" and b'"error"' in events[-2] and b"unavailable" in events[-2], events[-3:]
         assert status == 503 and reply["error"]["code"] == "unavailable", reply
+        assert cut.value.code() == grpc.StatusCode.UNAVAILABLE, cut.value
+        assert cut.value.details() == "the drafter is shutting down", cut.value.details()
         conn.close()
+        channel.close()
 
 
 def asyncio_call(running, coro, done):

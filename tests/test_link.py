@@ -484,3 +484,61 @@ def _catch(fn, errors):
         fn()
     except StatusError as exc:
         errors.append(exc)
+
+
+class _StalledCall:
+    """A Link stream that sends nothing until cancelled (a verifier stopped, a link that stalls)."""
+
+    def __init__(self):
+        self.cancelled = threading.Event()
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        self.cancelled.wait(30)
+        raise StopIteration
+
+    def cancel(self):
+        self.cancelled.set()
+
+
+class _StalledStub:
+    """A verifier whose Link replies never come and whose Info answers while `alive`."""
+
+    def __init__(self):
+        self.alive, self.asked, self.call = True, 0, None
+
+    def Link(self, requests):
+        self.call = _StalledCall()
+        return self.call
+
+    def Info(self, request, timeout):
+        self.asked += 1
+        if not self.alive:
+            raise grpc.RpcError("no answer")
+        return pb.InfoResponse()
+
+
+def test_a_stalled_link_is_lost_once_the_verifier_does_not_answer_info(monkeypatch):
+    """No reply for STALL_PROBE_S: the link asks the verifier for its Info; while it answers (a long
+    prefill) the link waits on, and once it does not, the link is dropped and the receive fails
+    with UNAVAILABLE (so its sessions re-open, and health says not serving), not after gRPC's
+    keepalive, which took 80 s."""
+    from drafter_svc import link as link_module
+    monkeypatch.setattr(link_module, "STALL_PROBE_S", 0.05)
+    stub = _StalledStub()
+    link = link_module.GrpcLink(stub, vocab_size=VOCAB, feature_dim=WIDTH, max_seq_len=64)
+    link.send(PROMPT_END)
+    failed = []
+    receiving = threading.Thread(target=lambda: failed.append(pytest.raises(StatusError, link.receive)))
+    receiving.start()
+    deadline = time.monotonic() + 10
+    while stub.asked < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert stub.asked >= 3 and receiving.is_alive() and not stub.call.cancelled.is_set()
+    stub.alive = False
+    receiving.join(10)
+    assert not receiving.is_alive() and stub.call.cancelled.is_set()
+    error = failed[0].value
+    assert error.status == "UNAVAILABLE" and "does not answer" in error.message, error.message

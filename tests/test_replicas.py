@@ -20,6 +20,7 @@ from common.tree import DraftTree
 from drafter_svc.drafter import DraftMode
 from drafter_svc.generate import LocalEngine
 from drafter_svc.link import LocalLink
+from drafter_svc import replicas
 from drafter_svc.replicas import Replica, ReplicaLink, State, check_replica, verifier_addresses
 from drafter_svc.scheduler import DraftScheduler, GenerationConfig, GenerationResult
 from drafter_svc.server import serve as serve_drafter
@@ -196,6 +197,38 @@ def test_a_replica_that_serves_something_else_is_refused():
     wait_until(lambda: link.replicas[0].state is State.REFUSED)
     link.step(opens(1, 2, 3))
     assert link.placement() == {"a": set(), "b": {1, 2, 3}}
+    link.close()
+
+
+def test_a_replica_that_never_answered_is_logged_once(caplog):
+    """A replica named in --verifier that does not answer at start-up (a typo, a dead host) is
+    said once, not left out in silence (nor logged at every ask)."""
+    with caplog.at_level(logging.WARNING, logger="drafter_svc.replicas"):
+        link, links, infos = replica_set(4, up=False)
+        wait_until(lambda: infos[0].asked >= 4)
+        link.close()
+    said = [r.getMessage() for r in caplog.records if "does not answer" in r.getMessage()]
+    assert said == ["verifier at a does not answer (down); it is asked again until it does"], said
+
+
+def test_a_refused_replica_is_taken_once_it_serves_the_same_model(monkeypatch, caplog):
+    """An operator who restarts a refused verifier with the right flags gets it back (asked again
+    every REFUSED_RETRY_S), and the refusal is logged once, not at every ask."""
+    monkeypatch.setattr(replicas, "REFUSED_RETRY_S", 0.05)
+    wrong = {"flags": True}
+
+    def check(info):
+        if wrong["flags"]:
+            raise StatusError("FAILED_PRECONDITION", "max_seq_len 1024, the first has 2048")
+    link, links, infos = replica_set(4, up=False, check=check)
+    infos[0].down = False
+    with caplog.at_level(logging.ERROR, logger="drafter_svc.replicas"):
+        wait_until(lambda: link.replicas[0].state is State.REFUSED and infos[0].asked >= 4)
+    assert sum("refused" in r.getMessage() for r in caplog.records) == 1
+    wrong["flags"] = False
+    wait_until(lambda: link.replicas[0].state is State.UP)
+    link.step(opens(1))
+    assert link.placement() == {"a": {1}}
     link.close()
 
 

@@ -120,3 +120,20 @@ def test_a_requests_whole_latency_is_summarised_beside_its_first_token(capsys):
     header = next(words for words in lines if words[:1] == ["setting"])
     cells = next(words for words in lines if words[1:2] == ["tree"])
     assert {"lat50", "lat99"} <= set(header) and {"80.0", "158.4"} <= set(cells)
+
+
+def test_the_random_models_placeholder_tokenizer_serves_the_http_api():
+    """The benchmark's drafter serves the HTTP API over a tokenizer with no vocabulary: a logprob's
+    bytes are its token's placeholder text, and a text prompt is refused (a ValueError, so
+    INVALID_ARGUMENT), not an AttributeError."""
+    from types import SimpleNamespace
+
+    from bench.serve_roles import PlaceholderTokenizer
+    from drafter_svc.server import DrafterEngine
+    from drafter_svc.text_stream import TokenBytes
+
+    tokenizer = PlaceholderTokenizer()
+    assert TokenBytes(tokenizer)(5) == b"<5>"
+    stand_in = SimpleNamespace(cfg=SimpleNamespace(max_prompt_bytes=100), tokenizer=tokenizer)
+    with pytest.raises(ValueError, match="token_ids"):
+        DrafterEngine.tokenize(stand_in, "hello")
