@@ -254,6 +254,14 @@ def _local_link(cfg: DrafterConfig, torch_dtype) -> tuple[LocalLink, pb.InfoResp
     return link, info, proposer
 
 
+def longest_token_bytes(tokenizer) -> int:
+    """An upper bound on the UTF-8 bytes of any one token's text (0: a tokenizer without a
+    vocabulary to read): each vocabulary entry's own UTF-8, which is at least the bytes of the
+    text it stands for (a byte-level BPE entry writes each byte as one character of one or two)."""
+    vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
+    return max((len(piece.encode("utf-8")) for piece in vocab), default=0)
+
+
 class DrafterEngine:
     """Draft model, tokenizer, verifier link and the scheduler shared by all requests."""
 
@@ -264,6 +272,7 @@ class DrafterEngine:
         self.info = info  # the first replica's
         self.chat_template = chat_template
         self.vocab_size = info.vocab_size
+        self.longest_token_bytes = longest_token_bytes(tokenizer)
 
     @classmethod
     def start(cls, cfg: DrafterConfig, torch_dtype) -> "DrafterEngine":
@@ -328,6 +337,12 @@ class DrafterEngine:
         size = len(text.encode("utf-8"))
         if size > self.cfg.max_prompt_bytes:
             raise ValueError(f"prompt of {size} bytes exceeds the server's limit of {self.cfg.max_prompt_bytes} bytes")
+        # A text longer than the context's tokens at the longest token's bytes each cannot fit,
+        # however it tokenises: refused without the seconds that tokenising it would take. (x 4:
+        # a normaliser may write a character of up to 4 bytes as one of 1.)
+        if self.longest_token_bytes and size > 4 * (self.info.max_seq_len - 1) * self.longest_token_bytes:
+            raise ContextTooLong(f"prompt of {size} bytes cannot fit the verifier's max_seq_len {self.info.max_seq_len}: "
+                                 f"no token holds more than {self.longest_token_bytes} bytes", "prompt")
         return self.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def parse(self, request: pb.GenerateRequest) -> _Request:

@@ -23,9 +23,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common.config import load_draft_config
 from common.grpc_server import MIB, check_bindable
+from common.protocol import ContextTooLong
 from common.rpc import GENERATION_SERVICE, VERIFIER_SERVICE, pb, pb_grpc
 from drafter_svc.chat import ChatTemplate
-from drafter_svc.server import DrafterConfig, DrafterEngine
+from drafter_svc.server import DrafterConfig, DrafterEngine, longest_token_bytes
 from drafter_svc.server import serve as serve_drafter
 from tests.servers import ServerThread
 from verifier_svc.server import VerifierConfig
@@ -320,7 +321,7 @@ def test_tokenising_lets_the_event_loop_run():
     run, so a long prompt tokenised in a worker thread would still stall every stream and health
     check on the event loop; the engine's tokenize must let go of it."""
     tokenizer = Tokenizer.from_file(str(SHIPPED_TOKENIZER))
-    stand_in = SimpleNamespace(cfg=SimpleNamespace(max_prompt_bytes=1 << 21), tokenizer=tokenizer)
+    stand_in = SimpleNamespace(cfg=SimpleNamespace(max_prompt_bytes=1 << 21), tokenizer=tokenizer, longest_token_bytes=0)
     text = "x " * 400_000
 
     async def tokenise_beside_a_heartbeat() -> tuple[float, float]:
@@ -343,6 +344,21 @@ def test_tokenising_lets_the_event_loop_run():
         return took, max(gaps)
     took, worst_gap = asyncio.run(tokenise_beside_a_heartbeat())
     assert worst_gap < took / 2, (worst_gap, took)  # `encode` itself: one gap of the whole run
+
+
+def test_a_text_too_long_for_any_tokenisation_is_refused_before_tokenising():
+    """Past (max_seq_len - 1) x the longest token's bytes x 4 a text cannot fit the context,
+    however it tokenises: ContextTooLong at once, not after seconds of tokenising; below, the
+    tokenizer decides."""
+    tokenizer = Tokenizer.from_file(str(SHIPPED_TOKENIZER))
+    longest = longest_token_bytes(tokenizer)
+    assert longest >= max(len(tokenizer.decode([i]).encode()) for i in range(tokenizer.get_vocab_size()))
+    stand_in = SimpleNamespace(cfg=SimpleNamespace(max_prompt_bytes=1 << 24), tokenizer=tokenizer,
+                               longest_token_bytes=longest, info=SimpleNamespace(max_seq_len=64))
+    bound = 4 * 63 * longest
+    with pytest.raises(ContextTooLong, match=f"prompt of {bound + 1} bytes cannot fit the verifier's max_seq_len 64"):
+        DrafterEngine.tokenize(stand_in, "x" * (bound + 1))
+    assert len(DrafterEngine.tokenize(stand_in, "x" * bound)) > 0
 
 
 @pytest.mark.parametrize("kind", ["text", "chat"])

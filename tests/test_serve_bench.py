@@ -129,11 +129,13 @@ def test_the_random_models_placeholder_tokenizer_serves_the_http_api():
     from types import SimpleNamespace
 
     from bench.serve_roles import PlaceholderTokenizer
-    from drafter_svc.server import DrafterEngine
+    from drafter_svc.server import DrafterEngine, longest_token_bytes
     from drafter_svc.text_stream import TokenBytes
 
     tokenizer = PlaceholderTokenizer()
     assert TokenBytes(tokenizer)(5) == b"<5>"
-    stand_in = SimpleNamespace(cfg=SimpleNamespace(max_prompt_bytes=100), tokenizer=tokenizer)
+    stand_in = SimpleNamespace(cfg=SimpleNamespace(max_prompt_bytes=100), tokenizer=tokenizer,
+                               longest_token_bytes=longest_token_bytes(tokenizer))
+    assert stand_in.longest_token_bytes == 0  # no vocabulary: no bound
     with pytest.raises(ValueError, match="token_ids"):
         DrafterEngine.tokenize(stand_in, "hello")
