@@ -54,8 +54,9 @@ VERIFIER_UP = Gauge("ddtree_drafter_verifier_up", "1 while the verifier answers,
 # -- drafter: scheduler steps (hooks in drafter_svc/scheduler.py) ------------------------------------
 
 QUEUE_WAIT = Histogram("ddtree_drafter_queue_wait_seconds",
-                       "From submission to admission (a draft slot and an open sent); a request the verifier "
-                       "refused for capacity is observed again when re-admitted", buckets=_LATENCY)
+                       "From submission to admission (a draft slot and an open sent), once per request, at "
+                       "its first token: to the admission whose open brought it (retries after a refusal "
+                       "for capacity or a lost verifier included)", buckets=_LATENCY)
 DRAFT_STEP = Histogram("ddtree_drafter_draft_seconds", "One batched draft step (every drafting session), host time",
                        buckets=_STAGE)
 TREE_BUILD = Histogram("ddtree_drafter_tree_build_seconds", "One batched tree build (every drafting session)",

@@ -781,8 +781,6 @@ class DraftScheduler:
             s.admitted = time.perf_counter()
             self._dequeued(s)
             opening.append(s)
-            if not s.result.tokens:  # not a re-open after a lost verifier: a first admission (or a retry)
-                metrics.QUEUE_WAIT.observe(time.perf_counter() - s.start)
             free -= 1
         return opening
 
@@ -1026,9 +1024,10 @@ class DraftScheduler:
 
     def _first_token_out(self, s: _Session, token: int, logprobs: list | None) -> None:
         """Send a prompt's first token to the client (the session is not finished here)."""
-        if s.recovery_deadline is None:
+        if not s.result.tokens:  # the request's first token: its wait for the admission that made it, once
+            metrics.QUEUE_WAIT.observe(s.admitted - s.start)
             s.result.time_to_first_token_s = time.perf_counter() - s.start
-        else:  # re-opened after a lost verifier: carry on
+        if s.recovery_deadline is not None:  # re-opened after a lost verifier: carry on
             log.info("session %d re-opened after %d tokens, %.2f s after its link was lost", s.sid,
                      len(s.result.tokens), time.monotonic() - s.recovery_start)
             s.recovery_deadline = None

@@ -302,6 +302,39 @@ def test_a_request_waits_for_a_verifier_one_recovery_timeout_from_its_arrival(en
     assert engine.proposer.free_slots == engine.verifier.limits.max_sessions
 
 
+def test_a_request_whose_opens_failed_counts_one_queue_wait_and_its_first_token(engine):
+    """Opens lost with the verifier are retried; the request's queue wait is observed once (to the
+    admission whose open brought its first token), not at every retry, and its time to first
+    token is kept."""
+    from prometheus_client import REGISTRY
+
+    from common.protocol import StatusError
+    from drafter_svc.link import LocalLink
+
+    class FailingFirst(LocalLink):
+        sends = 0
+
+        def send(self, entries):
+            self.sends += 1
+            if self.sends <= 3:
+                raise StatusError("UNAVAILABLE", "verifier went away")
+            super().send(entries)
+
+    def waits() -> float:
+        return REGISTRY.get_sample_value("ddtree_drafter_queue_wait_seconds_count") or 0.0
+
+    requests = [(PROMPTS[0], GenerationConfig(8))]
+    alone = engine.generate_many(requests)
+    scheduler = _scheduler(engine, engine.proposer, recovery_timeout_s=30.0)
+    scheduler.link = FailingFirst(engine.verifier)
+    before = waits()
+    (end,) = _ends(scheduler, requests)
+    scheduler.run_until_idle()
+    result = end["items"][-1]
+    assert scheduler.link.sends > 3 and result.tokens == alone[0].tokens
+    assert waits() - before == 1 and result.time_to_first_token_s > 0
+
+
 def _scheduler(engine, proposer, **kwargs):
     from drafter_svc.link import LocalLink
     from drafter_svc.scheduler import DraftScheduler
