@@ -180,6 +180,7 @@ class Replica:
     backoff_s: float = 0.0
     retry_at: float = 0.0  # monotonic time of its next probe (while not UP)
     silent_reported: bool = False  # a NEW one that did not answer has been logged
+    refusal: str = ""  # why it is REFUSED
 
     def load(self) -> float:
         return len(self.sessions) / max(1, self.max_sessions)
@@ -246,7 +247,7 @@ class ReplicaLink:
                     self._unassign(e.session_id)
                     i = self._least_loaded()
                     if i is None:
-                        asked.append((e.session_id, LinkLost("no verifier is reachable")))
+                        asked.append((e.session_id, LinkLost("no verifier is reachable" + self._refusals())))
                         continue
                     self._owner[e.session_id] = i
                     self.replicas[i].sessions.add(e.session_id)
@@ -322,6 +323,12 @@ class ReplicaLink:
         healthy = [i for i, r in enumerate(self.replicas) if r.state is State.UP]
         return min(healthy, key=lambda i: (self.replicas[i].load(), len(self.replicas[i].sessions)), default=None)
 
+    def _refusals(self) -> str:
+        """Why replicas are refused, for the error of a request that finds none to take it (under
+        the lock): an operator then sees that a restart with other flags, not an outage, is why."""
+        refused = [f"{r.address} refused: {r.refusal}" for r in self.replicas if r.state is State.REFUSED]
+        return f" ({'; '.join(refused)})" if refused else ""
+
     def _unassign(self, sid: int) -> int | None:
         """Forget where a session is (under the lock); returns the replica it was on."""
         i = self._owner.pop(sid, None)
@@ -394,6 +401,7 @@ class ReplicaLink:
                 log.error("verifier at %s refused: %s", replica.address, exc.message)
             with self._lock:
                 replica.state, replica.retry_at = State.REFUSED, time.monotonic() + REFUSED_RETRY_S
+                replica.refusal = exc.message
             return
         with self._lock:
             replica.state, replica.max_sessions = State.UP, info.max_sessions

@@ -226,6 +226,7 @@ class _Session:
         # Set once the verifier link failed under it: until then it re-opens (prompt + tokens so far).
         self.recovery_deadline: float | None = None
         self.recovery_start = 0.0
+        self.lost_why = ""  # what the last loss of its verifier said
         self.round_base = 0  # rounds before the last open: the verifier counts rounds from its open
         self.draft_state: object | None = None
         self.max_seq_len = 0
@@ -700,6 +701,7 @@ class DraftScheduler:
             self._fail(s, exc)
             return
         now = time.monotonic()
+        s.lost_why = exc.message
         if s.recovery_deadline is None:
             # A request that has had no token yet counts from its arrival: it waits for a verifier
             # one --recovery-timeout in all, its time in the queue included.
@@ -798,7 +800,8 @@ class DraftScheduler:
             self._waiting.remove(s)
             self._dequeued(s)
             if s.recovery_deadline is not None:
-                self._fail(s, StatusError("UNAVAILABLE", f"verifier unavailable for {now - s.recovery_start:.0f} s"))
+                self._fail(s, StatusError("UNAVAILABLE", f"verifier unavailable for {now - s.recovery_start:.0f} s: "
+                                                         f"{s.lost_why}"))
             else:
                 self._fail(s, StatusError("RESOURCE_EXHAUSTED",
                                           f"no verifier capacity within {self.queue_timeout_s:g} s"))

@@ -298,6 +298,7 @@ def test_a_request_waits_for_a_verifier_one_recovery_timeout_from_its_arrival(en
         error = end["items"][-1]
         assert isinstance(error, StatusError) and error.status == "UNAVAILABLE", error
         assert error.message.startswith(f"verifier unavailable for {seconds} s"), error.message
+        assert error.message.endswith(": verifier went away"), error.message  # what the loss said
     assert 0.15 < time.monotonic() - started < 3.0
     assert engine.proposer.free_slots == engine.verifier.limits.max_sessions
 

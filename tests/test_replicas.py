@@ -225,6 +225,9 @@ def test_a_refused_replica_is_taken_once_it_serves_the_same_model(monkeypatch, c
     with caplog.at_level(logging.ERROR, logger="drafter_svc.replicas"):
         wait_until(lambda: link.replicas[0].state is State.REFUSED and infos[0].asked >= 4)
     assert sum("refused" in r.getMessage() for r in caplog.records) == 1
+    (lost,) = link.step(opens(1))  # a request meanwhile is told why no verifier takes it
+    assert isinstance(lost.outcome, LinkLost)
+    assert lost.outcome.message == "no verifier is reachable (a refused: max_seq_len 1024, the first has 2048)"
     wrong["flags"] = False
     wait_until(lambda: link.replicas[0].state is State.UP)
     link.step(opens(1))
