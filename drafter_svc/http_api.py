@@ -44,7 +44,7 @@ from common.grpc_server import MIB, bind_error_reason
 from common.protocol import MAX_LOGPROBS, SEED_LIMIT, ContextTooLong, StatusError, TokenLogprob
 from common.rpc import pb
 from drafter_svc.scheduler import QueueFull
-from drafter_svc.server import Finished, GenerationService, TextDelta
+from drafter_svc.server import Finished, GenerationService, InFlight, TextDelta
 from drafter_svc.text_stream import TextStream, TokenBytes
 
 log = logging.getLogger("drafter_svc.http")
@@ -285,10 +285,10 @@ def error_response(status: int, message: str, kind: str = "invalid_request_error
 
 
 # The request field a refusal from the generation path names first, as this API calls it (the
-# prompt is the chat's messages); the longest name that begins the message wins.
-_PARAMS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "seed": "seed",
-           "max_new_tokens": "max_tokens", "tree_budget": "tree_budget", "logprobs": "logprobs",
-           "stop token ids": "stop_token_ids", "stop": "stop", "prompt": "prompt"}
+# prompt is the chat's messages): the first of these names that begins the message.
+_PARAMS = (("temperature", "temperature"), ("top_p", "top_p"), ("top_k", "top_k"), ("seed", "seed"),
+           ("max_new_tokens", "max_tokens"), ("tree_budget", "tree_budget"), ("logprobs", "logprobs"),
+           ("stop token ids", "stop_token_ids"), ("stop", "stop"), ("prompt", "prompt"))
 
 
 def status_error_body(exc: StatusError, chat: bool = False) -> tuple[int, dict]:
@@ -297,12 +297,11 @@ def status_error_body(exc: StatusError, chat: bool = False) -> tuple[int, dict]:
     a context the request overflows (else the gRPC status, lowercased)."""
     status, kind = HTTP_STATUS.get(exc.status, (500, "server_error"))
     if isinstance(exc, ContextTooLong):
-        param, code = exc.field, "context_length_exceeded"
+        param, code = dict(_PARAMS)[exc.field], "context_length_exceeded"
     else:
-        param = next((name for name in sorted(_PARAMS, key=len, reverse=True)
-                      if exc.status == "INVALID_ARGUMENT" and exc.message.startswith(name)), None)
+        param = next((ours for theirs, ours in _PARAMS
+                      if exc.status == "INVALID_ARGUMENT" and exc.message.startswith(theirs)), None)
         code = exc.status.lower()
-    param = _PARAMS.get(param, param)
     return status, error_body(exc.message, kind, "messages" if chat and param == "prompt" else param, code)
 
 
@@ -499,14 +498,11 @@ class _InProgress:
     error OpenAI's body (aiohttp's own 404, 405 and 413 included)."""
 
     def __init__(self):
-        self.active = 0
-        self.idle = asyncio.Event()
-        self.idle.set()
+        self.requests = InFlight()
 
     @web.middleware
     async def middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
-        self.active += 1
-        self.idle.clear()
+        self.requests.enter()
         try:
             return await handler(request)
         except web.HTTPException as exc:
@@ -519,9 +515,7 @@ class _InProgress:
             log.exception("HTTP handler failed")
             return error_response(500, "internal error in the drafter; see its log", kind="server_error")
         finally:
-            self.active -= 1
-            if not self.active:
-                self.idle.set()
+            self.requests.leave()
 
 
 class HttpServer:
@@ -538,8 +532,7 @@ class HttpServer:
         self.runner, self.port, self._in_progress = runner, port, in_progress
 
     async def drain(self, grace: float) -> None:
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._in_progress.idle.wait(), grace)
+        await self._in_progress.requests.wait_idle(grace)
 
     async def close(self) -> None:
         await self.drain(self.CLOSE_WAIT_S)

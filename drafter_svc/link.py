@@ -269,11 +269,10 @@ class GrpcLink(_Lockstep):
                 item = replies.get(timeout=STALL_PROBE_S)
                 break
             except queue.Empty:
-                if self.probe():
-                    continue
-            item = StatusError("UNAVAILABLE", f"the verifier does not answer: no reply for {STALL_PROBE_S:g} s, "
-                                              f"nor to Info within {PROBE_TIMEOUT_S:g} s")
-            break
+                if not self.probe():
+                    item = StatusError("UNAVAILABLE", f"the verifier does not answer: no reply for "
+                                                      f"{STALL_PROBE_S:g} s, nor to Info within {PROBE_TIMEOUT_S:g} s")
+                    break
         if isinstance(item, StatusError):
             with self._lock:
                 closed = self._call is None or self._replies is not replies  # closed (or reconnected) meanwhile

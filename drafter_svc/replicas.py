@@ -385,9 +385,9 @@ class ReplicaLink:
         except Exception as exc:  # grpc.RpcError, or whatever a broken answer raises: not up
             if replica.state is State.NEW and not replica.silent_reported:  # say so once: a typo, a dead host
                 replica.silent_reported = True
-                reason = exc.details() if isinstance(exc, grpc.RpcError) and hasattr(exc, "details") else exc
+                reason = (exc.details() if hasattr(exc, "details") else str(exc)) or type(exc).__name__
                 log.warning("verifier at %s does not answer (%s); it is asked again until it does",
-                            replica.address, str(reason).splitlines()[0] if str(reason) else type(exc).__name__)
+                            replica.address, reason.splitlines()[0])
             with self._lock:
                 if replica.state is State.REFUSED:
                     replica.retry_at = time.monotonic() + REFUSED_RETRY_S

@@ -485,6 +485,31 @@ class RequestRecord:
                 extra=fields)
 
 
+class InFlight:
+    """Work in progress on an event loop, counted so that a graceful stop can wait until none
+    runs (for at most its grace)."""
+
+    def __init__(self):
+        self.count = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    def enter(self) -> None:
+        self.count += 1
+        self._idle.clear()
+
+    def leave(self) -> None:
+        self.count -= 1
+        if not self.count:
+            self._idle.set()
+
+    async def wait_idle(self, timeout: float) -> bool:
+        """Wait until none runs, for at most `timeout` seconds; whether none does."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._idle.wait(), timeout)
+        return self._idle.is_set()
+
+
 class GenerationService:
     """The one path of a generation request, shared by the gRPC servicer and the HTTP API:
     validate it (off the event loop), submit it to the scheduler, cut stop strings and yield
@@ -494,15 +519,7 @@ class GenerationService:
         self.engine = engine
         self.draining = False  # set on shutdown: new requests get UNAVAILABLE, health reports not serving
         self._mailbox: _Mailbox | None = None
-        self._running = 0  # generations in progress, either API
-        self._idle = asyncio.Event()
-        self._idle.set()
-
-    async def wait_idle(self, timeout: float) -> bool:
-        """Wait until no generation runs, for at most `timeout` seconds; whether none does."""
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._idle.wait(), timeout)
-        return self._idle.is_set()
+        self.running = InFlight()  # generations in progress, either API
 
     @property
     def serving(self) -> bool:
@@ -527,8 +544,7 @@ class GenerationService:
         arrived = time.perf_counter()
         outcome = ("cancelled", "CANCELLED")  # unless it ends otherwise: the consumer went away
         record = RequestRecord(uuid.uuid4().hex[:16], api, arrived)
-        self._running += 1
-        self._idle.clear()
+        self.running.enter()
         try:
             if self.draining:
                 raise StatusError("UNAVAILABLE", "the drafter is shutting down")
@@ -560,9 +576,7 @@ class GenerationService:
         finally:
             metrics.REQUESTS.labels(api, *outcome).inc()
             record.log()
-            self._running -= 1
-            if not self._running:
-                self._idle.set()
+            self.running.leave()
 
     async def _run(self, req: _Request, arrived: float) -> AsyncIterator[TextDelta | GenerationResult]:
         """Submit, then yield a TextDelta per round with new output, then the GenerationResult."""
@@ -705,7 +719,7 @@ class DrafterServer:
         self._stopping = True
         self.service.draining = True
         await self.health.enter_graceful_shutdown()
-        draining = [self.service.wait_idle(grace or 0.0)]
+        draining = [self.service.running.wait_idle(grace or 0.0)]
         if self.http is not None:
             draining.append(self.http.drain(grace or 0.0))
         await asyncio.gather(*draining)
