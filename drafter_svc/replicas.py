@@ -17,6 +17,11 @@ brings them back once they answer and pass the check that they serve the same mo
 does not is refused, with one logged line, and asked again every `REFUSED_RETRY_S` (an operator
 may restart it with the right flags). An open that finds no healthy replica gets
 `LinkLost` at once, so the link is `up` exactly while some replica is.
+
+A replica that refuses an open with UNAVAILABLE is shutting down (it drains): it takes no new
+sessions, the refused one re-opens elsewhere (a `LinkLost`), and its open sessions run on there.
+The prober asks it every `DRAIN_PROBE_S` whether it still drains, and once it holds none of our
+sessions and has stopped, probes it as a lost one, so that its restart is taken back.
 """
 from __future__ import annotations
 
@@ -40,6 +45,7 @@ from drafter_svc.link import OnNotice, VerifierLink, connect_error, status_error
 log = logging.getLogger(__name__)
 WAIT_REPORT_S = 5.0  # while start-up waits for a verifier, a progress line this often
 REFUSED_RETRY_S = 10.0  # a refused replica is asked again this often
+DRAIN_PROBE_S = 1.0  # a draining replica is asked this often whether it still is (it has stopped once not)
 # Fields of a replica's Info that must equal the first replica's: they shape the drafter's
 # sessions (length, trees, features) and make a re-opened session's output the same.
 SAME_AS_FIRST = ("max_seq_len", "max_tree_nodes", "feature_projection", "sampling", "deterministic", "feature_wire")
@@ -102,6 +108,7 @@ def wait_for_verifier(addresses: Sequence[str], stubs: Sequence[pb_grpc.Verifier
     failures: dict[int, grpc.RpcError] = {}
     retry_at: dict[int, float] = {}
     refused: set[int] = set()
+    draining: set[int] = set()  # answered, shutting down
     try:
         while True:
             now = time.monotonic()
@@ -120,6 +127,10 @@ def wait_for_verifier(addresses: Sequence[str], stubs: Sequence[pb_grpc.Verifier
                 except grpc.RpcError as exc:  # a call that fails at once is asked again a little later
                     failures[i], retry_at[i] = exc, time.monotonic() + 0.2
                     continue
+                if info.draining:  # shutting down: asked again until another answers (or its restart does)
+                    draining.add(i)
+                    retry_at[i] = time.monotonic() + 0.2
+                    continue
                 try:
                     check(info)
                 except StatusError as exc:
@@ -136,6 +147,7 @@ def wait_for_verifier(addresses: Sequence[str], stubs: Sequence[pb_grpc.Verifier
                         failures[i] = exc
                 reasons = {addresses[i]: status_error(connect_error(stubs[i], failures[i])).message
                            for i in failures if i not in refused}
+                reasons.update((addresses[i], "it is shutting down") for i in draining if i not in failures)
                 if len(stubs) == 1:
                     raise StatusError("UNAVAILABLE", f"verifier at {addresses[0]} did not answer within {wait_s:.0f} "
                                                      f"s: {reasons.get(addresses[0], 'no answer')}")
@@ -162,10 +174,11 @@ def check_replica(first: pb.InfoResponse, info: pb.InfoResponse) -> None:
 
 
 class State(enum.Enum):
-    NEW = "new"          # has not answered yet: probed
-    UP = "up"            # takes sessions
-    DOWN = "down"        # its link failed: probed with backoff
-    REFUSED = "refused"  # serves another model or shape: unused, asked again every REFUSED_RETRY_S
+    NEW = "new"            # has not answered yet: probed
+    UP = "up"              # takes sessions
+    DRAINING = "draining"  # shutting down: its sessions run on there, new ones go elsewhere
+    DOWN = "down"          # its link failed: probed with backoff (also while its Info says it drains)
+    REFUSED = "refused"    # serves another model or shape: unused, asked again every REFUSED_RETRY_S
 
 
 @dataclass
@@ -294,6 +307,8 @@ class ReplicaLink:
                 if isinstance(result.outcome, StatusError):  # the session is closed there
                     with self._lock:
                         self._unassign(sid)
+                    if result.outcome.status == "UNAVAILABLE":  # an open it refused while shutting down
+                        result = StepResult(sid, self._draining(via, result.outcome))
                 results.append(result)
         return results
 
@@ -336,12 +351,25 @@ class ReplicaLink:
             self.replicas[i].sessions.discard(sid)
         return i
 
+    def _draining(self, i: int, refusal: StatusError) -> LinkLost:
+        """Replica `i` refused an open with UNAVAILABLE (it is shutting down): it takes no new
+        sessions from now on, its open ones carry on; the session re-opens elsewhere."""
+        replica = self.replicas[i]
+        with self._lock:
+            if replica.state is State.UP:
+                replica.state, replica.retry_at = State.DRAINING, time.monotonic() + DRAIN_PROBE_S
+                log.info("verifier at %s is draining (%s): its %d sessions end there, new ones go elsewhere",
+                         replica.address, refusal.message, len(replica.sessions))
+        self._wake.set()  # the prober watches it
+        return LinkLost(f"verifier at {replica.address}: {refusal.message}")
+
     def _lose(self, i: int, exc: StatusError) -> StatusError:
         """Replica `i` failed: close its link, forget its sessions, probe it with backoff; its parts
         of the messages in flight get LinkLost (or `exc` itself when it is not UNAVAILABLE), returned."""
         replica = self.replicas[i]
         error = LinkLost(f"verifier at {replica.address} lost: {exc.message}") if exc.status == "UNAVAILABLE" else exc
         with self._lock:
+            drained = replica.state is State.DRAINING and not replica.sessions
             replica.state = State.DOWN
             for sid in replica.sessions:
                 self._owner.pop(sid, None)
@@ -352,7 +380,10 @@ class ReplicaLink:
         for message in self._inflight:
             if i in message.parts:
                 message.lost.setdefault(i, error)
-        log.warning("verifier at %s lost with %d sessions (%s: %s)", replica.address, lost, exc.status, exc.message)
+        if drained:
+            log.info("verifier at %s has drained", replica.address)
+        else:
+            log.warning("verifier at %s lost with %d sessions (%s: %s)", replica.address, lost, exc.status, exc.message)
         self._wake.set()
         return error
 
@@ -380,6 +411,9 @@ class ReplicaLink:
         """Ask a replica for its Info: it comes up when it answers and passes the check, is refused
         (one logged line, asked again after `REFUSED_RETRY_S`) when it fails the check, and backs off
         when it does not answer."""
+        if replica.state is State.DRAINING:
+            self._probe_draining(replica)
+            return
         try:
             info = replica.ask_info()
         except Exception as exc:  # grpc.RpcError, or whatever a broken answer raises: not up
@@ -394,6 +428,10 @@ class ReplicaLink:
                 else:
                     self._back_off(replica)
             return
+        if info.draining:  # shutting down: asked again (a restart) as one that does not answer
+            with self._lock:
+                self._back_off(replica)
+            return
         try:
             self.check(info)
         except StatusError as exc:
@@ -406,3 +444,19 @@ class ReplicaLink:
         with self._lock:
             replica.state, replica.max_sessions = State.UP, info.max_sessions
         log.info("verifier at %s up (%d sessions)", replica.address, info.max_sessions)
+
+    def _probe_draining(self, replica: Replica) -> None:
+        """Whether a draining replica has stopped: once it holds none of our sessions and its Info
+        fails or no longer says it drains (a restart), its link is closed and it is probed as a
+        lost one (it comes back up once it answers). Its sessions' own messages find a failure."""
+        try:
+            draining = replica.ask_info().draining
+        except Exception:  # grpc.RpcError, or a broken answer: it has stopped
+            draining = False
+        with self._lock:
+            if draining or replica.sessions:
+                replica.retry_at = time.monotonic() + DRAIN_PROBE_S
+                return
+            replica.state, replica.backoff_s, replica.retry_at = State.DOWN, 0.0, time.monotonic()
+        replica.link.close()
+        log.info("verifier at %s has drained", replica.address)

@@ -1031,8 +1031,8 @@ class DraftScheduler:
             metrics.QUEUE_WAIT.observe(s.admitted - s.start)
             s.result.time_to_first_token_s = time.perf_counter() - s.start
         if s.recovery_deadline is not None:  # re-opened after a lost verifier: carry on
-            log.info("session %d re-opened after %d tokens, %.2f s after its link was lost", s.sid,
-                     len(s.result.tokens), time.monotonic() - s.recovery_start)
+            log.info("session %d re-opened after %d tokens, %.2f s after its verifier was lost (%s)", s.sid,
+                     len(s.result.tokens), time.monotonic() - s.recovery_start, s.lost_why)
             s.recovery_deadline = None
         s.first_token = token
         self._hand(s, s.emit(s.rounds, [token], logprobs))

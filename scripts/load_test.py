@@ -429,7 +429,7 @@ def main(argv: list[str] | None = None) -> int:
         for i, v in enumerate(run.verifiers):
             memory[f"verifier{i}"]["after"] = rss_mib(v)
         # drafter_svc.scheduler logs each re-open with how long after the lost link it came
-        reopened = [float(x) for x in re.findall(r" re-opened after \d+ tokens, ([0-9.]+) s after its link was lost",
+        reopened = [float(x) for x in re.findall(r" re-opened after \d+ tokens, ([0-9.]+) s after its verifier was",
                                                  drafter.log_path.read_text(errors="replace"))]
         result = summarise(a, outcomes, wall, run, memory, capacity, reopened)
     except BaseException:

@@ -233,6 +233,7 @@ def test_environment_values_in_the_choices_are_taken(monkeypatch):
     ("drafter", ["--device", "bogus"], "--device: bad device 'bogus'"),
     ("drafter", ["--device", "cuda:99"], "--device: device 'cuda:99' asked for"),
     ("verifier", ["--grace", "-5"], "grace_s must be >= 0, got -5.0"),
+    ("verifier", ["--stall-timeout", "-1"], "stall_timeout_s must be >= 0, got -1.0"),
     ("verifier", ["--graph-batches", "0"], "batch_buckets must be non-empty and >= 1"),  # graphs or not
     ("verifier", ["--graph-trees", "0,-3"], "tree_buckets must be non-empty and >= 0"),
     ("verifier", ["--device", "cuda:99"], "device 'cuda:99' asked for"),

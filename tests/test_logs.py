@@ -3,6 +3,7 @@ fields), their flags and env fallbacks, one compact line per span, the verifier'
 summary from its real entry point, and the drafter's progress while it waits for its verifier."""
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import logging
@@ -11,6 +12,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -147,30 +149,67 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_verifier_main_logs_a_json_start_up_summary(tmp_path):
-    """`python -m verifier_svc --log-format json` writes JSON lines, the ready summary among them."""
+@contextlib.contextmanager
+def verifier_process(log_file: Path, *extra: str):
+    """`python -m verifier_svc` on the shipped pair (CPU, port 0), its stderr to `log_file`; yields
+    (the process, its address) once it listens and handles SIGTERM; killed if still running."""
     args = [sys.executable, "-m", "verifier_svc", "--target", str(SHIPPED / "target"), "--draft",
             str(SHIPPED / "draft"), "--host", "127.0.0.1", "--port", "0", "--device", "cpu", "--max-sessions", "2",
-            "--max-seq-len", "128", "--log-format", "json"]
-    log_file = tmp_path / "stderr.log"
+            "--max-seq-len", "128", *extra]
     with open(log_file, "w") as err:
         proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=err, text=True)
     try:
-        listening = proc.stdout.readline()  # printed once it serves and handles SIGTERM ('' if it died)
+        listening = proc.stdout.readline()  # '' if it died
         assert listening.startswith("verifier listening on 127.0.0.1:"), log_file.read_text()
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=60) == 0
+        yield proc, listening.split()[3].rstrip(",")
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
         proc.stdout.close()
+
+
+def test_verifier_main_logs_a_json_start_up_summary(tmp_path):
+    """`python -m verifier_svc --log-format json` writes JSON lines, the ready summary among them."""
+    log_file = tmp_path / "stderr.log"
+    with verifier_process(log_file, "--log-format", "json") as (proc, _):
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
     records = [json.loads(line) for line in log_file.read_text().splitlines() if line.strip()]
     ready = next(r for r in records if r["message"].startswith("verifier ready on"))
     assert ready["level"] == "INFO" and ready["logger"] == "verifier_svc.server"
     assert "device cpu, dtype float32, KV 2 sessions x 128 tokens" in ready["message"]
     assert "verify CUDA graphs" in ready["message"] and "RSS " in ready["message"]
     assert any(r["message"].startswith("shutting down") for r in records)
+
+
+def test_verifier_sigterm_drains_its_sessions_and_a_second_cuts_them(tmp_path):
+    """SIGTERM: the verifier process keeps serving an open session (Info says `draining`), and a
+    second SIGTERM ends the drain at once instead of after the 25 s grace."""
+    import grpc
+
+    from common.config import load_draft_config
+    from common.rpc import CHANNEL_OPTIONS, pb, pb_grpc
+    from tests.test_verifier_server import LinkStream, opening
+
+    log_file = tmp_path / "stderr.log"
+    with verifier_process(log_file) as (proc, address):
+        layers = load_draft_config(SHIPPED / "draft").target_layer_ids
+        with grpc.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
+            stub = pb_grpc.VerifierStub(channel)
+            with LinkStream(stub) as link:
+                (opened,) = link.send([opening(1, layers, prompt=[5, 6, 7])]).results
+                assert opened.WhichOneof("kind") == "prefilled"
+                proc.send_signal(signal.SIGTERM)
+                deadline = time.monotonic() + 10
+                while not stub.Info(pb.InfoRequest(), timeout=5).draining:
+                    assert time.monotonic() < deadline and proc.poll() is None
+                    time.sleep(0.05)
+                proc.send_signal(signal.SIGTERM)
+                assert proc.wait(timeout=15) == 0
+    said = log_file.read_text()
+    assert "draining: 1 sessions open" in said and "the grace ended with 1 sessions open" in said, said
+    assert "Traceback" not in said, said
 
 
 def test_drafter_reports_progress_while_it_waits_for_the_verifier(caplog):

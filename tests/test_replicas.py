@@ -3,6 +3,7 @@ re-probing, the --verifier address list; the scheduler over two in-process verif
 services with two verifiers, one killed mid-generation."""
 from __future__ import annotations
 
+import asyncio
 import collections
 import logging
 import socket
@@ -46,6 +47,7 @@ class FakeLink:
         self.verifier_step_s = self.link_s = 0.0
         self.closed = 0
         self.answers = True
+        self.refuse_opens: StatusError | None = None  # each open's result while set (a draining verifier's)
 
     def send(self, entries):
         self.sent.append(list(entries))
@@ -57,7 +59,8 @@ class FakeLink:
             exc, self.fail = self.fail, None
             raise exc
         self.verifier_step_s = 0.01 * len(entries)
-        return [StepResult(e.session_id, Prefilled(1, torch.zeros(1, 2), 64) if isinstance(e, OpenEntry)
+        opened = self.refuse_opens or Prefilled(1, torch.zeros(1, 2), 64)
+        return [StepResult(e.session_id, opened if isinstance(e, OpenEntry)
                            else Verified([], 2, torch.zeros(1, 2), e.round))
                 for e in entries if not isinstance(e, CloseEntry)]
 
@@ -74,12 +77,13 @@ class FakeVerifier:
 
     def __init__(self, max_sessions=4, down=False):
         self.max_sessions, self.down, self.asked = max_sessions, down, 0
+        self.draining = False
 
     def __call__(self):
         self.asked += 1
         if self.down:
             raise StatusError("UNAVAILABLE", "down")
-        return pb.InfoResponse(max_sessions=self.max_sessions)
+        return pb.InfoResponse(max_sessions=self.max_sessions, draining=self.draining)
 
 
 def replica_set(*sizes, up=True, check=lambda info: None):
@@ -247,6 +251,41 @@ def test_two_messages_in_flight_lose_the_failed_replicas_part_of_each():
     link.close()
 
 
+def test_a_draining_replica_keeps_its_sessions_and_takes_no_new_ones(monkeypatch, caplog):
+    """A verifier shutting down refuses opens with UNAVAILABLE: that open re-opens elsewhere (a
+    LinkLost), the replica takes no new sessions while its own go on, and once it holds none and
+    has stopped it is probed as a lost one, so that its restart is taken back."""
+    monkeypatch.setattr(replicas, "DRAIN_PROBE_S", 0.02)
+    link, links, infos = replica_set(4, 4)
+    link.step(opens(1, 2))  # a: 1; b: 2
+    links[0].refuse_opens = StatusError("UNAVAILABLE", "the verifier is shutting down")
+    infos[0].draining = True
+    with caplog.at_level(logging.INFO, logger="drafter_svc.replicas"):
+        results = link.step(opens(3, 4))  # a: 3 (refused); b: 4
+        (refused,) = [r.outcome for r in results if r.session_id == 3]
+        assert isinstance(refused, LinkLost) and "shutting down" in refused.message
+        assert link.replicas[0].state is State.DRAINING and link.up
+        assert link.placement() == {"a": {1}, "b": {2, 4}}
+        opened = link.step(opens(3, 5) + [tree(1)])  # new sessions go to b; a's session goes on there
+        assert all(isinstance(r.outcome, (Prefilled, Verified)) for r in opened)
+        assert link.placement() == {"a": {1}, "b": {2, 3, 4, 5}}
+        time.sleep(0.1)
+        assert link.replicas[0].state is State.DRAINING and links[0].closed == 0  # it drains: still ours
+        link.step([CloseEntry(1)])
+        time.sleep(0.1)
+        assert link.replicas[0].state is State.DRAINING  # no session left, but it still says it drains
+        infos[0].down = True  # it has stopped
+        wait_until(lambda: link.replicas[0].state is State.DOWN and links[0].closed == 1)
+        links[0].refuse_opens, infos[0].draining, infos[0].down = None, False, False  # restarted
+        wait_until(lambda: link.replicas[0].state is State.UP)
+    said = [r.getMessage() for r in caplog.records]
+    assert any("verifier at a is draining" in m for m in said) and "verifier at a has drained" in said, said
+    assert not any(r.levelno >= logging.WARNING for r in caplog.records), said
+    link.step(opens(6))
+    assert link.placement()["a"] == {6}
+    link.close()
+
+
 def test_verifier_addresses(monkeypatch):
     tls = ChannelTls(ca="ca.pem", flag_prefix="--verifier-")
     table = {"svc": ["10.0.0.1", "10.0.0.2", "10.0.0.1"], "dual": ["127.0.0.1", "::1"], "one": ["10.0.0.9"]}
@@ -401,3 +440,45 @@ def test_a_verifier_killed_mid_generation_moves_only_its_sessions(qwen3_pair, ca
     finally:
         victim.kill()
         victim.wait()
+
+
+# -- both services, two verifiers, one shut down ----------------------------------------------------
+
+
+def test_a_verifier_shut_down_mid_generation_drains(qwen3_pair, caplog):
+    """Two verifiers behind one drafter, one stopped (SIGTERM's drain) mid-generation: its open
+    sessions finish there (none re-opens), requests arriving meanwhile go to the other, every
+    output is that of an undisturbed run, and the stop returns once its last session ends."""
+    cfg = verifier_config(qwen3_pair, sampling="keyed")
+    with ServerThread(lambda: serve_verifier(cfg)) as first, ServerThread(lambda: serve_verifier(cfg)) as second:
+        addresses = [f"127.0.0.1:{first.port}", f"127.0.0.1:{second.port}"]
+        engine = drafter_engine(qwen3_pair, 0, verifier=",".join(addresses), recovery_timeout_s=60.0)
+        wait_until(lambda: all(r.state is State.UP for r in engine.scheduler.link.replicas))
+        with ServerThread(lambda: serve_drafter(engine, "127.0.0.1", 0)) as drafter, \
+                grpc.insecure_channel(f"127.0.0.1:{drafter.port}", options=CHANNEL_OPTIONS) as channel, \
+                caplog.at_level(logging.INFO):
+            stub = pb_grpc.GenerationStub(channel)
+            reqs = [request(PROMPTS[i % 3] + [i], n=96, budget=(0, 8, 16, 8)[i], temperature=(0, 0, 0, 0.9)[i],
+                            top_k=30, seed=11) for i in range(4)]
+            undisturbed = [[t for reply in stub.Generate(r, timeout=60) for t in reply.delta.token_ids]
+                           for r in reqs]
+            calls = [stub.Generate(r, timeout=120) for r in reqs[:2]]
+            got = [list(next(call).delta.token_ids) for call in calls]
+            placed = engine.scheduler.link.placement()
+            assert placed[addresses[0]] and placed[addresses[1]], placed
+            began = time.monotonic()
+            stopping = asyncio.run_coroutine_threadsafe(first.server.stop(60.0), first.loop)
+            late = [stub.Generate(r, timeout=120) for r in reqs[2:]]  # opened during the drain
+            for tokens, call in zip(got, calls):
+                for reply in call:
+                    tokens.extend(reply.delta.token_ids)
+            got += [[t for reply in call for t in reply.delta.token_ids] for call in late]
+            assert got == undisturbed and all(len(t) == 96 for t in got)
+            stopping.result(30)
+            assert time.monotonic() - began < 30  # the drain ended with its sessions, not the grace
+            wait_until(lambda: engine.scheduler.link.replicas[0].state is State.DOWN)
+        said = [r.getMessage() for r in caplog.records]
+        # Only opens refused by the draining verifier re-opened (none of its sessions with tokens).
+        assert all(" re-opened after 0 tokens" in m and "shutting down" in m for m in said if " re-opened " in m), said
+        assert f"verifier at {addresses[0]} has drained" in said, said
+        engine.stop()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import logging
 import queue
 import threading
 import time
@@ -1217,27 +1218,33 @@ def test_spans_are_parented_to_the_drafter(stub, layers, tracing):
 # -- shutdown ----------------------------------------------------------------------------------
 
 
-def test_shutdown_drains_and_refuses(config, tracing):
+def test_shutdown_drains_and_refuses(config, tracing, caplog):
+    """On stop the verifier drains: NOT_SERVING, Info says `draining` (the port stays open), an
+    open session runs on while a new one is refused with UNAVAILABLE (its drafter opens it on
+    another replica), and after the grace the link left is cut."""
     with ServerThread(lambda: serve(config)) as running, _connect(running.port) as ch:
         watch = health_pb2_grpc.HealthStub(ch).Watch(health_pb2.HealthCheckRequest(service=VERIFIER_SERVICE),
                                                       timeout=20)
         assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
         stub = pb_grpc.VerifierStub(ch)
-        with LinkStream(stub) as link:
+        assert not stub.Info(pb.InfoRequest(), timeout=5).draining
+        with LinkStream(stub) as link, caplog.at_level(logging.WARNING, logger="verifier_svc.server"):
             (opened,) = link.step([opening(1, config.feature_layer_ids)])
+            began = time.monotonic()
             stopping = asyncio.run_coroutine_threadsafe(running.server.stop(2.0), running.loop)
             assert next(watch).status == health_pb2.HealthCheckResponse.NOT_SERVING
-            # Draining: the link in flight is still served ...
-            got = link.step([TreeEntry(1, 1, small_tree(opened.outcome.token))])
+            assert stub.Info(pb.InfoRequest(), timeout=5).draining
+            # Draining: the open session is still served, a new one is refused ...
+            got = link.step([TreeEntry(1, 1, small_tree(opened.outcome.token)), opening(2, config.feature_layer_ids)])
             assert isinstance(got[0].outcome, Verified)
-            # ... new calls are not ...
-            with pytest.raises(grpc.RpcError) as info:
-                stub.Info(pb.InfoRequest(), timeout=5)
-            assert info.value.code() == grpc.StatusCode.UNAVAILABLE
-            # ... and after the grace period the link is ended.
+            assert (got[1].outcome.status, got[1].outcome.message) == ("UNAVAILABLE", "the verifier is shutting down")
+            # ... and after the grace period the link, with its session left open, is cut.
             with pytest.raises(grpc.RpcError) as info:
                 next(link.call)
             assert info.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
+            assert time.monotonic() - began >= 1.9
+        said = [r.getMessage() for r in caplog.records]
+        assert "the grace ended with 1 sessions open: their links are cut" in said, said
         stopping.result(10)
 
         async def submit_after_stop():
@@ -1246,3 +1253,75 @@ def test_shutdown_drains_and_refuses(config, tracing):
             return info.value.status
 
         assert running.call(submit_after_stop()) == "UNAVAILABLE"
+
+
+def test_shutdown_ends_once_the_last_session_closes(config):
+    """A drain lasts as long as the open sessions do, not the whole grace; a second signal's
+    `cut` ends one at once."""
+    for ending in ("close", "cut"):
+        with ServerThread(lambda: serve(config)) as running, _connect(running.port) as ch:
+            with LinkStream(pb_grpc.VerifierStub(ch)) as link:
+                (opened,) = link.step([opening(1, config.feature_layer_ids)])
+                began = time.monotonic()
+                stopping = asyncio.run_coroutine_threadsafe(running.server.stop(30.0), running.loop)
+                (got,) = link.step([TreeEntry(1, 1, small_tree(opened.outcome.token))])
+                assert isinstance(got.outcome, Verified)
+                assert not stopping.done()
+                if ending == "close":
+                    link.step([CloseEntry(1)])
+                else:
+                    running.loop.call_soon_threadsafe(running.server.cut)
+                stopping.result(10)
+                assert time.monotonic() - began < 10
+                with pytest.raises(grpc.RpcError):
+                    next(link.call)
+
+
+def test_a_stalled_model_worker_turns_the_verifier_not_serving(config, caplog):
+    """A model worker that has work and makes no progress (a hung device) for --stall-timeout turns
+    health NOT_SERVING and Info UNAVAILABLE, so that drafters move its sessions; both come back
+    once it does progress, and the held message is answered."""
+    cfg = dataclasses.replace(config, stall_timeout_s=0.5)
+    with ServerThread(lambda: serve(cfg)) as running, _connect(running.port) as ch, \
+            caplog.at_level(logging.WARNING, logger="verifier_svc.server"):
+        verifier = running.server.worker.verifier
+        hang, begin = threading.Event(), verifier.begin
+
+        def hung_begin(*args, **kwargs):
+            hang.wait(30)
+            return begin(*args, **kwargs)
+
+        health = health_pb2_grpc.HealthStub(ch)
+        stub = pb_grpc.VerifierStub(ch)
+
+        def serving() -> bool:
+            return health.Check(health_pb2.HealthCheckRequest(), timeout=5).status == \
+                health_pb2.HealthCheckResponse.SERVING
+
+        assert serving() and running.server.worker.stalled_s == 0.0
+        with LinkStream(stub) as link:
+            verifier.begin = hung_begin
+            try:
+                link.post([opening(1, cfg.feature_layer_ids)])
+                time.sleep(0.2)
+                assert serving()  # not yet: 0.5 s
+                deadline = time.monotonic() + 10
+                while serving():
+                    assert time.monotonic() < deadline
+                    time.sleep(0.05)
+                with pytest.raises(grpc.RpcError) as info:
+                    stub.Info(pb.InfoRequest(), timeout=5)
+                assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+                assert info.value.details().startswith("the model worker has made no progress for ")
+            finally:
+                hang.set()
+                verifier.begin = begin
+            (opened,) = decode(link.recv())
+            assert isinstance(opened.outcome, Prefilled)
+            while not serving():
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+            assert stub.Info(pb.InfoRequest(), timeout=5).max_sessions == cfg.max_sessions
+    said = [r.getMessage() for r in caplog.records]
+    assert any(m.startswith("the model worker has made no progress for ") for m in said), said
+    assert "the model worker makes progress again: serving" in said, said

@@ -4,7 +4,8 @@
 
 Every flag falls back to an environment variable (VERIFIER_PORT, ...) and then to the
 default in `VerifierConfig`. Prints "verifier listening on HOST:PORT" when ready; SIGTERM
-or SIGINT drains and stops it (health NOT_SERVING, running RPCs get --grace seconds).
+or SIGINT drains and stops it (health NOT_SERVING, new sessions refused, open ones get --grace
+seconds to end; a second signal cuts them).
 """
 from __future__ import annotations
 
@@ -66,7 +67,11 @@ def build_parser() -> argparse.ArgumentParser:
     flag("--idle-timeout", "idle_timeout_s", "seconds without a message before a session is closed", type=float)
     flag("--open-timeout", "open_timeout_s", "seconds a session opened may go without its first tree before it is "
          "closed (its KV slot freed)", type=float, env="VERIFIER_OPEN_TIMEOUT_S")
-    flag("--grace", "grace_s", "seconds running RPCs get to finish on shutdown", type=float)
+    flag("--grace", "grace_s", "on shutdown, seconds the open sessions get to end (new ones are refused, so "
+         "drafters open them on other replicas) before their links are cut", type=float)
+    flag("--stall-timeout", "stall_timeout_s", "seconds the model worker may have work without progress (a hung "
+         "device) before health turns NOT_SERVING and Info UNAVAILABLE, so that drafters move its sessions; 0 = never",
+         type=float, env="VERIFIER_STALL_TIMEOUT_S")
     flag("--max-inflight", "max_inflight", "unanswered messages per drafter link before the verifier stops "
          "reading it (back-pressure)", type=int)
     flag("--max-message-mb", "max_message_mb", "inbound message cap in MiB (larger messages get RESOURCE_EXHAUSTED); "
@@ -140,7 +145,8 @@ def parse_config(argv: list[str] | None = None) -> VerifierConfig:
         device=args.device, dtype=args.dtype, max_sessions=args.max_sessions, max_seq_len=args.max_seq_len,
         max_tree_nodes=args.max_tree_nodes, max_tree_depth=args.max_tree_depth, idle_timeout_s=args.idle_timeout,
         open_timeout_s=args.open_timeout,
-        grace_s=args.grace, trace_console=args.trace_console, cuda_graphs=not args.no_cuda_graphs,
+        grace_s=args.grace, stall_timeout_s=args.stall_timeout, trace_console=args.trace_console,
+        cuda_graphs=not args.no_cuda_graphs,
         max_inflight=args.max_inflight, graph_batches=tuple(args.graph_batches), graph_trees=tuple(args.graph_trees),
         sampling=args.sampling, deterministic=args.deterministic, prefill_graphs=args.prefill_graphs,
         tensor_parallel=args.tensor_parallel,
@@ -171,7 +177,10 @@ async def run(config: VerifierConfig, verifier: TreeVerifier) -> str | None:
     compiles.serving()
     print(f"verifier listening on {config.host}:{port}{served}", flush=True)
     await stop.wait()
-    logging.getLogger("verifier_svc").info("shutting down (grace %g s)", config.grace_s)
+    logging.getLogger("verifier_svc").info("shutting down (grace %g s; a second signal cuts the drain)",
+                                           config.grace_s)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, server.cut)
     await server.stop(config.grace_s)
     return None
 

@@ -43,7 +43,7 @@ from common.feature_wire import wire_rows
 from common.protocol import CloseEntry, Entry, ExtendEntry, OpenEntry, StatusError, StepResult, TreeEntry, Verified
 from common.tracing import context_from_traceparent, tracer
 from common.wire import EncodedReply, encode_link_notice, encode_link_response
-from verifier_svc.tree_verifier import PendingStep, TreeVerifier, VerifierError
+from verifier_svc.tree_verifier import SHUTTING_DOWN, PendingStep, TreeVerifier, VerifierError
 
 log = logging.getLogger(__name__)
 _tracer = tracer(__name__)
@@ -219,6 +219,8 @@ class ModelWorker:
         self.busy_s = 0.0  # wall time with a verifier step begun and not finished, for metrics
         self._open_steps = 0  # begun and not finished
         self._busy_since = 0.0  # when the last of them began that found none open
+        self._beat = time.monotonic()  # the worker loop's last turn (`stalled_s`)
+        self._idle = False  # waiting for a message with no step running
 
     def start(self) -> None:
         if self._waiter is not None:
@@ -238,8 +240,17 @@ class ModelWorker:
         self._waits.put(None)
         for job in self._drain():
             if isinstance(job, LinkStep):
-                _settle(job, error=VerifierError("UNAVAILABLE", "the verifier is shutting down"))
+                _settle(job, error=VerifierError("UNAVAILABLE", SHUTTING_DOWN))
         self._encoder.shutdown(wait=True)
+
+    @property
+    def stalled_s(self) -> float:
+        """How long the worker has had work (a step on the device, or a message or wake-up queued)
+        without a turn of its loop; 0 while it has none. A hung device or worker makes it grow
+        while the event loop, Info included, still answers. Read from any thread."""
+        if self._idle or not self._open_steps and self._queue.empty():
+            return 0.0
+        return max(0.0, time.monotonic() - self._beat)
 
     @property
     def free_sessions(self) -> int:
@@ -256,7 +267,7 @@ class ModelWorker:
         job.notice = loop.create_future() if job.ends_prompts else None
         with self._lock:
             if self._stopped:
-                _settle(job, error=VerifierError("UNAVAILABLE", "the verifier is shutting down"))
+                _settle(job, error=VerifierError("UNAVAILABLE", SHUTTING_DOWN))
             else:
                 self._queue.put(job)
                 metrics.track_inflight_step(job.future)
@@ -284,10 +295,14 @@ class ModelWorker:
         waiting: list[LinkStep | _Close] = []  # received, not begun
         running: collections.deque[_Running] = collections.deque()  # begun, oldest first
         while not self._stopped:
+            self._beat = time.monotonic()
             while running and self._ready(running[0]):
                 self._finish(running.popleft())
+                self._beat = time.monotonic()
             if not (waiting and (not running or self._begins_early(waiting, running))):
+                self._idle = not running
                 item = self._queue.get()  # a job, or a wake-up (a step's results landed, or stop())
+                self._idle, self._beat = False, time.monotonic()
                 waiting += [item] if isinstance(item, (LinkStep, _Close)) else []
             waiting += self._drain()
             if self._stopped:
@@ -306,7 +321,7 @@ class ModelWorker:
             self._finish(running.popleft())
         for job in waiting:
             if isinstance(job, LinkStep):
-                _settle(job, error=VerifierError("UNAVAILABLE", "the verifier is shutting down"))
+                _settle(job, error=VerifierError("UNAVAILABLE", SHUTTING_DOWN))
             else:
                 job.done.set()
 

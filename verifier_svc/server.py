@@ -16,12 +16,14 @@ its link.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from dataclasses import dataclass
 
 import grpc
 import torch
+from grpc_health.v1 import health_pb2
 from grpc_health.v1.health import aio as health_aio
 
 from common import metrics
@@ -71,7 +73,10 @@ class VerifierConfig:
     max_tree_depth: int = VerifierLimits.max_tree_depth
     idle_timeout_s: float = 300.0  # a session with no message for this long is closed
     open_timeout_s: float = 10.0  # a session opened that sends no tree for this long is closed
-    grace_s: float = 5.0  # on shutdown, how long running RPCs may finish
+    grace_s: float = 25.0  # on shutdown, how long the open sessions may run on (`VerifierServer.stop`)
+    # A model worker with work that makes no progress for this long (a hung device or kernel) turns
+    # health NOT_SERVING and Info UNAVAILABLE, so drafters move its sessions elsewhere; 0 = never.
+    stall_timeout_s: float = 30.0
     trace_console: bool = False  # also print spans to stdout
     cuda_graphs: bool = True  # on CUDA, replay captured graphs for the verify step (False = eager)
     graph_batches: tuple[int, ...] = GraphConfig.batch_buckets  # batch buckets of the verify graphs
@@ -117,8 +122,9 @@ class VerifierConfig:
         for name in ("idle_timeout_s", "open_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        if not self.grace_s >= 0:
-            raise ValueError(f"grace_s must be >= 0, got {self.grace_s}")
+        for name in ("grace_s", "stall_timeout_s"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         self.graph_config().check()  # checked where graphs are off too: the same flags fail on every machine
         if self.max_message_mb < 0:
             raise ValueError(f"max_message_mb must be >= 0 (0 = what the limits need), got {self.max_message_mb}")
@@ -345,17 +351,22 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         self.worker, self.config = worker, config
         self._info = verifier_info(worker.verifier, config)
         self._links = 0
-        self.stopping = False  # set on shutdown: links cancelled from then on were cut by the grace's end
+        self.stopping = False  # set on shutdown (Info says `draining`): links cancelled from then on were cut
+        self.stalled = False  # set while the model worker makes no progress (`VerifierServer.watch_worker`)
 
     async def Info(self, request: bytes, context: grpc.aio.ServicerContext) -> pb.InfoResponse:
         try:
             decode_message(pb.InfoRequest, request)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        if self.stalled:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"the model worker has made no progress for "
+                                                             f"{self.worker.stalled_s:.0f} s")
         reply = pb.InfoResponse()
         reply.CopyFrom(self._info)
         reply.free_sessions = self.worker.free_sessions
         reply.busy_s = self.worker.busy_s
+        reply.draining = self.stopping
         return reply
 
     async def Link(self, request_iterator, context: grpc.aio.ServicerContext) -> None:
@@ -367,7 +378,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         try:
             reason = await link.run()
         except asyncio.CancelledError:
-            reason = ("cut at the end of the shutdown's grace" if self.stopping else
+            reason = ("cut by the verifier's shutdown" if self.stopping else
                       "cancelled by the drafter (or its deadline passed)")
             raise
         except Exception as exc:
@@ -387,20 +398,70 @@ class VerifierServicer(pb_grpc.VerifierServicer):
 class VerifierServer:
     """A running verifier: the gRPC server, its model worker and its health status."""
 
+    DRAIN_POLL_S = 0.05  # how often a drain looks whether the last session has closed
+    FLUSH_S = 1.0  # after the drain: how long the links cut get to send their status
+
     def __init__(self, server: grpc.aio.Server, servicer: VerifierServicer, health: health_aio.HealthServicer,
                  port: int):
         self.server, self.servicer, self.health, self.port = server, servicer, health, port
         self.worker = servicer.worker
         self.metrics: metrics.MetricsServer | None = None  # the /metrics endpoint, when served
+        self._cut = asyncio.Event()  # ends a drain early (`cut`)
+        self._watch: asyncio.Task | None = None  # `watch_worker`, when started
 
     async def stop(self, grace: float | None = None) -> None:
-        """NOT_SERVING, let running RPCs finish for `grace` seconds, then stop the worker."""
+        """Drain, then stop. Health reports NOT_SERVING and Info `draining`, new sessions are refused
+        with UNAVAILABLE (a drafter opens them on another replica), and the open ones run on, over
+        links that stay connected on a port that stays open, until none is left or `grace` seconds
+        pass (or `cut`); then the links left are cut and the worker stops. Later calls do nothing."""
+        if self.servicer.stopping:
+            return
         self.servicer.stopping = True
+        if self._watch is not None:
+            self._watch.cancel()
+        self.worker.verifier.draining = True
         await self.health.enter_graceful_shutdown()
-        await self.server.stop(grace)
+        left = await self._drain(grace or 0.0)
+        if left:
+            log.warning("the grace ended with %d sessions open: their links are cut", left)
+        await self.server.stop(self.FLUSH_S if left else 0)
         await asyncio.to_thread(self.worker.stop)
         if self.metrics is not None:
             await self.metrics.stop()
+
+    async def watch_worker(self, stall_s: float) -> None:
+        """Turn health NOT_SERVING (and Info UNAVAILABLE) while the model worker has work and has
+        made no progress for `stall_s` seconds, and back once it does (a log line each way): an
+        orchestrator's health check and the drafters' stall probe then see a hung device."""
+        servicer = self.servicer
+        while True:
+            await asyncio.sleep(min(1.0, stall_s / 4))
+            stalled = self.worker.stalled_s > stall_s
+            if stalled == servicer.stalled or servicer.stopping:
+                continue
+            servicer.stalled = stalled
+            if stalled:
+                log.error("the model worker has made no progress for %.0f s with work pending (a hung device?): "
+                          "not serving until it does", self.worker.stalled_s)
+            else:
+                log.warning("the model worker makes progress again: serving")
+            status = health_pb2.HealthCheckResponse.NOT_SERVING if stalled else health_pb2.HealthCheckResponse.SERVING
+            for service in ("", VERIFIER_SERVICE):
+                await self.health.set(service, status)
+
+    def cut(self) -> None:
+        """End a drain now (a second SIGTERM): the sessions still open are cut."""
+        self._cut.set()
+
+    async def _drain(self, grace: float) -> int:
+        """Wait until the verifier holds no session, for at most `grace` seconds; the sessions left."""
+        deadline = time.monotonic() + grace
+        if (left := self.worker.verifier.num_sessions) and grace > 0:
+            log.info("draining: %d sessions open, new ones refused; waiting up to %g s for them to end", left, grace)
+        while (left := self.worker.verifier.num_sessions) and time.monotonic() < deadline and not self._cut.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._cut.wait(), min(self.DRAIN_POLL_S, deadline - time.monotonic()))
+        return left
 
     async def wait_for_termination(self) -> None:
         await self.server.wait_for_termination()
@@ -428,6 +489,8 @@ async def serve(config: VerifierConfig, verifier: TreeVerifier | None = None,
         await asyncio.to_thread(worker.stop)
         raise
     running = VerifierServer(server, servicer, health, port)
+    if config.stall_timeout_s > 0:
+        running._watch = asyncio.create_task(running.watch_worker(config.stall_timeout_s))
     metrics.VERIFIER_KV_SLOTS.set(verifier.runner.num_slots)
     metrics.VERIFIER_SESSIONS.set_function(lambda: verifier.num_sessions)  # a dict's length: read at scrape time
     if metrics_port is not None:

@@ -41,6 +41,9 @@ class VerifierError(StatusError):
     """A request the verifier refuses; `status` names the gRPC status code."""
 
 
+SHUTTING_DOWN = "the verifier is shutting down"  # UNAVAILABLE: a new session's open, or a message after the stop
+
+
 @dataclass(frozen=True)
 class VerifierLimits:
     max_sessions: int = 8
@@ -162,6 +165,8 @@ class TreeVerifier:
         self._free_slots = list(range(runner.num_slots - 1, -1, -1))
         self._sessions: dict[Key, _Session] = {}
         self._refused: dict[Hashable, float] = {}  # owner -> when an open of it was last refused for capacity
+        # Set on shutdown (from another thread): opens are refused with UNAVAILABLE, open sessions go on.
+        self.draining = False
         # (batch, tokens) -> seconds of a verify step, when measured (`TargetRunner.measure_verify_costs`).
         self.verify_costs: dict[tuple[int, int], float] = {}
 
@@ -246,6 +251,8 @@ class TreeVerifier:
             try:
                 chunk = self._check_open(key, e) if isinstance(e, OpenEntry) else self._check_extend(key, e)
                 if isinstance(e, OpenEntry):
+                    if self.draining:  # the drafter opens it on another replica
+                        raise VerifierError("UNAVAILABLE", SHUTTING_DOWN)
                     owner, free = key[0], len(self._free_slots) - opening
                     if free <= 0 or free <= self._kept_for_others(owner, held):
                         self._refused[owner] = now
