@@ -56,7 +56,7 @@ def main(argv=None) -> dict:
     device = torch.device(a.device)
     cuda = device.type == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
-    batches, trees = sorted(set(_ints(a.batches, [1]))), sorted(set(_ints(a.trees, [0])))
+    batches, trees = sorted(set(_ints(a.batches, [1], "--batches"))), sorted(set(_ints(a.trees, [0], "--trees")))
     if min(batches) < 1 or min(trees) < 0:
         p.error("--batches must be >= 1 and --trees >= 0")
     cfg = qwen3_8b_config(a.small)

@@ -45,3 +45,13 @@ def test_the_verifier_start_up_line_says_which_kernels_run(kernel_env, tiny_pair
         with pytest.raises(ValueError, match=name):
             startup_summary(verifier)
         kernel_env(name, None)
+
+
+def test_the_pdl_bench_runs_small_on_the_cpu():
+    """bench/pdl.py end to end at toy sizes (the GPU suite's PDL test runs it at full size): both
+    settings give the same outputs."""
+    from bench import pdl as pdl_bench
+
+    res = pdl_bench.main(["--small", "--device", "cpu", "--batches", "1", "--trees", "0,16"])
+    assert {(r["tokens"], r["setting"]) for r in res["rows"]} == {(1, "off"), (1, "pdl"), (17, "off"), (17, "pdl")}
+    assert all(r["same_as_off"] for r in res["rows"])
