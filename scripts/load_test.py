@@ -1,7 +1,8 @@
 """A bounded load test with a verifier restart: many concurrent clients against both services,
-one verifier replica SIGKILLed and started again once mid-run.
+one verifier replica SIGKILLed (or stopped with SIGTERM) and started again once mid-run.
 
-    python scripts/load_test.py [--clients 64] [--requests 20] [--max-new-tokens 32] [--replicas 2] [--out-json FILE]
+    python scripts/load_test.py [--clients 64] [--requests 20] [--max-new-tokens 32] [--replicas 2] \
+        [--restart kill|drain] [--out-json FILE]
 
 Both services run as processes on loopback with the shipped pair (models/default) on CPU
 (`bench.serve.Service`): `--replicas` verifiers, each with room for every client, and one
@@ -9,7 +10,10 @@ drafter pointed at all of them. After one warm-up request per client, `--clients
 `--requests` streaming Generate requests one after another. Once `--kill-at` of them have
 finished, replica 0 is killed with SIGKILL, stays down `--down-s` seconds and is started
 again on the same port; the drafter re-opens the sessions it lost there on another replica, or
-on it once it is back (`--recovery-timeout`), and queues new requests meanwhile. Prompts are
+on it once it is back (`--recovery-timeout`), and queues new requests meanwhile. With
+`--restart drain` it gets SIGTERM instead, as a rolling restart does: it finishes its open
+sessions while the drafter opens new ones on the other replicas, and exits once none is left
+(so no session with tokens re-opens); it is started again once it has exited. Prompts are
 windows of the target's held-out text. Every prompt is sent twice (greedy), by two clients at
 different times, so a pair whose outputs differ means an output that depended on the batch
 or on the restart.
@@ -40,6 +44,7 @@ import json
 import random
 import re
 import shutil
+import signal
 import subprocess
 import tempfile
 import threading
@@ -79,6 +84,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="kill replica 0 once this fraction of the requests has finished (default 0.3; "
                         "a negative value: no kill)")
     p.add_argument("--down-s", type=float, default=1.0, help="seconds replica 0 stays down (default 1)")
+    p.add_argument("--restart", choices=("kill", "drain"), default="kill",
+                   help="how replica 0 is stopped: SIGKILL, or SIGTERM and its drain (default kill)")
     p.add_argument("--replicas", type=int, default=2,
                    help="verifier processes, the drafter pointed at all of them (default 2)")
     p.add_argument("--recovery-timeout", type=float, default=300.0,
@@ -254,19 +261,26 @@ class Run:
         return outcomes
 
     def restart_verifier(self) -> None:
-        """SIGKILL replica 0, wait, start a new one on the same port. On the main thread, while the
-        clients run on theirs: a service gets SIGTERM when the thread that started it ends."""
+        """SIGKILL (or SIGTERM) replica 0, wait for it to exit, then `--down-s`, then start a new one
+        on the same port. On the main thread, while the clients run on theirs: a service gets
+        SIGTERM when the thread that started it ends."""
         at_request = self.finished  # the other replicas keep serving while this one is down
-        log(f"{at_request} requests finished: SIGKILL to verifier 0 (pid {self.verifiers[0].proc.pid})")
+        proc = self.verifiers[0].proc
+        log(f"{at_request} requests finished: {'SIGTERM' if self.a.restart == 'drain' else 'SIGKILL'} to verifier 0 "
+            f"(pid {proc.pid})")
         killed = self.killed_at = time.perf_counter()
-        self.verifiers[0].proc.kill()
-        self.verifiers[0].proc.wait()
+        if self.a.restart == "drain":
+            proc.send_signal(signal.SIGTERM)
+        else:
+            proc.kill()
+        proc.wait()
+        exited = time.perf_counter() - killed  # the drain's time
         time.sleep(self.a.down_s)
         self.verifiers[0] = verifier_service(self.a, self.ports[0], self.logs, 0, 2)
         self.verifiers[0].start(self.a.startup_timeout)
         self.back_at = time.perf_counter()
         self.outage = {"at_request": at_request, "verifier_down_s": time.perf_counter() - killed,
-                       "restart_s": self.verifiers[0].startup_s}
+                       "exit_s": exited, "exit_code": proc.returncode, "restart_s": self.verifiers[0].startup_s}
         log(f"verifier 0 back after {self.outage['verifier_down_s']:.1f} s")
 
     async def warm_up(self) -> None:
@@ -313,7 +327,8 @@ class Run:
 
 
 def summarise(a: argparse.Namespace, outcomes: list[Outcome], wall: float, run: Run, memory: dict,
-              capacity: dict, reopened: list[float]) -> dict:
+              capacity: dict, reopened: list[tuple[int, float]]) -> dict:
+    """The report's numbers; `reopened`: (its tokens so far, seconds since its loss) of each re-open."""
     failed = [o for o in outcomes if o.error]
     by_prompt: dict[int, list[Outcome]] = {}
     for o in outcomes:
@@ -336,6 +351,7 @@ def summarise(a: argparse.Namespace, outcomes: list[Outcome], wall: float, run: 
 
     return {
         "clients": a.clients, "requests_per_client": a.requests, "requests": len(outcomes), "replicas": a.replicas,
+        "restart": a.restart,
         "max_new_tokens": a.max_new_tokens, "prompt_len": a.prompt_len, "tree_budget": a.tree_budget,
         "failed": len(failed), "errors": sorted({o.error for o in failed})[:10],
         "pairs_compared": len(pairs), "pairs_differing": len(differing), "finish_reasons": reasons,
@@ -348,8 +364,9 @@ def summarise(a: argparse.Namespace, outcomes: list[Outcome], wall: float, run: 
                        "max": ms(max(latencies, default=None))},
         "ttft_ms": {"p50": ms(percentile(ttfts, 50)), "p99": ms(percentile(ttfts, 99))},
         "outage": {k: round(v, 2) for k, v in run.outage.items()} | ({
-            "sessions_reopened": len(reopened), "recovery_s": {"p50": percentile(reopened, 50),
-                                                               "max": max(reopened, default=None)}}
+            "sessions_reopened": len(reopened), "sessions_reopened_with_tokens": sum(1 for n, _ in reopened if n),
+            "recovery_s": {"p50": percentile([s for _, s in reopened], 50),
+                           "max": max((s for _, s in reopened), default=None)}}
             if run.outage else {}),
         "capacity": capacity, "rss_mib": memory,
     }
@@ -365,9 +382,11 @@ def print_table(r: dict) -> None:
         ("wall", f"{r['wall_s']} s, {r['tokens']} tokens, {r['tokens_per_s']} tok/s"),
         ("latency p50 / p99 / max", " / ".join(f"{r['latency_ms'][k]} ms" for k in ("p50", "p99", "max"))),
         ("ttft p50 / p99", " / ".join(f"{r['ttft_ms'][k]} ms" for k in ("p50", "p99"))),
-        ("replica 0 killed", (f"after request {r['outage']['at_request']}, down {r['outage']['verifier_down_s']} s "
-                             f"(restart {r['outage']['restart_s']} s), {r['outage']['sessions_reopened']} sessions "
-                             f"re-opened, {r['requests_across_outage']} requests in flight") if r["outage"] else "no"),
+        (f"replica 0 {'drained' if r['restart'] == 'drain' else 'killed'}",
+         (f"after request {r['outage']['at_request']}, exited after {r['outage']['exit_s']} s (code "
+          f"{r['outage']['exit_code']}), down {r['outage']['verifier_down_s']} s (restart {r['outage']['restart_s']} s), "
+          f"{r['outage']['sessions_reopened']} sessions re-opened ({r['outage']['sessions_reopened_with_tokens']} with "
+          f"tokens), {r['requests_across_outage']} requests in flight") if r["outage"] else "no"),
         ("session recovery p50 / max", (" / ".join(f"{r['outage']['recovery_s'][k]:.2f} s" for k in ("p50", "max"))
                                         if r["outage"] and r["outage"]["sessions_reopened"] else "-")),
         ("capacity back to full", (" / ".join(map(str, r["capacity"]["free_sessions"]))
@@ -429,8 +448,8 @@ def main(argv: list[str] | None = None) -> int:
         for i, v in enumerate(run.verifiers):
             memory[f"verifier{i}"]["after"] = rss_mib(v)
         # drafter_svc.scheduler logs each re-open with how long after the lost link it came
-        reopened = [float(x) for x in re.findall(r" re-opened after \d+ tokens, ([0-9.]+) s after its verifier was",
-                                                 drafter.log_path.read_text(errors="replace"))]
+        reopened = [(int(n), float(s)) for n, s in re.findall(r" re-opened after (\d+) tokens, ([0-9.]+) s after its ",
+                                                              drafter.log_path.read_text(errors="replace"))]
         result = summarise(a, outcomes, wall, run, memory, capacity, reopened)
     except BaseException:
         for s in started(services, run):
