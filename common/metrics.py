@@ -102,6 +102,9 @@ VERIFIER_SESSIONS = Gauge("ddtree_verifier_sessions", "Sessions open (KV cache s
 VERIFIER_KV_SLOTS = Gauge("ddtree_verifier_kv_slots", "KV cache slots (--max-sessions)")
 VERIFIER_INFLIGHT_STEPS = Gauge("ddtree_verifier_inflight_steps",
                                 "Link messages handed to the model worker and not yet answered")
+VERIFIER_DRAINING = Gauge("ddtree_verifier_draining", "1 while the verifier shuts down (new sessions refused)")
+VERIFIER_STALLED = Gauge("ddtree_verifier_worker_stalled_seconds",
+                         "How long the model worker has had work without progress (0 while it has none or progresses)")
 
 # -- both services: kernel compiles (hooks in common/compiles.py) ---------------------------------------
 

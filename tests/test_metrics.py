@@ -75,6 +75,7 @@ VERIFIER_FAMILIES = {
     "ddtree_verifier_step_seconds": "histogram", "ddtree_verifier_step_batch_size": "histogram",
     "ddtree_verifier_verify_forward_seconds": "histogram", "ddtree_verifier_prefill_seconds": "histogram",
     "ddtree_verifier_sessions": "gauge", "ddtree_verifier_kv_slots": "gauge", "ddtree_verifier_inflight_steps": "gauge",
+    "ddtree_verifier_draining": "gauge", "ddtree_verifier_worker_stalled_seconds": "gauge",
 }
 
 
@@ -85,7 +86,9 @@ def test_metrics_parse_with_their_names_and_types(drafter, services):
         assert {name: families.get(name) for name in expected} == expected
         assert all(f.documentation for f in text_string_to_metric_families(page(port)))
     assert value(scrape(drafter.server.http_port), "ddtree_drafter_verifier_up") == 1
-    assert value(scrape(services[0].server.metrics.port), "ddtree_verifier_kv_slots") == 4
+    verifier = scrape(services[0].server.metrics.port)
+    assert value(verifier, "ddtree_verifier_kv_slots") == 4
+    assert value(verifier, "ddtree_verifier_draining") == value(verifier, "ddtree_verifier_worker_stalled_seconds") == 0
 
 
 def test_a_completion_moves_the_counters_by_its_usage(client, drafter, services):

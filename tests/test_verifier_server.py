@@ -25,9 +25,11 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from opentelemetry import trace
+from prometheus_client.parser import text_string_to_metric_families
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+from common import metrics
 from common.config import load_draft_config
 from common.make_tiny import TinySizes
 from common.protocol import (
@@ -1313,6 +1315,9 @@ def test_a_stalled_model_worker_turns_the_verifier_not_serving(config, caplog):
                     stub.Info(pb.InfoRequest(), timeout=5)
                 assert info.value.code() == grpc.StatusCode.UNAVAILABLE
                 assert info.value.details().startswith("the model worker has made no progress for ")
+                (stalled,) = [s.value for f in text_string_to_metric_families(metrics.render("verifier").decode())
+                              for s in f.samples if s.name == "ddtree_verifier_worker_stalled_seconds"]
+                assert stalled > 0.5
             finally:
                 hang.set()
                 verifier.begin = begin

@@ -417,6 +417,7 @@ class VerifierServer:
         if self.servicer.stopping:
             return
         self.servicer.stopping = True
+        metrics.VERIFIER_DRAINING.set(1)
         if self._watch is not None:
             self._watch.cancel()
         self.worker.verifier.draining = True
@@ -493,6 +494,8 @@ async def serve(config: VerifierConfig, verifier: TreeVerifier | None = None,
         running._watch = asyncio.create_task(running.watch_worker(config.stall_timeout_s))
     metrics.VERIFIER_KV_SLOTS.set(verifier.runner.num_slots)
     metrics.VERIFIER_SESSIONS.set_function(lambda: verifier.num_sessions)  # a dict's length: read at scrape time
+    metrics.VERIFIER_STALLED.set_function(lambda: worker.stalled_s)
+    metrics.VERIFIER_DRAINING.set(0)
     if metrics_port is not None:
         try:
             running.metrics = await metrics.serve_metrics(config.host, metrics_port)
