@@ -306,7 +306,8 @@ class ReplicaLink:
                 result = next(replies[via])
                 if isinstance(result.outcome, StatusError):  # the session is closed there
                     with self._lock:
-                        self._unassign(sid)
+                        if self._owner.get(sid) == via:  # not re-opened elsewhere since (a chunk sent ahead)
+                            self._unassign(sid)
                     if result.outcome.status == "UNAVAILABLE":  # an open it refused while shutting down
                         result = StepResult(sid, self._draining(via, result.outcome))
                 results.append(result)

@@ -13,7 +13,7 @@ import grpc
 import pytest
 import torch
 
-from common.protocol import CloseEntry, LinkLost, OpenEntry, Prefilled, SamplingParams, StatusError, StepResult, \
+from common.protocol import CloseEntry, ExtendEntry, LinkLost, OpenEntry, Prefilled, SamplingParams, StatusError, StepResult, \
     TreeEntry, Verified
 from common.rpc import CHANNEL_OPTIONS, pb, pb_grpc
 from common.tls import ChannelTls
@@ -283,6 +283,28 @@ def test_a_draining_replica_keeps_its_sessions_and_takes_no_new_ones(monkeypatch
     assert not any(r.levelno >= logging.WARNING for r in caplog.records), said
     link.step(opens(6))
     assert link.placement()["a"] == {6}
+    link.close()
+
+
+def test_a_chunk_answered_after_its_refused_open_moved_keeps_the_new_placement():
+    """An open refused by a draining replica while its next prompt chunk is on the way there
+    re-opens on another replica; that chunk's error, answered later, leaves the new placement."""
+    link, links, _ = replica_set(4, 4)
+    links[0].refuse_opens = StatusError("UNAVAILABLE", "the verifier is shutting down")
+
+    def receive(on_notice=None):  # its open refused, so a chunk of that session: NOT_FOUND
+        return [StepResult(e.session_id, StatusError("NOT_FOUND", "no such session") if isinstance(e, ExtendEntry)
+                           else links[0].refuse_opens) for e in links[0].pending.popleft()]
+    links[0].receive = receive
+    link.send(opens(1))  # to a
+    link.send([ExtendEntry(1, [3, 4])])  # ahead of the open's reply: to a as well
+    (refused,) = link.receive()
+    assert isinstance(refused.outcome, LinkLost) and link.replicas[0].state is State.DRAINING
+    link.send(opens(1))  # the re-open: to b
+    (chunk,) = link.receive()
+    assert chunk.outcome.status == "NOT_FOUND"
+    (opened,) = link.receive()
+    assert isinstance(opened.outcome, Prefilled) and link.placement() == {"a": set(), "b": {1}}
     link.close()
 
 
