@@ -11,6 +11,11 @@ both models). Every flag falls back to the environment variable named in its hel
 """
 from __future__ import annotations
 
+import os
+
+# gRPC C-core's own INFO lines (a peer's GOAWAY at a restart, say) stay out of the log; set before grpc loads.
+os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
+
 import asyncio
 import dataclasses
 import logging

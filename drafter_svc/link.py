@@ -202,6 +202,7 @@ class GrpcLink(_Lockstep):
         self._lock = threading.Lock()
         self.bytes_sent = self.bytes_received = 0
         self.verifier_step_s = self.link_s = 0.0
+        self.probe_error = ""  # why the last probe failed
 
     def _connect(self) -> None:
         self._requests = queue.SimpleQueue()
@@ -271,7 +272,7 @@ class GrpcLink(_Lockstep):
             except queue.Empty:
                 if not self.probe():
                     item = StatusError("UNAVAILABLE", f"the verifier does not answer: no reply for "
-                                                      f"{STALL_PROBE_S:g} s, nor to Info within {PROBE_TIMEOUT_S:g} s")
+                                                      f"{STALL_PROBE_S:g} s, and Info got {self.probe_error}")
                     break
         if isinstance(item, StatusError):
             with self._lock:
@@ -285,10 +286,14 @@ class GrpcLink(_Lockstep):
         return data, arrived
 
     def probe(self) -> bool:
+        """Whether the verifier answers Info (why not: `probe_error`)."""
         try:
             self.stub.Info(pb.InfoRequest(), timeout=PROBE_TIMEOUT_S)
             return True
-        except grpc.RpcError:
+        except grpc.RpcError as exc:
+            code = exc.code() if hasattr(exc, "code") else None  # a call's error has a status
+            self.probe_error = (f"{code.name}: {exc.details()}" if code not in (None, grpc.StatusCode.DEADLINE_EXCEEDED)
+                                else f"no answer within {PROBE_TIMEOUT_S:g} s")
             return False
 
     def _drop(self) -> None:

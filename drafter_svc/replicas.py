@@ -309,7 +309,9 @@ class ReplicaLink:
                         if self._owner.get(sid) == via:  # not re-opened elsewhere since (a chunk sent ahead)
                             self._unassign(sid)
                     if result.outcome.status == "UNAVAILABLE":  # an open it refused while shutting down
-                        result = StepResult(sid, self._draining(via, result.outcome))
+                        self._set_draining(via, result.outcome.message)
+                        result = StepResult(sid, LinkLost(f"verifier at {self.replicas[via].address}: "
+                                                          f"{result.outcome.message}"))
                 results.append(result)
         return results
 
@@ -318,11 +320,19 @@ class ReplicaLink:
         return self.receive()
 
     def probe(self) -> bool:
-        """Whether some replica answers: asks the healthy ones now (one that does not is lost);
-        the others are the prober's."""
+        """Whether some replica answers: asks the healthy ones for their Info now (one that does
+        not answer is lost, one that says it drains is draining); the others are the prober's."""
         for i, replica in enumerate(self.replicas):
-            if replica.state is State.UP and not replica.link.probe():
-                self._lose(i, StatusError("UNAVAILABLE", "it does not answer Info"))
+            if replica.state is not State.UP:
+                continue
+            try:
+                draining = replica.ask_info().draining
+            except Exception as exc:  # grpc.RpcError, or a broken answer
+                reason = (exc.details() if hasattr(exc, "details") else str(exc)) or type(exc).__name__
+                self._lose(i, StatusError("UNAVAILABLE", f"it does not answer Info ({reason.splitlines()[0]})"))
+                continue
+            if draining:
+                self._set_draining(i, "its Info says it shuts down")
         return self.up
 
     def close(self) -> None:
@@ -352,17 +362,18 @@ class ReplicaLink:
             self.replicas[i].sessions.discard(sid)
         return i
 
-    def _draining(self, i: int, refusal: StatusError) -> LinkLost:
-        """Replica `i` refused an open with UNAVAILABLE (it is shutting down): it takes no new
-        sessions from now on, its open ones carry on; the session re-opens elsewhere."""
+    def _set_draining(self, i: int, why: str) -> None:
+        """Replica `i` is shutting down (it refused an open with UNAVAILABLE, or its Info says so):
+        it takes no new sessions from now on, and its open ones carry on there."""
         replica = self.replicas[i]
         with self._lock:
-            if replica.state is State.UP:
-                replica.state, replica.retry_at = State.DRAINING, time.monotonic() + DRAIN_PROBE_S
-                log.info("verifier at %s is draining (%s): its %d sessions end there, new ones go elsewhere",
-                         replica.address, refusal.message, len(replica.sessions))
+            if replica.state is not State.UP:
+                return
+            replica.state, replica.retry_at = State.DRAINING, time.monotonic() + DRAIN_PROBE_S
+            others = any(r.state is State.UP for r in self.replicas)
+        log.info("verifier at %s is draining (%s): the sessions it holds end there, new ones %s", replica.address,
+                 why, "go to the other replicas" if others else "wait for a replica")
         self._wake.set()  # the prober watches it
-        return LinkLost(f"verifier at {replica.address}: {refusal.message}")
 
     def _lose(self, i: int, exc: StatusError) -> StatusError:
         """Replica `i` failed: close its link, forget its sessions, probe it with backoff; its parts

@@ -503,11 +503,22 @@ class _StalledCall:
         self.cancelled.set()
 
 
-class _StalledStub:
-    """A verifier whose Link replies never come and whose Info answers while `alive`."""
+class _InfoRefused(grpc.RpcError):
+    """Info's UNAVAILABLE with a reason (a verifier whose model worker has stalled)."""
 
-    def __init__(self):
-        self.alive, self.asked, self.call = True, 0, None
+    def code(self):
+        return grpc.StatusCode.UNAVAILABLE
+
+    def details(self):
+        return "the model worker has made no progress for 31 s"
+
+
+class _StalledStub:
+    """A verifier whose Link replies never come and whose Info answers while `alive` (after that,
+    raises `refusal`, or no answer)."""
+
+    def __init__(self, refusal: grpc.RpcError | None = None):
+        self.alive, self.asked, self.call, self.refusal = True, 0, None, refusal
 
     def Link(self, requests):
         self.call = _StalledCall()
@@ -516,18 +527,19 @@ class _StalledStub:
     def Info(self, request, timeout):
         self.asked += 1
         if not self.alive:
-            raise grpc.RpcError("no answer")
+            raise self.refusal or grpc.RpcError("no answer")
         return pb.InfoResponse()
 
 
-def test_a_stalled_link_is_lost_once_the_verifier_does_not_answer_info(monkeypatch):
+@pytest.mark.parametrize("refused", [False, True], ids=["silent", "refused"])
+def test_a_stalled_link_is_lost_once_the_verifier_does_not_answer_info(monkeypatch, refused):
     """No reply for STALL_PROBE_S: the link asks the verifier for its Info; while it answers (a long
     prefill) the link waits on, and once it does not, the link is dropped and the receive fails
     with UNAVAILABLE (so its sessions re-open, and health says not serving), not after gRPC's
     keepalive, which took 80 s."""
     from drafter_svc import link as link_module
     monkeypatch.setattr(link_module, "STALL_PROBE_S", 0.05)
-    stub = _StalledStub()
+    stub = _StalledStub(_InfoRefused() if refused else None)
     link = link_module.GrpcLink(stub, vocab_size=VOCAB, feature_dim=WIDTH, max_seq_len=64)
     link.send(PROMPT_END)
     failed = []
@@ -541,4 +553,7 @@ def test_a_stalled_link_is_lost_once_the_verifier_does_not_answer_info(monkeypat
     receiving.join(10)
     assert not receiving.is_alive() and stub.call.cancelled.is_set()
     error = failed[0].value
-    assert error.status == "UNAVAILABLE" and "does not answer" in error.message, error.message
+    assert error.status == "UNAVAILABLE" and error.message.startswith("the verifier does not answer: no reply for "), \
+        error.message
+    assert error.message.endswith("and Info got UNAVAILABLE: the model worker has made no progress for 31 s" if refused
+                                  else "and Info got no answer within 2 s"), error.message

@@ -208,7 +208,7 @@ def test_verifier_sigterm_drains_its_sessions_and_a_second_cuts_them(tmp_path):
                 proc.send_signal(signal.SIGTERM)
                 assert proc.wait(timeout=15) == 0
     said = log_file.read_text()
-    assert "draining: 1 sessions open" in said and "the grace ended with 1 sessions open" in said, said
+    assert "draining: 1 sessions open" in said and "a second signal came with 1 sessions open" in said, said
     assert "Traceback" not in said, said
 
 

@@ -183,11 +183,12 @@ def test_with_no_healthy_replica_opens_get_link_lost_at_once():
     link.close()
 
 
-def test_an_idle_probe_finds_a_dead_replica():
-    link, links, _ = replica_set(4, 4)
-    links[0].answers = links[1].answers = False
+def test_an_idle_probe_finds_a_dead_replica_and_a_draining_one():
+    link, links, infos = replica_set(4, 4, 4)
+    infos[0].down = infos[1].down = True
+    infos[2].draining = True
     assert not link.probe() and not link.up
-    assert [r.state for r in link.replicas] == [State.DOWN, State.DOWN]
+    assert [r.state for r in link.replicas] == [State.DOWN, State.DOWN, State.DRAINING]
     link.close()
 
 

@@ -9,6 +9,11 @@ seconds to end; a second signal cuts them).
 """
 from __future__ import annotations
 
+import os
+
+# gRPC C-core's own INFO lines (a peer's GOAWAY at a restart, say) stay out of the log; set before grpc loads.
+os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
+
 import argparse
 import asyncio
 import contextlib
@@ -67,8 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
     flag("--idle-timeout", "idle_timeout_s", "seconds without a message before a session is closed", type=float)
     flag("--open-timeout", "open_timeout_s", "seconds a session opened may go without its first tree before it is "
          "closed (its KV slot freed)", type=float, env="VERIFIER_OPEN_TIMEOUT_S")
-    flag("--grace", "grace_s", "on shutdown, seconds the open sessions get to end (new ones are refused, so "
-         "drafters open them on other replicas) before their links are cut", type=float)
+    flag("--grace", "grace_s", "on SIGTERM, seconds the open sessions get to end (new ones are refused, so "
+         "drafters open them on other replicas) before their links are cut; it exits as soon as none is left, "
+         "and a second SIGTERM cuts them at once", type=float)
     flag("--stall-timeout", "stall_timeout_s", "seconds the model worker may have work without progress (a hung "
          "device) before health turns NOT_SERVING and Info UNAVAILABLE, so that drafters move its sessions; 0 = never",
          type=float, env="VERIFIER_STALL_TIMEOUT_S")
@@ -177,8 +183,8 @@ async def run(config: VerifierConfig, verifier: TreeVerifier) -> str | None:
     compiles.serving()
     print(f"verifier listening on {config.host}:{port}{served}", flush=True)
     await stop.wait()
-    logging.getLogger("verifier_svc").info("shutting down (grace %g s; a second signal cuts the drain)",
-                                           config.grace_s)
+    logging.getLogger("verifier_svc").info("shutting down (grace %g s%s)", config.grace_s,
+                                           "; a second signal cuts the drain" if config.grace_s else "")
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, server.cut)
     await server.stop(config.grace_s)

@@ -227,11 +227,11 @@ class ModelWorker:
             self._waiter.start()
         self._thread.start()
 
-    def stop(self, timeout: float | None = None) -> None:
-        """Finish the running steps, then fail everything still queued with UNAVAILABLE.
+    def stop(self, timeout: float | None = None) -> bool:
+        """Finish the running steps, then fail everything still queued with UNAVAILABLE; whether
+        the thread ended (within `timeout` seconds: a hung step may keep it).
 
-        Blocks until the thread ends; call it from a worker thread (`asyncio.to_thread`)
-        when on the event loop.
+        Blocks until then; call it from a worker thread (`asyncio.to_thread`) when on the event loop.
         """
         with self._lock:
             self._stopped = True
@@ -242,6 +242,7 @@ class ModelWorker:
             if isinstance(job, LinkStep):
                 _settle(job, error=VerifierError("UNAVAILABLE", SHUTTING_DOWN))
         self._encoder.shutdown(wait=True)
+        return not self._thread.is_alive()
 
     @property
     def stalled_s(self) -> float:
@@ -302,7 +303,8 @@ class ModelWorker:
             if not (waiting and (not running or self._begins_early(waiting, running))):
                 self._idle = not running
                 item = self._queue.get()  # a job, or a wake-up (a step's results landed, or stop())
-                self._idle, self._beat = False, time.monotonic()
+                self._beat = time.monotonic()  # before `_idle`: `stalled_s` must not read an old beat as work's
+                self._idle = False
                 waiting += [item] if isinstance(item, (LinkStep, _Close)) else []
             waiting += self._drain()
             if self._stopped:

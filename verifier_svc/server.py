@@ -42,7 +42,7 @@ from verifier_svc.scheduler import LinkStep, ModelWorker, SessionTimers
 from verifier_svc.target_model import TargetModel
 from verifier_svc.target_runner import TargetRunner
 from verifier_svc.tensor_parallel import rank_device, shard_config, shard_target
-from verifier_svc.tree_verifier import TreeVerifier, VerifierError, VerifierLimits
+from verifier_svc.tree_verifier import SHUTTING_DOWN, TreeVerifier, VerifierError, VerifierLimits
 
 log = logging.getLogger(__name__)
 
@@ -264,6 +264,7 @@ class _Link:
         self.limits = LinkLimits(max_entries=config.max_link_entries(), max_tree_nodes=config.max_tree_nodes)
         self.timers = SessionTimers(config.open_timeout_s, config.idle_timeout_s)  # its sessions, and their timeouts
         self.messages = 0
+        self.cut = asyncio.Event()  # set on shutdown, once the drain is over: the link ends with UNAVAILABLE
 
     async def run(self) -> str:
         """Serve the link until the drafter ends it; returns why. Raises VerifierError.
@@ -275,12 +276,16 @@ class _Link:
         goes on (the link stays usable; `SessionTimers`)."""
         pending: asyncio.Queue = asyncio.Queue(maxsize=self.config.max_inflight)
         writer = asyncio.create_task(self._write(pending))
+        cut = asyncio.create_task(self.cut.wait())
         read = None
         try:
             while True:
                 read = read or asyncio.ensure_future(self.context.read())
                 timeout = self.timers.wait_s(time.monotonic())
-                done, _ = await asyncio.wait({read, writer}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+                done, _ = await asyncio.wait({read, writer, cut}, timeout=timeout,
+                                             return_when=asyncio.FIRST_COMPLETED)
+                if cut in done:
+                    raise VerifierError("UNAVAILABLE", SHUTTING_DOWN)
                 if writer in done:
                     await writer  # raises the step's error
                     raise VerifierError("INTERNAL", "the link's writer ended early")
@@ -303,6 +308,7 @@ class _Link:
             await writer
         finally:
             writer.cancel()
+            cut.cancel()
             if read is not None:
                 read.cancel()
         return "the drafter ended the link"
@@ -353,6 +359,12 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         self._links = 0
         self.stopping = False  # set on shutdown (Info says `draining`): links cancelled from then on were cut
         self.stalled = False  # set while the model worker makes no progress (`VerifierServer.watch_worker`)
+        self.links: set[_Link] = set()  # running
+
+    def cut_links(self) -> None:
+        """End every running link with UNAVAILABLE (shutdown, after the drain)."""
+        for link in self.links:
+            link.cut.set()
 
     async def Info(self, request: bytes, context: grpc.aio.ServicerContext) -> pb.InfoResponse:
         try:
@@ -375,10 +387,11 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         link = _Link(context, self.worker, self.config, self._links)
         log.info("link %d opened by %s", link.owner, context.peer())
         reason = "?"
+        self.links.add(link)
         try:
             reason = await link.run()
         except asyncio.CancelledError:
-            reason = ("cut by the verifier's shutdown" if self.stopping else
+            reason = ("cancelled by the verifier's shutdown" if self.stopping else
                       "cancelled by the drafter (or its deadline passed)")
             raise
         except Exception as exc:
@@ -386,6 +399,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             reason = f"{error.status}: {error.message}"
             await context.abort(grpc.StatusCode.__members__.get(error.status, grpc.StatusCode.UNKNOWN), error.message)
         finally:
+            self.links.discard(link)
             self.worker.close_owner(link.owner)
             log.info("link %d closed after %d messages: %s", link.owner, link.messages, reason)
 
@@ -399,7 +413,8 @@ class VerifierServer:
     """A running verifier: the gRPC server, its model worker and its health status."""
 
     DRAIN_POLL_S = 0.05  # how often a drain looks whether the last session has closed
-    FLUSH_S = 1.0  # after the drain: how long the links cut get to send their status
+    FLUSH_S = 1.0  # after the drain: the most the links cut may take to send their status
+    STOP_WORKER_S = 10.0  # then the most the model worker may take to stop (a hung one is left behind)
 
     def __init__(self, server: grpc.aio.Server, servicer: VerifierServicer, health: health_aio.HealthServicer,
                  port: int):
@@ -413,20 +428,29 @@ class VerifierServer:
         """Drain, then stop. Health reports NOT_SERVING and Info `draining`, new sessions are refused
         with UNAVAILABLE (a drafter opens them on another replica), and the open ones run on, over
         links that stay connected on a port that stays open, until none is left or `grace` seconds
-        pass (or `cut`); then the links left are cut and the worker stops. Later calls do nothing."""
+        pass (or `cut`); then the links left end with UNAVAILABLE "the verifier is shutting down"
+        and the worker stops (one that does not within `STOP_WORKER_S`, a hung one, is left
+        behind). The stall watch goes on meanwhile. Later calls do nothing."""
         if self.servicer.stopping:
             return
         self.servicer.stopping = True
         metrics.VERIFIER_DRAINING.set(1)
-        if self._watch is not None:
-            self._watch.cancel()
         self.worker.verifier.draining = True
         await self.health.enter_graceful_shutdown()
+        began = time.monotonic()
         left = await self._drain(grace or 0.0)
         if left:
-            log.warning("the grace ended with %d sessions open: their links are cut", left)
-        await self.server.stop(self.FLUSH_S if left else 0)
-        await asyncio.to_thread(self.worker.stop)
+            log.warning("%s with %d sessions open: their links are cut",
+                        "a second signal came" if self._cut.is_set() else "the grace ended", left)
+        elif grace:
+            log.info("drained in %.1f s", time.monotonic() - began)
+        self.servicer.cut_links()
+        await self.server.stop(self.FLUSH_S)  # returns once the links cut have sent their status
+        if self._watch is not None:
+            self._watch.cancel()
+        if not await asyncio.to_thread(self.worker.stop, self.STOP_WORKER_S):
+            log.error("the model worker did not stop within %g s (a hung device?): leaving it behind",
+                      self.STOP_WORKER_S)
         if self.metrics is not None:
             await self.metrics.stop()
 
@@ -438,14 +462,16 @@ class VerifierServer:
         while True:
             await asyncio.sleep(min(1.0, stall_s / 4))
             stalled = self.worker.stalled_s > stall_s
-            if stalled == servicer.stalled or servicer.stopping:
+            if stalled == servicer.stalled:
                 continue
             servicer.stalled = stalled
             if stalled:
                 log.error("the model worker has made no progress for %.0f s with work pending (a hung device?): "
                           "not serving until it does", self.worker.stalled_s)
             else:
-                log.warning("the model worker makes progress again: serving")
+                log.warning("the model worker makes progress again%s", "" if servicer.stopping else ": serving")
+            if servicer.stopping:  # health stays NOT_SERVING; Info still fails while stalled
+                continue
             status = health_pb2.HealthCheckResponse.NOT_SERVING if stalled else health_pb2.HealthCheckResponse.SERVING
             for service in ("", VERIFIER_SERVICE):
                 await self.health.set(service, status)
