@@ -1285,30 +1285,36 @@ def test_shutdown_ends_once_the_last_session_closes(config, caplog):
         assert ("a second signal came with 1 sessions open: their links are cut" in said) == (ending == "cut"), said
 
 
+@contextlib.contextmanager
+def hung_steps(verifier):
+    """While inside, every step the model worker begins blocks (a hung device) until the block
+    ends (for at most 30 s); then steps run again."""
+    hang, begin = threading.Event(), verifier.begin
+
+    def hung_begin(*args, **kwargs):
+        hang.wait(30)
+        return begin(*args, **kwargs)
+
+    verifier.begin = hung_begin
+    try:
+        yield
+    finally:
+        hang.set()
+        verifier.begin = begin
+
+
 def test_a_hung_model_worker_does_not_hold_the_shutdown(config, caplog, monkeypatch):
     """A model worker stuck in a step (a hung device) is left behind after STOP_WORKER_S: the
     stop returns, with one logged error."""
     monkeypatch.setattr(VerifierServer, "STOP_WORKER_S", 0.5)
     with ServerThread(lambda: serve(config)) as running, _connect(running.port) as ch, \
             caplog.at_level(logging.ERROR, logger="verifier_svc.server"):
-        verifier = running.server.worker.verifier
-        hang, begin = threading.Event(), verifier.begin
-
-        def hung_begin(*args, **kwargs):
-            hang.wait(30)
-            return begin(*args, **kwargs)
-
-        verifier.begin = hung_begin
-        try:
-            with LinkStream(pb_grpc.VerifierStub(ch)) as link:
-                link.post([opening(1, config.feature_layer_ids)])
-                time.sleep(0.2)
-                began = time.monotonic()
-                asyncio.run_coroutine_threadsafe(running.server.stop(0), running.loop).result(10)
-                assert time.monotonic() - began < 5
-        finally:
-            hang.set()
-            verifier.begin = begin
+        with hung_steps(running.server.worker.verifier), LinkStream(pb_grpc.VerifierStub(ch)) as link:
+            link.post([opening(1, config.feature_layer_ids)])
+            time.sleep(0.2)
+            began = time.monotonic()
+            asyncio.run_coroutine_threadsafe(running.server.stop(0), running.loop).result(10)
+            assert time.monotonic() - began < 5
     said = [r.getMessage() for r in caplog.records]
     assert "the model worker did not stop within 0.5 s (a hung device?): leaving it behind" in said, said
 
@@ -1320,13 +1326,6 @@ def test_a_stalled_model_worker_turns_the_verifier_not_serving(config, caplog):
     cfg = dataclasses.replace(config, stall_timeout_s=0.5)
     with ServerThread(lambda: serve(cfg)) as running, _connect(running.port) as ch, \
             caplog.at_level(logging.WARNING, logger="verifier_svc.server"):
-        verifier = running.server.worker.verifier
-        hang, begin = threading.Event(), verifier.begin
-
-        def hung_begin(*args, **kwargs):
-            hang.wait(30)
-            return begin(*args, **kwargs)
-
         health = health_pb2_grpc.HealthStub(ch)
         stub = pb_grpc.VerifierStub(ch)
 
@@ -1336,8 +1335,7 @@ def test_a_stalled_model_worker_turns_the_verifier_not_serving(config, caplog):
 
         assert serving() and running.server.worker.stalled_s == 0.0
         with LinkStream(stub) as link:
-            verifier.begin = hung_begin
-            try:
+            with hung_steps(running.server.worker.verifier):
                 link.post([opening(1, cfg.feature_layer_ids)])
                 time.sleep(0.2)
                 assert serving()  # not yet: 0.5 s
@@ -1352,9 +1350,6 @@ def test_a_stalled_model_worker_turns_the_verifier_not_serving(config, caplog):
                 (stalled,) = [s.value for f in text_string_to_metric_families(metrics.render("verifier").decode())
                               for s in f.samples if s.name == "ddtree_verifier_worker_stalled_seconds"]
                 assert stalled > 0.5
-            finally:
-                hang.set()
-                verifier.begin = begin
             (opened,) = decode(link.recv())
             assert isinstance(opened.outcome, Prefilled)
             while not serving():
