@@ -14,8 +14,11 @@ requests take, `GenerationService.generate`: the same validation, scheduler and 
 the gRPC status a generation fails with maps to the HTTP status (`HTTP_STATUS`). An error
 after a stream started is sent as one `data: {"error": ...}` event before `[DONE]`.
 
+`n` choices per prompt, and for completions a list of prompts, run as that many generations
+side by side (choice `index` = prompt x n + j; choice j > 0 of a seeded request samples with
+seed + j, so that the choices differ; usage counts each prompt once, every choice's tokens).
 Unknown fields are ignored, as OpenAI clients send fields for other servers; known ones
-that would change the output and are not supported (n > 1, echo, penalties, tools, ...)
+that would change the output and are not supported (echo, penalties, tools, ...)
 get 400. Logprobs (completions: `logprobs` N; chat: `logprobs: true` with `top_logprobs` N;
 N <= 20) are those of the gRPC API (`GenerateRequest.logprobs`), in OpenAI's formats, each
 token's text being the token decoded alone. Extensions: `top_k`, `stop_token_ids`, `tree_budget`, and for chat
@@ -63,6 +66,7 @@ HTTP_STATUS = {
     "DEADLINE_EXCEEDED": (504, "timeout"),
 }
 INT32, UINT32 = 1 << 31, 1 << 32
+MAX_CHOICES = 128  # generations one request may ask for: prompts x n (OpenAI's cap on n)
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's, for requests that send none
 # OpenAI fields this server does not implement: a request may send them only with these values.
 UNSUPPORTED = {
@@ -86,7 +90,8 @@ class BadRequest(Exception):
 class ApiRequest:
     """An OpenAI request, checked and translated for the generation path."""
     chat: bool                   # /v1/chat/completions (else /v1/completions)
-    generate: pb.GenerateRequest
+    choices: tuple[pb.GenerateRequest, ...]  # one generation per choice, in `index` order
+    n: int                       # choices per prompt: choice i is of prompt i // n
     stream: bool
     include_usage: bool          # stream_options.include_usage: a last chunk with the usage
 
@@ -143,8 +148,6 @@ def _is_default(value: Any, allowed: tuple) -> bool:
 
 
 def _check_unsupported(body: dict) -> None:
-    if not _is_default(body.get("n"), (None, 1)):
-        raise BadRequest("only n=1 is supported", "n")
     for name, allowed in UNSUPPORTED.items():
         if not _is_default(body.get(name), allowed):
             raise BadRequest(f"{name} is not supported", name)
@@ -205,27 +208,54 @@ def _object(data: bytes) -> dict:
     return body
 
 
-def parse_completion(data: bytes) -> ApiRequest:
-    """A /v1/completions body; BadRequest when it is not one this server takes."""
-    body = _object(data)
+def _choices(body: dict, req: pb.GenerateRequest, prompts: list[pb.GenerateRequest | None]) -> tuple:
+    """The request's generations: `n` per prompt (`prompts`: each prompt's fields, or None: the
+    chat's one conversation, already in `req`), with seed + j for choice j > 0 of a seeded request."""
+    n = _integer(body, "n", 1, MAX_CHOICES + 1)
+    n = 1 if n is None else n
+    if len(prompts) * n > MAX_CHOICES:
+        raise BadRequest(f"at most {MAX_CHOICES} choices a request: {len(prompts)} prompts x n {n}", "n")
+    choices = []
+    for prompt in prompts:
+        for j in range(n):
+            choice = pb.GenerateRequest()
+            choice.CopyFrom(req)
+            if prompt is not None:
+                choice.MergeFrom(prompt)
+            if j and req.sampling.HasField("seed"):
+                choice.sampling.seed = (req.sampling.seed + j) % SEED_LIMIT
+            choices.append(choice)
+    return tuple(choices), n
+
+
+def _prompt(prompt: Any) -> pb.GenerateRequest:
+    """One completions prompt (a string or a list of token ids) as the fields of a request."""
     req = pb.GenerateRequest()
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
-        if len(prompt) > 1:
-            raise BadRequest("batched prompts are not supported: send one prompt per request", "prompt")
-        prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str):
         req.text = prompt
     elif isinstance(prompt, list):
         req.token_ids.SetInParent()
         req.token_ids.ids.extend(_token_ids(prompt, "prompt"))
     else:
-        raise BadRequest("prompt is required: a string or a list of integer token ids", "prompt")
+        raise BadRequest("prompt is required: a string, a list of integer token ids, or a list of either", "prompt")
+    return req
+
+
+def parse_completion(data: bytes) -> ApiRequest:
+    """A /v1/completions body; BadRequest when it is not one this server takes."""
+    body = _object(data)
+    req = pb.GenerateRequest()
+    prompt = body.get("prompt")
+    batch = isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt)
+    if batch and len(prompt) > MAX_CHOICES:
+        raise BadRequest(f"at most {MAX_CHOICES} prompts a request, got {len(prompt)}", "prompt")
+    prompts = [_prompt(p) for p in prompt] if batch else [_prompt(prompt)]
     stream, include_usage = _fill_common(body, req, _integer(body, "max_tokens", 1, UINT32))
     logprobs = _integer(body, "logprobs", 0, MAX_LOGPROBS + 1)
     if logprobs is not None:
         req.logprobs = logprobs
-    return ApiRequest(False, req, stream, include_usage)
+    choices, n = _choices(body, req, prompts)
+    return ApiRequest(False, choices, n, stream, include_usage)
 
 
 def _content(message: dict, i: int) -> str:
@@ -270,7 +300,8 @@ def parse_chat(data: bytes) -> ApiRequest:
         raise BadRequest("top_logprobs needs logprobs set to true", "top_logprobs")
     if wanted:
         req.logprobs = top or 0
-    return ApiRequest(True, req, stream, include_usage)
+    choices, n = _choices(body, req, [None])
+    return ApiRequest(True, choices, n, stream, include_usage)
 
 
 # -- responses --------------------------------------------------------------------------------------
@@ -313,10 +344,11 @@ def _json(obj: Any, status: int = 200) -> web.Response:
     return web.Response(body=_dumps(obj), status=status, content_type="application/json")
 
 
-def _usage(end: Finished) -> dict:
-    completion = len(end.result.tokens)
-    return {"prompt_tokens": end.prompt_tokens, "completion_tokens": completion,
-            "total_tokens": end.prompt_tokens + completion}
+def _usage(ends: list[Finished], n: int) -> dict:
+    """OpenAI's usage: each prompt's tokens once (choice i is of prompt i // n), every choice's tokens."""
+    prompt = sum(end.prompt_tokens for end in ends[::n])
+    completion = sum(len(end.result.tokens) for end in ends)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
 class _Output:
@@ -324,9 +356,10 @@ class _Output:
 
     def __init__(self, req: ApiRequest, model: str, tokenizer, token_bytes: TokenBytes):
         self.req, self.model, self.tokenizer, self.token_bytes = req, model, tokenizer, token_bytes
-        # completions' text_offset: where each token's text begins in the completion's text, by
-        # the same incremental decoding (a token ending part of a character begins where it does)
-        self._text, self._offset = TextStream(tokenizer), 0
+        # completions' text_offset: where each token's text begins in its choice's text, by the
+        # same incremental decoding (a token ending part of a character begins where it does)
+        self._texts = [TextStream(tokenizer) for _ in req.choices]
+        self._offsets = [0] * len(req.choices)
         self.id = ("chatcmpl-" if req.chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
         self.object = "chat.completion.chunk" if req.chat else "text_completion"
@@ -335,8 +368,8 @@ class _Output:
         return {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
                 "choices": choices, **extra}
 
-    def logprobs(self, logprobs: list[TokenLogprob] | None) -> dict | None:
-        """A choice's `logprobs` object for these tokens (None when the request did not ask)."""
+    def logprobs(self, logprobs: list[TokenLogprob] | None, index: int = 0) -> dict | None:
+        """Choice `index`'s `logprobs` object for these tokens (None when the request did not ask)."""
         if logprobs is None:
             return None
         text = self.tokenizer.decode
@@ -349,37 +382,39 @@ class _Output:
         tokens = [text([t.token]) for t in logprobs]
         offsets = []
         for t in logprobs:
-            offsets.append(self._offset)
-            self._offset += len(self._text.push([t.token])[1])
+            offsets.append(self._offsets[index])
+            self._offsets[index] += len(self._texts[index].push([t.token])[1])
         return {"tokens": tokens, "token_logprobs": [t.logprob for t in logprobs],
                 "top_logprobs": [{text([i]): v for i, v in t.top} for t in logprobs], "text_offset": offsets}
 
-    def whole(self, text: str, end: Finished) -> dict:
-        """The non-streamed response."""
-        reason = end.result.finish_reason
-        logprobs = self.logprobs(end.result.logprobs)
-        if self.req.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-                      "finish_reason": reason}
-        else:
-            choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": reason}
-        frame = self._frame([choice], usage=_usage(end))
+    def whole(self, texts: list[str], ends: list[Finished]) -> dict:
+        """The non-streamed response: each choice's text and end."""
+        choices = []
+        for index, (text, end) in enumerate(zip(texts, ends)):
+            reason, logprobs = end.result.finish_reason, self.logprobs(end.result.logprobs, index)
+            if self.req.chat:
+                choices.append({"index": index, "message": {"role": "assistant", "content": text},
+                                "logprobs": logprobs, "finish_reason": reason})
+            else:
+                choices.append({"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason})
+        frame = self._frame(choices, usage=_usage(ends, self.req.n))
         frame["object"] = "chat.completion" if self.req.chat else "text_completion"
         return frame
 
     def chunk(self, text: str | None, reason: str | None = None, role: bool = False,
-              logprobs: list[TokenLogprob] | None = None) -> dict:
-        """One streamed chunk: new text (and its tokens' logprobs), or (text None) the finish reason."""
-        lp = self.logprobs(logprobs) if logprobs else None
+              logprobs: list[TokenLogprob] | None = None, index: int = 0) -> dict:
+        """One streamed chunk of choice `index`: new text (and its tokens' logprobs), or (text None)
+        the finish reason."""
+        lp = self.logprobs(logprobs, index) if logprobs else None
         if self.req.chat:
             delta = {"role": "assistant", "content": ""} if role else ({} if text is None else {"content": text})
-            choice = {"index": 0, "delta": delta, "logprobs": lp, "finish_reason": reason}
+            choice = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": reason}
         else:
-            choice = {"index": 0, "text": text or "", "logprobs": lp, "finish_reason": reason}
+            choice = {"index": index, "text": text or "", "logprobs": lp, "finish_reason": reason}
         return self._frame([choice], **({"usage": None} if self.req.include_usage else {}))
 
-    def usage_chunk(self, end: Finished) -> dict:
-        return self._frame([], usage=_usage(end))
+    def usage_chunk(self, ends: list[Finished]) -> dict:
+        return self._frame([], usage=_usage(ends, self.req.n))
 
 
 def _event(obj: Any) -> bytes:
@@ -436,9 +471,12 @@ class OpenAIApi:
             metrics.REQUESTS.labels("http", "none", "INTERNAL").inc()
             raise
         out = _Output(req, self.model, self.service.engine.tokenizer, self.token_bytes)
-        async with contextlib.aclosing(self.service.generate(req.generate, "http")) as items:
+        async with contextlib.AsyncExitStack() as stack:  # closing a generation cancels it
+            gens = [await stack.enter_async_context(contextlib.aclosing(self.service.generate(choice, "http")))
+                    for choice in req.choices]
             try:
-                first = await anext(items)  # validation, queueing and the first token: errors keep their status
+                # validation, queueing and each choice's first token: errors keep their status
+                firsts = await _together([anext(g) for g in gens])
             except StatusError as exc:
                 status, body = status_error_body(exc, req.chat)
                 response = _json(body, status)
@@ -446,41 +484,89 @@ class OpenAIApi:
                     response.headers["Retry-After"] = str(math.ceil(exc.retry_after_s))
                 return response
             if req.stream:
-                return await self._stream(request, out, first, items)
-            text = []
-            item = first
+                return await self._stream(request, out, firsts, gens)
             try:
-                while not isinstance(item, Finished):
-                    text.append(item.text)
-                    item = await anext(items)
+                outputs = await _together([_whole(first, g) for first, g in zip(firsts, gens)])
             except StatusError as exc:
                 status, body = status_error_body(exc, req.chat)
                 return _json(body, status)
-            return _json(out.whole("".join(text), item))
+            return _json(out.whole([text for text, _ in outputs], [end for _, end in outputs]))
 
-    async def _stream(self, request: web.Request, out: _Output, first: TextDelta | Finished,
-                      items) -> web.StreamResponse:
+    async def _stream(self, request: web.Request, out: _Output, firsts: list[TextDelta | Finished],
+                      gens: list) -> web.StreamResponse:
+        """The choices' chunks as they come (each choice's in order), each choice's finish, then the
+        usage when asked for, and [DONE]; a failed choice ends the stream with its error event."""
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await response.prepare(request)
+        items: asyncio.Queue = asyncio.Queue()
+
+        async def pump(index: int, item: TextDelta | Finished, g) -> None:
+            try:
+                await items.put((index, item))
+                while not isinstance(item, Finished):
+                    item = await anext(g)
+                    await items.put((index, item))
+            except Exception as exc:  # StatusError: the choice failed; another: a bug, raised below
+                await items.put((index, exc))
+
+        pumps = [asyncio.create_task(pump(i, first, g)) for i, (first, g) in enumerate(zip(firsts, gens))]
         try:
             if out.req.chat:
-                await response.write(_event(out.chunk(None, role=True)))
-            item = first
-            try:
-                while not isinstance(item, Finished):
-                    if item.text or item.logprobs:
-                        await response.write(_event(out.chunk(item.text, logprobs=item.logprobs)))
-                    item = await anext(items)
-                await response.write(_event(out.chunk(None, item.result.finish_reason)))
+                for index in range(len(gens)):
+                    await response.write(_event(out.chunk(None, role=True, index=index)))
+            ends: dict[int, Finished] = {}
+            while len(ends) < len(gens):
+                index, item = await items.get()
+                if isinstance(item, Exception) and not isinstance(item, StatusError):
+                    raise item
+                if isinstance(item, StatusError):
+                    await response.write(_event(status_error_body(item, out.req.chat)[1]))
+                    break
+                if isinstance(item, Finished):
+                    ends[index] = item
+                    await response.write(_event(out.chunk(None, item.result.finish_reason, index=index)))
+                elif item.text or item.logprobs:
+                    await response.write(_event(out.chunk(item.text, logprobs=item.logprobs, index=index)))
+            else:
                 if out.req.include_usage:
-                    await response.write(_event(out.usage_chunk(item)))
-            except StatusError as exc:
-                await response.write(_event(status_error_body(exc, out.req.chat)[1]))
+                    await response.write(_event(out.usage_chunk([ends[i] for i in range(len(gens))])))
             await response.write(b"data: [DONE]\n\n")
             await response.write_eof()
-        except ConnectionError:  # the client went away: closing the generator cancels the generation
+        except ConnectionError:  # the client went away: closing the generators cancels the generations
             pass
+        finally:
+            await _cancel(pumps)
         return response
+
+
+async def _whole(first: TextDelta | Finished, gen) -> tuple[str, Finished]:
+    """A choice's whole text and its end, from its first item on."""
+    text, item = [], first
+    while not isinstance(item, Finished):
+        text.append(item.text)
+        item = await anext(gen)
+    return "".join(text), item
+
+
+async def _together(awaitables: list[Awaitable]) -> list:
+    """Run them side by side; their results in order, or the first exception, once the others are
+    cancelled (a generation's generator may be closed only when nothing awaits it)."""
+    tasks = [asyncio.ensure_future(a) for a in awaitables]
+    try:
+        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        for task in tasks:
+            if task.done() and task.exception() is not None:
+                raise task.exception()
+        return [task.result() for task in tasks]
+    finally:
+        await _cancel(tasks)
+
+
+async def _cancel(tasks: list[asyncio.Task]) -> None:
+    """Cancel the tasks not done and wait until they are."""
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def _unauthorized() -> web.Response:

@@ -4,6 +4,7 @@ request, streamed or not, for completions and chat; stop strings cut text and us
 requests get 400 with OpenAI's error body; /health follows the drafter's serving state."""
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 import ssl
@@ -176,6 +177,45 @@ def test_seeded_sampling_repeats(client):
     assert client.completions.create(**kwargs).choices[0].text == first.choices[0].text
 
 
+def test_n_choices_and_batched_prompts_equal_their_single_requests(client):
+    """n choices of each of several prompts: choice prompt x n + j equals the single request of that
+    prompt with seed + j, streamed or not; usage counts each prompt once and every choice's tokens."""
+    prompts, kwargs = [PROMPT, "def main():"], dict(model=MODEL_NAME, max_tokens=12, temperature=0.9, top_p=0.95)
+    out = client.completions.create(prompt=prompts, n=2, seed=11, **kwargs)
+    singles = [client.completions.create(prompt=p, seed=11 + j, **kwargs) for p in prompts for j in range(2)]
+    assert [c.index for c in out.choices] == [0, 1, 2, 3]
+    assert [c.text for c in out.choices] == [s.choices[0].text for s in singles]
+    assert out.choices[0].text != out.choices[1].text  # seed + j: the choices differ
+    assert out.usage.prompt_tokens == singles[0].usage.prompt_tokens + singles[2].usage.prompt_tokens
+    assert out.usage.completion_tokens == sum(s.usage.completion_tokens for s in singles) == 48
+    texts, reasons, usage = collections.defaultdict(str), {}, None
+    for chunk in client.completions.create(prompt=prompts, n=2, seed=11, stream=True,
+                                           stream_options={"include_usage": True}, **kwargs):
+        usage = chunk.usage or usage
+        for choice in chunk.choices:
+            texts[choice.index] += choice.text
+            reasons[choice.index] = choice.finish_reason or reasons.get(choice.index)
+    assert [texts[i] for i in range(4)] == [c.text for c in out.choices]
+    assert reasons == {i: "length" for i in range(4)} and usage.model_dump() == out.usage.model_dump()
+    greedy = client.completions.create(prompt=PROMPT, n=3, model=MODEL_NAME, max_tokens=12, temperature=0,
+                                       logprobs=1)
+    assert len({c.text for c in greedy.choices}) == 1 and all(c.logprobs.text_offset[0] == 0 for c in greedy.choices)
+
+
+def test_chat_n_choices_stream_each_with_its_role(client):
+    messages = [{"role": "user", "content": "def parse("}]
+    kwargs = dict(model=MODEL_NAME, messages=messages, max_tokens=10, temperature=0.9, seed=5, n=2)
+    whole = client.chat.completions.create(**kwargs)
+    roles, texts = collections.Counter(), collections.defaultdict(str)
+    for chunk in client.chat.completions.create(stream=True, **kwargs):
+        for choice in chunk.choices:
+            roles[choice.index] += choice.delta.role == "assistant"
+            texts[choice.index] += choice.delta.content or ""
+    assert roles == {0: 1, 1: 1}
+    assert [texts[0], texts[1]] == [c.message.content for c in whole.choices]
+    assert [c.index for c in whole.choices] == [0, 1] and whole.usage.completion_tokens == 20
+
+
 def test_chat_completion_equals_grpc_chat(client, grpc_stub):
     messages = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "def parse("}]
     chat = pb.Chat(messages=[pb.ChatMessage(**m) for m in messages])
@@ -214,8 +254,12 @@ def test_stop_cuts_text_and_usage(client, grpc_stub):
 @pytest.mark.parametrize("body, param, needle", [
     ({"prompt": PROMPT, "temperature": -1}, "temperature", "temperature"),
     ({"prompt": PROMPT, "top_p": 0}, "top_p", "top_p"),
-    ({"prompt": PROMPT, "n": 2}, "n", "n=1"),
-    ({"prompt": PROMPT, "n": True}, "n", "n=1"),
+    ({"prompt": PROMPT, "n": 0}, "n", "n must be in [1, 129)"),
+    ({"prompt": PROMPT, "n": 129}, "n", "n must be in [1, 129)"),
+    ({"prompt": PROMPT, "n": True}, "n", "integer"),
+    ({"prompt": ["a"] * 65, "n": 2}, "n", "at most 128 choices a request: 65 prompts x n 2"),
+    ({"prompt": ["a"] * 129}, "prompt", "at most 128 prompts a request"),
+    ({"prompt": ["a", ""]}, "prompt", "empty"),
     ({"prompt": PROMPT, "max_tokens": "ten"}, "max_tokens", "integer"),
     ({"prompt": PROMPT, "max_tokens": 0}, "max_tokens", "max_tokens"),
     ({"prompt": PROMPT, "temperature": "hot"}, "temperature", "number"),
@@ -227,7 +271,6 @@ def test_stop_cuts_text_and_usage(client, grpc_stub):
     ({"prompt": PROMPT, "stream_options": {"include_usage": True}}, "stream_options", "stream"),
     ({"prompt": PROMPT, "presence_penalty": 0.5}, "presence_penalty", "not supported"),
     ({"prompt": PROMPT, "seed": -1}, "seed", "seed"),
-    ({"prompt": ["a", "b"]}, "prompt", "batched"),
     ({"prompt": [1, "x"]}, "prompt", "token ids"),
     ({"prompt": [5, 999999]}, "prompt", "outside the vocabulary"),
     ({"prompt": 5}, "prompt", "prompt"),
@@ -274,12 +317,12 @@ def test_requests_past_the_context_get_context_length_exceeded(drafter, grpc_stu
 def test_openai_defaults_and_lenient_values():
     """Unset temperature samples at OpenAI's 1 (the gRPC API's unset is greedy); vLLM's top_k -1
     is no top-k; tool_choice "auto" with no tools is no tool call."""
-    req = parse_completion(json.dumps({"prompt": "x"}).encode()).generate
+    req = parse_completion(json.dumps({"prompt": "x"}).encode()).choices[0]
     assert req.sampling.HasField("temperature") and req.sampling.temperature == 1.0
-    assert parse_completion(json.dumps({"prompt": "x", "temperature": 0}).encode()).generate.sampling.temperature == 0
-    assert parse_completion(json.dumps({"prompt": "x", "top_k": -1}).encode()).generate.sampling.top_k == 0
+    assert parse_completion(json.dumps({"prompt": "x", "temperature": 0}).encode()).choices[0].sampling.temperature == 0
+    assert parse_completion(json.dumps({"prompt": "x", "top_k": -1}).encode()).choices[0].sampling.top_k == 0
     chat = {"messages": [{"role": "user", "content": "x"}], "tool_choice": "auto"}
-    assert parse_chat(json.dumps(chat).encode()).generate.sampling.temperature == 1.0
+    assert parse_chat(json.dumps(chat).encode()).choices[0].sampling.temperature == 1.0
 
 
 @pytest.mark.parametrize("body, needle", [
@@ -302,8 +345,8 @@ def test_bad_chat_requests_get_400(drafter, body, needle):
 
 def test_openai_client_raises_bad_request(client):
     with pytest.raises(openai.BadRequestError) as info:
-        client.completions.create(model=MODEL_NAME, prompt=PROMPT, n=2)
-    assert info.value.status_code == 400 and "n=1" in info.value.message
+        client.completions.create(model=MODEL_NAME, prompt=PROMPT, echo=True)
+    assert info.value.status_code == 400 and "echo is not supported" in info.value.message
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "x"}], temperature=-2)
 
@@ -399,7 +442,7 @@ def test_logprobs_of_tokens_that_split_a_character():
     ids = tokenizer.encode(text).ids
     assert tokenizer.decode(ids) == text and any("\ufffd" in tokenizer.decode([t]) for t in ids)
     for rounds in ([ids], [[t] for t in ids], [ids[:3], ids[3:4], ids[4:]]):
-        outs = {chat: _Output(ApiRequest(chat, pb.GenerateRequest(), False, False), "m", tokenizer,
+        outs = {chat: _Output(ApiRequest(chat, (pb.GenerateRequest(),), 1, False, False), "m", tokenizer,
                               TokenBytes(tokenizer)) for chat in (False, True)}
         offsets, content = [], []
         for r in rounds:

@@ -148,7 +148,7 @@ def test_stop_and_errors_are_counted_by_reason_and_code(client, drafter):
     before = scrape(drafter.server.http_port)
     cut = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=24, temperature=0, stop=stop)
     assert post(drafter, "/v1/completions", {"prompt": PROMPT, "temperature": -1})[0] == 400  # the domain's check
-    assert post(drafter, "/v1/completions", {"prompt": PROMPT, "n": 3})[0] == 400  # the HTTP layer's check
+    assert post(drafter, "/v1/completions", {"prompt": PROMPT, "n": 0})[0] == 400  # the HTTP layer's check
     with grpc.insecure_channel(f"127.0.0.1:{drafter.port}", options=CHANNEL_OPTIONS) as channel:
         stub = pb_grpc.GenerationStub(channel)
         once = stub.GenerateOnce(pb.GenerateRequest(text=PROMPT, max_new_tokens=5), timeout=60)
@@ -167,10 +167,12 @@ def test_stop_and_errors_are_counted_by_reason_and_code(client, drafter):
     assert moved(before, after, "ddtree_drafter_request_latency_seconds_count") == 2  # the two that ended normally
 
 
-def test_a_client_that_goes_away_cancels_its_generation(drafter):
-    """A stream whose client disconnects is cancelled (its session ends, counted as cancelled)."""
+@pytest.mark.parametrize("n", [1, 3])
+def test_a_client_that_goes_away_cancels_its_generation(drafter, n):
+    """A stream whose client disconnects is cancelled: each of its choices' sessions ends, counted
+    as cancelled."""
     before = scrape(drafter.server.http_port)
-    body = json.dumps({"prompt": PROMPT, "max_tokens": 400, "stream": True}).encode()
+    body = json.dumps({"prompt": PROMPT, "max_tokens": 400, "stream": True, "n": n}).encode()
     with socket.create_connection(("127.0.0.1", drafter.server.http_port), timeout=30) as s:
         s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
                   b"Content-Length: %d\r\n\r\n" % len(body) + body)
@@ -181,8 +183,8 @@ def test_a_client_that_goes_away_cancels_its_generation(drafter):
         time.sleep(0.05)
     assert value(after, "ddtree_drafter_active_sessions") == 0
     assert moved(before, after, "ddtree_drafter_requests_total", api="http", finish_reason="cancelled",
-                 code="CANCELLED") == 1
-    assert moved(before, after, "ddtree_drafter_generated_tokens_total") < 400
+                 code="CANCELLED") == n
+    assert moved(before, after, "ddtree_drafter_generated_tokens_total") < 400 * n
 
 
 def test_each_service_exposes_only_its_own_metrics():
