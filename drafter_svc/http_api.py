@@ -1,7 +1,7 @@
 """The drafter's OpenAI-compatible HTTP API, on the drafter's event loop beside its gRPC server.
 
     GET  /v1/models             the one model served (`DrafterConfig.model_name`)
-    POST /v1/completions        prompt: a string or a list of token ids
+    POST /v1/completions        prompt: a string, a list of token ids, or a list of either (a batch)
     POST /v1/chat/completions   messages, rendered with the target's chat template (drafter_svc.chat)
     GET  /health                200 while the drafter serves (its verifier answers), else 503
     GET  /metrics               Prometheus text (common.metrics)
@@ -322,10 +322,11 @@ _PARAMS = (("temperature", "temperature"), ("top_p", "top_p"), ("top_k", "top_k"
            ("stop token ids", "stop_token_ids"), ("stop", "stop"), ("prompt", "prompt"))
 
 
-def status_error_body(exc: StatusError, chat: bool = False) -> tuple[int, dict]:
+def status_error_body(exc: StatusError, chat: bool = False, where: str = "") -> tuple[int, dict]:
     """An error from the generation path: its HTTP status and OpenAI's body, with the field at
     fault (`param`) where the message names one, and `context_length_exceeded` as its `code` for
-    a context the request overflows (else the gRPC status, lowercased)."""
+    a context the request overflows (else the gRPC status, lowercased); `where` goes before the
+    message (which prompt of a batch)."""
     status, kind = HTTP_STATUS.get(exc.status, (500, "server_error"))
     if isinstance(exc, ContextTooLong):
         param, code = dict(_PARAMS)[exc.field], "context_length_exceeded"
@@ -333,7 +334,7 @@ def status_error_body(exc: StatusError, chat: bool = False) -> tuple[int, dict]:
         param = next((ours for theirs, ours in _PARAMS
                       if exc.status == "INVALID_ARGUMENT" and exc.message.startswith(theirs)), None)
         code = exc.status.lower()
-    return status, error_body(exc.message, kind, "messages" if chat and param == "prompt" else param, code)
+    return status, error_body(where + exc.message, kind, "messages" if chat and param == "prompt" else param, code)
 
 
 def _dumps(obj: Any) -> bytes:
@@ -470,6 +471,11 @@ class OpenAIApi:
         except Exception:  # a bug: the middleware answers 500 and logs it
             metrics.REQUESTS.labels("http", "none", "INTERNAL").inc()
             raise
+        slots = self.service.engine.scheduler.max_sessions
+        if len(req.choices) > slots:  # its choices could never all run (nor all wait within the queue timeout)
+            metrics.REQUESTS.labels("http", "none", "INVALID_ARGUMENT").inc()
+            return error_response(400, f"{len(req.choices)} choices (prompts x n) are more than the {slots} "
+                                       f"generations this server runs at once", param="n")
         out = _Output(req, self.model, self.service.engine.tokenizer, self.token_bytes)
         async with contextlib.AsyncExitStack() as stack:  # closing a generation cancels it
             gens = [await stack.enter_async_context(contextlib.aclosing(self.service.generate(choice, "http")))
@@ -477,20 +483,25 @@ class OpenAIApi:
             try:
                 # validation, queueing and each choice's first token: errors keep their status
                 firsts = await _together([anext(g) for g in gens])
-            except StatusError as exc:
-                status, body = status_error_body(exc, req.chat)
+            except _ChoiceFailed as failed:
+                status, body = status_error_body(failed.error, req.chat, self._where(req, failed.index))
                 response = _json(body, status)
-                if isinstance(exc, QueueFull):  # the queue is full: when to try again, in whole seconds
-                    response.headers["Retry-After"] = str(math.ceil(exc.retry_after_s))
+                if isinstance(failed.error, QueueFull):  # the queue is full: when to try again, in whole seconds
+                    response.headers["Retry-After"] = str(math.ceil(failed.error.retry_after_s))
                 return response
             if req.stream:
                 return await self._stream(request, out, firsts, gens)
             try:
                 outputs = await _together([_whole(first, g) for first, g in zip(firsts, gens)])
-            except StatusError as exc:
-                status, body = status_error_body(exc, req.chat)
+            except _ChoiceFailed as failed:
+                status, body = status_error_body(failed.error, req.chat, self._where(req, failed.index))
                 return _json(body, status)
             return _json(out.whole([text for text, _ in outputs], [end for _, end in outputs]))
+
+    @staticmethod
+    def _where(req: ApiRequest, index: int) -> str:
+        """Which prompt of a batch an error is of ("" for one prompt)."""
+        return f"prompt {index // req.n} of the batch: " if len(req.choices) > req.n else ""
 
     async def _stream(self, request: web.Request, out: _Output, firsts: list[TextDelta | Finished],
                       gens: list) -> web.StreamResponse:
@@ -520,7 +531,7 @@ class OpenAIApi:
                 if isinstance(item, Exception) and not isinstance(item, StatusError):
                     raise item
                 if isinstance(item, StatusError):
-                    await response.write(_event(status_error_body(item, out.req.chat)[1]))
+                    await response.write(_event(status_error_body(item, out.req.chat, self._where(out.req, index))[1]))
                     break
                 if isinstance(item, Finished):
                     ends[index] = item
@@ -548,22 +559,32 @@ async def _whole(first: TextDelta | Finished, gen) -> tuple[str, Finished]:
     return "".join(text), item
 
 
+class _ChoiceFailed(Exception):
+    """Choice `index` of a request failed with `error`."""
+
+    def __init__(self, index: int, error: StatusError):
+        super().__init__(error.message)
+        self.index, self.error = index, error
+
+
 async def _together(awaitables: list[Awaitable]) -> list:
-    """Run them side by side; their results in order, or the first exception, once the others are
-    cancelled (a generation's generator may be closed only when nothing awaits it)."""
+    """Run them side by side; their results in order. A StatusError of one raises _ChoiceFailed
+    (another exception itself) once the others are cancelled: a generation's generator may be
+    closed only when nothing awaits it."""
     tasks = [asyncio.ensure_future(a) for a in awaitables]
     try:
-        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
-        for task in tasks:
-            if task.done() and task.exception() is not None:
-                raise task.exception()
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        for index, task in enumerate(tasks):
+            if task.done() and (error := task.exception()) is not None:
+                raise _ChoiceFailed(index, error) if isinstance(error, StatusError) else error
         return [task.result() for task in tasks]
     finally:
         await _cancel(tasks)
 
 
 async def _cancel(tasks: list[asyncio.Task]) -> None:
-    """Cancel the tasks not done and wait until they are."""
+    """Cancel the tasks not done and wait until they are (a gather cancelled meanwhile still waits
+    for its tasks before it raises)."""
     for task in tasks:
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)

@@ -4,6 +4,7 @@ request, streamed or not, for completions and chat; stop strings cut text and us
 requests get 400 with OpenAI's error body; /health follows the drafter's serving state."""
 from __future__ import annotations
 
+import asyncio
 import collections
 import contextlib
 import json
@@ -259,7 +260,8 @@ def test_stop_cuts_text_and_usage(client, grpc_stub):
     ({"prompt": PROMPT, "n": True}, "n", "integer"),
     ({"prompt": ["a"] * 65, "n": 2}, "n", "at most 128 choices a request: 65 prompts x n 2"),
     ({"prompt": ["a"] * 129}, "prompt", "at most 128 prompts a request"),
-    ({"prompt": ["a", ""]}, "prompt", "empty"),
+    ({"prompt": ["a", ""]}, "prompt", "prompt 1 of the batch: prompt is empty"),
+    ({"prompt": PROMPT, "n": 9}, "n", "9 choices (prompts x n) are more than the 8 generations this server runs at once"),
     ({"prompt": PROMPT, "max_tokens": "ten"}, "max_tokens", "integer"),
     ({"prompt": PROMPT, "max_tokens": 0}, "max_tokens", "max_tokens"),
     ({"prompt": PROMPT, "temperature": "hot"}, "temperature", "number"),
@@ -582,3 +584,28 @@ def asyncio_call(running, coro, done):
         finally:
             done.set()
     return asyncio.run_coroutine_threadsafe(run(), running.loop)
+
+
+def test_a_cancel_waits_for_its_tasks_even_when_cancelled_itself():
+    """`_cancel` returns (or raises the cancel it got meanwhile) only once every task is done: the
+    generators those tasks await may be closed only then."""
+    from drafter_svc.http_api import _cancel
+
+    async def slow_to_stop():
+        try:
+            await asyncio.sleep(10)
+        except asyncio.CancelledError:
+            await asyncio.sleep(0.1)  # cleanup that takes a while
+            raise
+
+    async def main():
+        tasks = [asyncio.create_task(slow_to_stop()) for _ in range(3)]
+        await asyncio.sleep(0)
+        cancelling = asyncio.create_task(_cancel(tasks))
+        await asyncio.sleep(0.02)
+        cancelling.cancel()  # a second cancel, while it waits
+        with pytest.raises(asyncio.CancelledError):
+            await cancelling
+        return [t.done() for t in tasks]
+
+    assert asyncio.run(main()) == [True, True, True]
