@@ -1315,6 +1315,7 @@ def test_a_hung_model_worker_does_not_hold_the_shutdown(config, caplog, monkeypa
             began = time.monotonic()
             asyncio.run_coroutine_threadsafe(running.server.stop(0), running.loop).result(10)
             assert time.monotonic() - began < 5
+        running.server.worker._thread.join(10)  # released: it answers its step while the loop still runs
     said = [r.getMessage() for r in caplog.records]
     assert "the model worker did not stop within 0.5 s (a hung device?): leaving it behind" in said, said
 
