@@ -113,12 +113,12 @@ def _number(body: dict, name: str) -> float | None:
     return None if value is None else float(value)
 
 
-def _integer(body: dict, name: str, low: int, high: int, high_text: str = "") -> int | None:
+def _integer(body: dict, name: str, low: int, high: int, high_text: str = "", low_text: str = "") -> int | None:
     """An integer in [low, high) (the range the protobuf field takes, or the domain's where the
-    field's is wider); `high_text` writes `high` in the message (e.g. 2^63)."""
+    field's is wider); `high_text` and `low_text` write them in the message (e.g. 2^63)."""
     value = _typed(body, name, (int,), "an integer")
     if value is not None and not low <= value < high:
-        raise BadRequest(f"{name} must be in [{low}, {high_text or high}), got {value}", name)
+        raise BadRequest(f"{name} must be in [{low_text or low}, {high_text or high}), got {value}", name)
     return value
 
 
@@ -162,7 +162,9 @@ def _fill_common(body: dict, req: pb.GenerateRequest, max_tokens: int | None) ->
     if max_tokens is not None:
         req.max_new_tokens = max_tokens
     temperature, top_p = _number(body, "temperature"), _number(body, "top_p")
-    top_k, seed = _integer(body, "top_k", -INT32, INT32), _integer(body, "seed", 0, SEED_LIMIT, "2^63")
+    top_k = _integer(body, "top_k", -INT32, INT32)
+    # Any 64-bit seed, as vLLM takes: a negative one is taken modulo 2^63 (the engine's range).
+    seed = _integer(body, "seed", -SEED_LIMIT, SEED_LIMIT, "2^63", "-2^63")
     # OpenAI samples at temperature 1 unless told otherwise (the gRPC API's unset is greedy).
     req.sampling.temperature = DEFAULT_TEMPERATURE if temperature is None else temperature
     if top_k == -1:  # vLLM's "no top-k"
@@ -172,7 +174,7 @@ def _fill_common(body: dict, req: pb.GenerateRequest, max_tokens: int | None) ->
     if top_k is not None:
         req.sampling.top_k = top_k
     if seed is not None:
-        req.sampling.seed = seed
+        req.sampling.seed = seed % SEED_LIMIT
     req.stop.extend(_strings(body, "stop"))
     stop_ids = body.get("stop_token_ids")
     if stop_ids is not None:

@@ -272,7 +272,7 @@ def test_stop_cuts_text_and_usage(client, grpc_stub):
     ({"prompt": PROMPT, "echo": True}, "echo", "not supported"),
     ({"prompt": PROMPT, "stream_options": {"include_usage": True}}, "stream_options", "stream"),
     ({"prompt": PROMPT, "presence_penalty": 0.5}, "presence_penalty", "not supported"),
-    ({"prompt": PROMPT, "seed": -1}, "seed", "seed"),
+    ({"prompt": PROMPT, "seed": -(1 << 63) - 1}, "seed", "seed must be in [-2^63, 2^63)"),
     ({"prompt": [1, "x"]}, "prompt", "token ids"),
     ({"prompt": [5, 999999]}, "prompt", "outside the vocabulary"),
     ({"prompt": 5}, "prompt", "prompt"),
@@ -505,12 +505,16 @@ def test_bodies_that_are_json_but_not_text_get_400_not_500(drafter, path, data, 
         assert post(drafter, path, fine)[0] == 200
 
 
-def test_seed_range_is_the_servers(drafter):
-    """The HTTP layer refuses the seeds the engine would (2^63 and up), with the engine's words."""
-    for seed in (-1, 1 << 63):
+def test_seed_range_is_64_bits(drafter, client):
+    """Any 64-bit seed is taken, as vLLM takes it: a negative one modulo 2^63 (the engine's range)."""
+    for seed in (-(1 << 63) - 1, 1 << 63):
         status, reply = post(drafter, "/v1/completions", {"prompt": PROMPT, "seed": seed, "max_tokens": 2})
-        assert status == 400 and "seed must be in [0, 2^63)" in reply["error"]["message"], reply
-    assert post(drafter, "/v1/completions", {"prompt": PROMPT, "seed": (1 << 63) - 1, "max_tokens": 2})[0] == 200
+        assert status == 400 and "seed must be in [-2^63, 2^63)" in reply["error"]["message"], reply
+    kwargs = dict(model=MODEL_NAME, prompt=PROMPT, max_tokens=12, temperature=0.9)
+    assert client.completions.create(seed=-1, **kwargs).choices[0].text == \
+        client.completions.create(seed=(1 << 63) - 1, **kwargs).choices[0].text
+    assert client.completions.create(seed=-(1 << 63), **kwargs).choices[0].text == \
+        client.completions.create(seed=0, **kwargs).choices[0].text
 
 
 def test_shutdown_ends_running_requests_with_an_error(tmp_path):
