@@ -161,6 +161,12 @@ def wait_for_verifier(addresses: Sequence[str], stubs: Sequence[pb_grpc.Verifier
             call.cancel()
 
 
+def _reason(exc: Exception) -> str:
+    """The first line of why a call failed: a gRPC error's details, else the exception's text or type."""
+    text = (exc.details() if hasattr(exc, "details") else str(exc)) or type(exc).__name__
+    return text.splitlines()[0]
+
+
 def check_replica(first: pb.InfoResponse, info: pb.InfoResponse) -> None:
     """Raise StatusError(FAILED_PRECONDITION) unless `info` serves as the first replica does
     (`SAME_AS_FIRST`)."""
@@ -328,8 +334,7 @@ class ReplicaLink:
             try:
                 draining = replica.ask_info().draining
             except Exception as exc:  # grpc.RpcError, or a broken answer
-                reason = (exc.details() if hasattr(exc, "details") else str(exc)) or type(exc).__name__
-                self._lose(i, StatusError("UNAVAILABLE", f"it does not answer Info ({reason.splitlines()[0]})"))
+                self._lose(i, StatusError("UNAVAILABLE", f"it does not answer Info ({_reason(exc)})"))
                 continue
             if draining:
                 self._set_draining(i, "its Info says it shuts down")
@@ -431,9 +436,8 @@ class ReplicaLink:
         except Exception as exc:  # grpc.RpcError, or whatever a broken answer raises: not up
             if replica.state is State.NEW and not replica.silent_reported:  # say so once: a typo, a dead host
                 replica.silent_reported = True
-                reason = (exc.details() if hasattr(exc, "details") else str(exc)) or type(exc).__name__
                 log.warning("verifier at %s does not answer (%s); it is asked again until it does",
-                            replica.address, reason.splitlines()[0])
+                            replica.address, _reason(exc))
             with self._lock:
                 if replica.state is State.REFUSED:
                     replica.retry_at = time.monotonic() + REFUSED_RETRY_S

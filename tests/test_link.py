@@ -444,7 +444,8 @@ class _Cancelled(grpc.RpcError):
 
 
 class _SilentCall:
-    """A Link stream that answers nothing until cancelled, then fails as gRPC's does."""
+    """A Link stream that answers nothing until cancelled (a verifier stopped, a link that stalls),
+    then fails as gRPC's does."""
 
     def __init__(self):
         self.cancelled = threading.Event()
@@ -486,23 +487,6 @@ def _catch(fn, errors):
         errors.append(exc)
 
 
-class _StalledCall:
-    """A Link stream that sends nothing until cancelled (a verifier stopped, a link that stalls)."""
-
-    def __init__(self):
-        self.cancelled = threading.Event()
-
-    def __iter__(self):
-        return self
-
-    def __next__(self):
-        self.cancelled.wait(30)
-        raise StopIteration
-
-    def cancel(self):
-        self.cancelled.set()
-
-
 class _InfoRefused(grpc.RpcError):
     """Info's UNAVAILABLE with a reason (a verifier whose model worker has stalled)."""
 
@@ -521,7 +505,7 @@ class _StalledStub:
         self.alive, self.asked, self.call, self.refusal = True, 0, None, refusal
 
     def Link(self, requests):
-        self.call = _StalledCall()
+        self.call = _SilentCall()
         return self.call
 
     def Info(self, request, timeout):
