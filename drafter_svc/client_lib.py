@@ -143,10 +143,12 @@ def build_request(prompt: str | None = None, *, token_ids: Sequence[int] | None 
                   temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
                   seed: int | None = None, stop: Sequence[str] = (), stop_token_ids: Sequence[int] = (),
                   tree_budget: int | None = None, add_generation_prompt: bool | None = None,
-                  template_kwargs: Mapping[str, str] | None = None, logprobs: int | None = None) -> pb.GenerateRequest:
+                  template_kwargs: Mapping[str, str] | None = None, logprobs: int | None = None,
+                  ignore_eos: bool = False) -> pb.GenerateRequest:
     """The GenerateRequest of these arguments; exactly one of `prompt` (text), `token_ids` and
     `messages` (chat). None leaves a field unset (the server's default; for `logprobs`, none:
-    N in 0..20 asks for each token's logprob and the N most likely tokens). GenerationError
+    N in 0..20 asks for each token's logprob and the N most likely tokens). `ignore_eos`: the
+    model's end-of-sequence tokens do not end the generation. GenerationError
     INVALID_ARGUMENT when they cannot form a request (the server checks the values further)."""
     try:
         if sum(x is not None for x in (prompt, token_ids, messages)) != 1:
@@ -155,7 +157,7 @@ def build_request(prompt: str | None = None, *, token_ids: Sequence[int] | None 
             raise ValueError("add_generation_prompt and template_kwargs go with messages (chat)")
         if isinstance(stop, str):
             stop = [stop]
-        req = pb.GenerateRequest(stop=list(stop))
+        req = pb.GenerateRequest(stop=list(stop), ignore_eos=bool(ignore_eos))
         _field(lambda: req.stop_token_ids.extend(int(t) for t in stop_token_ids), "stop_token_ids")
         if prompt is not None:
             if not isinstance(prompt, str):

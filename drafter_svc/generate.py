@@ -122,6 +122,8 @@ def build_parser() -> FlagParser:
     p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (1 = off)")
     p.add_argument("--seed", type=int, default=None, help="sampling seed; the same seed gives the same output")
+    p.add_argument("--ignore-eos", action="store_true",
+                   help="do not stop at the model's end-of-sequence tokens: generate --max-new-tokens tokens")
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--tree-budget", type=int, default=DraftMode.budget,
                       help=f"DDTree nodes drafted per round (default {DraftMode.budget})")
@@ -148,7 +150,8 @@ def main(argv: list[str] | None = None) -> None:
         mode = DraftMode("tree", a.tree_budget)
     if mode.kind != "ar" and not a.draft:
         fail("--draft is required unless --ar is given")
-    config = GenerationConfig(a.max_new_tokens, SamplingParams(a.temperature, a.top_k, a.top_p, a.seed), mode=mode)
+    config = GenerationConfig(a.max_new_tokens, SamplingParams(a.temperature, a.top_k, a.top_p, a.seed), mode=mode,
+                              ignore_eos=a.ignore_eos)
     try:
         config.check()
     except ValueError as exc:

@@ -21,7 +21,8 @@ Unknown fields are ignored, as OpenAI clients send fields for other servers; kno
 that would change the output and are not supported (echo, penalties, tools, ...)
 get 400. Logprobs (completions: `logprobs` N; chat: `logprobs: true` with `top_logprobs` N;
 N <= 20) are those of the gRPC API (`GenerateRequest.logprobs`), in OpenAI's formats, each
-token's text being the token decoded alone. Extensions: `top_k`, `stop_token_ids`, `tree_budget`, and for chat
+token's text being the token decoded alone. Extensions: `top_k`, `stop_token_ids`, `ignore_eos` (vLLM's and
+SGLang's: the model's end-of-sequence tokens do not stop it), `tree_budget`, and for chat
 `chat_template_kwargs` and `add_generation_prompt`. With `--api-key` the /v1 endpoints need
 `Authorization: Bearer <key>`; with `--tls-cert` the port speaks HTTPS only.
 """
@@ -181,6 +182,7 @@ def _fill_common(body: dict, req: pb.GenerateRequest, max_tokens: int | None) ->
         if not isinstance(stop_ids, list):
             raise BadRequest("stop_token_ids must be a list of integer token ids", "stop_token_ids")
         req.stop_token_ids.extend(_token_ids(stop_ids, "stop_token_ids"))
+    req.ignore_eos = bool(_typed(body, "ignore_eos", (bool,), "a boolean"))
     budget = _integer(body, "tree_budget", 0, UINT32)
     if budget is not None:
         req.tree_budget = budget

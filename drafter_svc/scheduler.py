@@ -81,6 +81,7 @@ class GenerationConfig:
     stop_token_ids: tuple[int, ...] = ()
     mode: DraftMode = DraftMode()
     logprobs: int | None = None  # None: none; N: each emitted token's logprob and the N most likely tokens
+    ignore_eos: bool = False  # the model's end-of-sequence tokens do not stop the generation
 
     def check(self) -> None:
         if self.max_new_tokens < 1:
@@ -388,7 +389,7 @@ class DraftScheduler:
                 raise QueueFull(max(waiting, 0), self.retry_after_s(max(waiting, 0)))
             self._queued += 1
         sid = next(self._ids)
-        stop_ids = frozenset(config.stop_token_ids) | self.eos_token_ids
+        stop_ids = frozenset(config.stop_token_ids) | (frozenset() if config.ignore_eos else self.eos_token_ids)
         session = _Session(sid, list(prompt_ids), config, stop_ids, deliver,
                            time.monotonic() + self.queue_timeout_s, watches_text)
         self._commands.put(("submit", session))

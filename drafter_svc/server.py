@@ -388,7 +388,8 @@ class DrafterEngine:
         mode = DraftMode("chain", 0) if self.cfg.chain and not request.HasField("tree_budget") else DraftMode("tree", budget)
         config = GenerationConfig(max_new_tokens=max_new, sampling=decode_sampling(request.sampling),
                                   stop_token_ids=tuple(request.stop_token_ids), mode=mode,
-                                  logprobs=request.logprobs if request.HasField("logprobs") else None)
+                                  logprobs=request.logprobs if request.HasField("logprobs") else None,
+                                  ignore_eos=request.ignore_eos)
         config.check()
         return _Request(prompt_ids, config, list(request.stop))
 

@@ -80,6 +80,7 @@ def drafter(verifier):
                         port=0, tree_budget=8, max_new_tokens=12, verifier_wait_s=10, api_key=API_KEY)
     engine = DrafterEngine.start(cfg, torch.float32)
     with ServerThread(lambda: serve_drafter(engine, "127.0.0.1", 0, http_port=0)) as running:
+        running.engine = engine
         yield running
 
 
@@ -169,6 +170,24 @@ def test_token_id_prompts_and_sampling_options(client):
     assert again.token_ids == result.token_ids  # seeded: the same tokens
 
 
+def test_ignore_eos_generates_past_the_models_end_of_sequence_tokens(client, drafter):
+    """With the drafter's EOS set to a token the greedy output emits (the shipped model's own EOS
+    never comes this early), a request stops at it; with ignore_eos it runs to max_new_tokens."""
+    ids = (5, 17, 42, 99, 3)
+    plain = client.generate(token_ids=ids, max_new_tokens=12, timeout=TIMEOUT)
+    eos = plain.token_ids[3]
+    scheduler = drafter.engine.scheduler
+    saved, scheduler.eos_token_ids = scheduler.eos_token_ids, frozenset({eos})
+    try:
+        stopped = client.generate(token_ids=ids, max_new_tokens=12, timeout=TIMEOUT)
+        kept = client.generate(token_ids=ids, max_new_tokens=12, ignore_eos=True, timeout=TIMEOUT)
+    finally:
+        scheduler.eos_token_ids = saved
+    first = plain.token_ids.index(eos)
+    assert stopped.token_ids == plain.token_ids[: first + 1] and stopped.finish_reason == "stop"
+    assert kept.token_ids == plain.token_ids and kept.finish_reason == "length"
+
+
 def test_logprobs_sync_async_and_streamed_agree(client, address):
     """Typed logprobs: one per token, the same through GenerateOnce, the stream and asyncio;
     none unless asked."""
@@ -211,6 +230,7 @@ def test_build_request_sets_only_what_is_given():
     assert dict(req.chat.template_kwargs) == {"enable_thinking": "false"}
     assert req.chat.add_generation_prompt is False and list(req.stop) == ["END"]
     assert req.HasField("tree_budget") and req.tree_budget == 0 and req.sampling.seed == 3
+    assert not req.ignore_eos and build_request(PROMPT, ignore_eos=True).ignore_eos
 
 
 # -- cancellation ----------------------------------------------------------------------------

@@ -84,6 +84,25 @@ def test_stop_tokens_end_generation(engine):
     assert out.tokens == ar[: first + 1] and out.finish_reason == "stop"
 
 
+def test_ignore_eos_generates_past_the_models_end_of_sequence_tokens(engine):
+    """With a token the greedy output emits as the model's EOS, a request stops at it (inclusive),
+    one with ignore_eos runs to max_new_tokens with plain decoding's tokens, and both do so in one
+    batch; an explicit stop token id still stops an ignore_eos request."""
+    ar = greedy(engine, PROMPTS[0], DraftMode("ar", 0)).tokens
+    eos = ar[5]
+    first = ar.index(eos)
+    with_eos = dataclasses.replace(engine, eos_token_ids=(eos,))
+    tree = DraftMode("tree", 16)
+    stops, runs_on, ar_on = with_eos.generate_many([
+        (PROMPTS[0], GenerationConfig(N, mode=tree)),
+        (PROMPTS[0], GenerationConfig(N, mode=tree, ignore_eos=True)),
+        (PROMPTS[0], GenerationConfig(N, mode=DraftMode("ar", 0), ignore_eos=True))])
+    assert stops.tokens == ar[: first + 1] and stops.finish_reason == "stop"
+    assert runs_on.tokens == ar_on.tokens == ar and runs_on.finish_reason == "length"
+    out = with_eos.generate(PROMPTS[0], GenerationConfig(N, stop_token_ids=(eos,), mode=tree, ignore_eos=True))
+    assert out.tokens == ar[: first + 1] and out.finish_reason == "stop"
+
+
 def test_generation_stops_at_kv_capacity(tiny_pair):
     target, draft = tiny_pair
     small = LocalEngine.load(str(target), str(draft), limits=VerifierLimits(max_sessions=1, max_seq_len=16))

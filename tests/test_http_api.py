@@ -284,6 +284,7 @@ def test_stop_cuts_text_and_usage(client, grpc_stub):
     ({"prompt": PROMPT, "stop": "x" * 1025}, "stop", "of at most 1024 characters"),
     ({"prompt": PROMPT, "stop_token_ids": [999999]}, "stop_token_ids", "outside the vocabulary"),
     ({"prompt": PROMPT, "top_k": -2}, "top_k", "top_k"),
+    ({"prompt": PROMPT, "ignore_eos": 1}, "ignore_eos", "boolean"),
 ])
 def test_bad_completion_requests_get_400_with_openai_error_body(drafter, body, param, needle):
     status, reply = post(drafter, "/v1/completions", body)
@@ -325,6 +326,15 @@ def test_openai_defaults_and_lenient_values():
     assert parse_completion(json.dumps({"prompt": "x", "top_k": -1}).encode()).choices[0].sampling.top_k == 0
     chat = {"messages": [{"role": "user", "content": "x"}], "tool_choice": "auto"}
     assert parse_chat(json.dumps(chat).encode()).choices[0].sampling.temperature == 1.0
+
+
+def test_ignore_eos_reaches_every_choice():
+    """vLLM's and SGLang's ignore_eos (benchmark clients send it) is passed on to each generation."""
+    assert not parse_completion(json.dumps({"prompt": "x"}).encode()).choices[0].ignore_eos
+    completion = parse_completion(json.dumps({"prompt": ["x", "y"], "n": 2, "ignore_eos": True}).encode())
+    assert len(completion.choices) == 4 and all(c.ignore_eos for c in completion.choices)
+    chat = {"messages": [{"role": "user", "content": "x"}], "ignore_eos": True}
+    assert parse_chat(json.dumps(chat).encode()).choices[0].ignore_eos
 
 
 @pytest.mark.parametrize("body, needle", [
