@@ -74,6 +74,9 @@ SEED_LIMIT = 1 << 63
 
 # Most alternatives a request may ask for per token (GenerateRequest.logprobs), as in OpenAI's API.
 MAX_LOGPROBS = 20
+# Tokens a session may keep out of its first tokens (GenerateRequest.min_tokens: the stop token ids
+# and the end-of-sequence tokens), a static dimension of the verify step's inputs.
+MAX_SUPPRESSED = 32
 # Stop strings a request may give: each is scanned for every round, and a stream holds back
 # the text that could still begin one (the longest's length less one character).
 MAX_STOP_STRINGS, MAX_STOP_CHARS = 64, 1024
@@ -134,6 +137,9 @@ class OpenEntry:
     feature_layer_ids: tuple[int, ...] = ()  # what the drafter needs; must equal the verifier's
     logprobs: int | None = None  # None: none; N in [0, MAX_LOGPROBS]: emitted tokens' logprobs and the top N
     more: bool = False  # prompt_ids is the prompt's first chunk, the rest follows in ExtendEntry's
+    # No token at a context position before `suppress_before` is one of `suppress_ids` (min_tokens).
+    suppress_ids: tuple[int, ...] = ()
+    suppress_before: int = 0
 
 
 @dataclass

@@ -144,11 +144,12 @@ def build_request(prompt: str | None = None, *, token_ids: Sequence[int] | None 
                   seed: int | None = None, stop: Sequence[str] = (), stop_token_ids: Sequence[int] = (),
                   tree_budget: int | None = None, add_generation_prompt: bool | None = None,
                   template_kwargs: Mapping[str, str] | None = None, logprobs: int | None = None,
-                  ignore_eos: bool = False) -> pb.GenerateRequest:
+                  ignore_eos: bool = False, min_tokens: int = 0) -> pb.GenerateRequest:
     """The GenerateRequest of these arguments; exactly one of `prompt` (text), `token_ids` and
     `messages` (chat). None leaves a field unset (the server's default; for `logprobs`, none:
     N in 0..20 asks for each token's logprob and the N most likely tokens). `ignore_eos`: the
-    model's end-of-sequence tokens do not end the generation. GenerationError
+    model's end-of-sequence tokens do not end the generation; `min_tokens`: the first N tokens
+    are no stop token (nor, without ignore_eos, an end-of-sequence token). GenerationError
     INVALID_ARGUMENT when they cannot form a request (the server checks the values further)."""
     try:
         if sum(x is not None for x in (prompt, token_ids, messages)) != 1:
@@ -173,7 +174,8 @@ def build_request(prompt: str | None = None, *, token_ids: Sequence[int] | None 
                 req.chat.add_generation_prompt = bool(add_generation_prompt)
             for key, value in (template_kwargs or {}).items():
                 req.chat.template_kwargs[key] = value if isinstance(value, str) else str(value).lower()
-        for name, value in (("max_new_tokens", max_new_tokens), ("tree_budget", tree_budget), ("logprobs", logprobs)):
+        for name, value in (("max_new_tokens", max_new_tokens), ("tree_budget", tree_budget), ("logprobs", logprobs),
+                            ("min_tokens", min_tokens or None)):
             if value is not None:
                 _field(functools.partial(setattr, req, name, value), name)
         req.sampling.SetInParent()

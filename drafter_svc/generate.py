@@ -124,6 +124,9 @@ def build_parser() -> FlagParser:
     p.add_argument("--seed", type=int, default=None, help="sampling seed; the same seed gives the same output")
     p.add_argument("--ignore-eos", action="store_true",
                    help="do not stop at the model's end-of-sequence tokens: generate --max-new-tokens tokens")
+    p.add_argument("--min-tokens", type=int, default=0, metavar="N",
+                   help="the first N tokens are never an end-of-sequence token (taken out of the target's "
+                        "distribution there; default 0)")
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--tree-budget", type=int, default=DraftMode.budget,
                       help=f"DDTree nodes drafted per round (default {DraftMode.budget})")
@@ -151,7 +154,7 @@ def main(argv: list[str] | None = None) -> None:
     if mode.kind != "ar" and not a.draft:
         fail("--draft is required unless --ar is given")
     config = GenerationConfig(a.max_new_tokens, SamplingParams(a.temperature, a.top_k, a.top_p, a.seed), mode=mode,
-                              ignore_eos=a.ignore_eos)
+                              ignore_eos=a.ignore_eos, min_tokens=a.min_tokens)
     try:
         config.check()
     except ValueError as exc:

@@ -22,7 +22,8 @@ that would change the output and are not supported (echo, penalties, tools, ...)
 get 400. Logprobs (completions: `logprobs` N; chat: `logprobs: true` with `top_logprobs` N;
 N <= 20) are those of the gRPC API (`GenerateRequest.logprobs`), in OpenAI's formats, each
 token's text being the token decoded alone. Extensions: `top_k`, `stop_token_ids`, `ignore_eos` (vLLM's and
-SGLang's: the model's end-of-sequence tokens do not stop it), `tree_budget`, and for chat
+SGLang's: the model's end-of-sequence tokens do not stop it), `min_tokens` (vLLM's: the first N tokens are no
+stop token), `tree_budget`, and for chat
 `chat_template_kwargs` and `add_generation_prompt`. With `--api-key` the /v1 endpoints need
 `Authorization: Bearer <key>`; with `--tls-cert` the port speaks HTTPS only.
 """
@@ -183,6 +184,7 @@ def _fill_common(body: dict, req: pb.GenerateRequest, max_tokens: int | None) ->
             raise BadRequest("stop_token_ids must be a list of integer token ids", "stop_token_ids")
         req.stop_token_ids.extend(_token_ids(stop_ids, "stop_token_ids"))
     req.ignore_eos = bool(_typed(body, "ignore_eos", (bool,), "a boolean"))
+    req.min_tokens = _integer(body, "min_tokens", 0, UINT32) or 0
     budget = _integer(body, "tree_budget", 0, UINT32)
     if budget is not None:
         req.tree_budget = budget
@@ -323,6 +325,7 @@ def error_response(status: int, message: str, kind: str = "invalid_request_error
 # prompt is the chat's messages): the first of these names that begins the message.
 _PARAMS = (("temperature", "temperature"), ("top_p", "top_p"), ("top_k", "top_k"), ("seed", "seed"),
            ("max_new_tokens", "max_tokens"), ("tree_budget", "tree_budget"), ("logprobs", "logprobs"),
+           ("min_tokens", "min_tokens"),
            ("stop token ids", "stop_token_ids"), ("stop", "stop"), ("prompt", "prompt"))
 
 

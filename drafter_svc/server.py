@@ -389,7 +389,9 @@ class DrafterEngine:
         config = GenerationConfig(max_new_tokens=max_new, sampling=decode_sampling(request.sampling),
                                   stop_token_ids=tuple(request.stop_token_ids), mode=mode,
                                   logprobs=request.logprobs if request.HasField("logprobs") else None,
-                                  ignore_eos=request.ignore_eos)
+                                  ignore_eos=request.ignore_eos, min_tokens=request.min_tokens)
+        if config.min_tokens and request.stop:
+            raise ValueError("min_tokens does not go with stop strings (stop token ids it holds back)")
         config.check()
         return _Request(prompt_ids, config, list(request.stop))
 

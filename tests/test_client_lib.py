@@ -231,6 +231,8 @@ def test_build_request_sets_only_what_is_given():
     assert req.chat.add_generation_prompt is False and list(req.stop) == ["END"]
     assert req.HasField("tree_budget") and req.tree_budget == 0 and req.sampling.seed == 3
     assert not req.ignore_eos and build_request(PROMPT, ignore_eos=True).ignore_eos
+    assert req.min_tokens == 0
+    assert build_request(PROMPT, min_tokens=5).min_tokens == 5
 
 
 # -- cancellation ----------------------------------------------------------------------------

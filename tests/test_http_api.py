@@ -285,6 +285,9 @@ def test_stop_cuts_text_and_usage(client, grpc_stub):
     ({"prompt": PROMPT, "stop_token_ids": [999999]}, "stop_token_ids", "outside the vocabulary"),
     ({"prompt": PROMPT, "top_k": -2}, "top_k", "top_k"),
     ({"prompt": PROMPT, "ignore_eos": 1}, "ignore_eos", "boolean"),
+    ({"prompt": PROMPT, "min_tokens": -1}, "min_tokens", "min_tokens must be in [0,"),
+    ({"prompt": PROMPT, "min_tokens": 8, "max_tokens": 4}, "min_tokens", "max_new_tokens 4"),
+    ({"prompt": PROMPT, "min_tokens": 2, "stop": "x"}, "min_tokens", "stop strings"),
 ])
 def test_bad_completion_requests_get_400_with_openai_error_body(drafter, body, param, needle):
     status, reply = post(drafter, "/v1/completions", body)
@@ -328,13 +331,15 @@ def test_openai_defaults_and_lenient_values():
     assert parse_chat(json.dumps(chat).encode()).choices[0].sampling.temperature == 1.0
 
 
-def test_ignore_eos_reaches_every_choice():
-    """vLLM's and SGLang's ignore_eos (benchmark clients send it) is passed on to each generation."""
+def test_ignore_eos_and_min_tokens_reach_every_choice():
+    """vLLM's and SGLang's ignore_eos (benchmark clients send it) and min_tokens are passed on to each
+    generation."""
     assert not parse_completion(json.dumps({"prompt": "x"}).encode()).choices[0].ignore_eos
     completion = parse_completion(json.dumps({"prompt": ["x", "y"], "n": 2, "ignore_eos": True}).encode())
     assert len(completion.choices) == 4 and all(c.ignore_eos for c in completion.choices)
-    chat = {"messages": [{"role": "user", "content": "x"}], "ignore_eos": True}
+    chat = {"messages": [{"role": "user", "content": "x"}], "ignore_eos": True, "min_tokens": 3}
     assert parse_chat(json.dumps(chat).encode()).choices[0].ignore_eos
+    assert parse_chat(json.dumps(chat).encode()).choices[0].min_tokens == 3
 
 
 @pytest.mark.parametrize("body, needle", [

@@ -101,6 +101,18 @@ def accept_batch(mode: str, tokens: Tensor, next_token: Tensor, next_sibling: Te
     return result, features.gather(1, path[:, :, None].expand(b, t, features.shape[2]))
 
 
+def suppress_tokens(logits: Tensor, next_positions: Tensor, ids: Tensor, before: Tensor) -> None:
+    """Take tokens out of the distributions of a request's first positions (min_tokens), in place
+    and with static shapes (inside the verify graphs): logits [B, T, V] of rows whose next token
+    goes to next_positions [B, T] < before [B] get -inf at that row's ids [B, K]. Rows with fewer
+    than K ids repeat one of them (a row with none: any id, and before 0), so that every write to
+    a column of a row is the same value."""
+    b, t, _ = logits.shape
+    index = ids[:, None, :].expand(b, t, ids.shape[1])
+    hit = (next_positions < before[:, None])[:, :, None]
+    logits.scatter_(2, index, torch.where(hit, float("-inf"), logits.gather(2, index)))
+
+
 def accept_roots(roots: list[DraftTree], logits: Tensor, sampling: list[SamplingParams], *,
                  seeds: list[int] | None = None, positions: list[int] | None = None,
                  coins: list[Tensor | None] | None = None) -> Tensor:

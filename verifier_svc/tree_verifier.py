@@ -28,11 +28,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from common.protocol import (MAX_LOGPROBS, CloseEntry, Entry, Extended, ExtendEntry, OpenEntry, Prefilled,
-                             SamplingParams, StatusError, StepResult, TreeEntry, Verified, VerifiedRows)
-from common.staging import HostCopy, rows_of
+from common.protocol import (MAX_LOGPROBS, MAX_SUPPRESSED, CloseEntry, Entry, Extended, ExtendEntry, OpenEntry,
+                             Prefilled, SamplingParams, StatusError, StepResult, TreeEntry, Verified, VerifiedRows)
+from common.staging import HostCopy, rows_of, to_device
 from common.tree import DeviceTree, DraftTree, TreeError, TreeLayout, ancestor_masks, walk_trees
-from verifier_svc.accept import Stage, accept_roots, draw_coins, emitted_logprobs, no_stage
+from verifier_svc.accept import Stage, accept_roots, draw_coins, emitted_logprobs, no_stage, suppress_tokens
 from verifier_svc.cuda_graphs import VerifyRow
 from verifier_svc.target_runner import PendingVerify, TargetRunner
 
@@ -64,6 +64,8 @@ class _Session:
     features: bool = True  # the drafter wants the target features of its tokens
     logprobs: int | None = None  # its emitted tokens' logprobs and the top N are wanted (None: not)
     prefilling: bool = False  # more prompt chunks are to come (ExtendEntry); no tree until the last
+    suppress_ids: tuple[int, ...] = ()  # never the token at a position before suppress_before (min_tokens)
+    suppress_before: int = 0
 
 
 Key = tuple[Hashable, int]  # (owner, session id)
@@ -315,6 +317,13 @@ class TreeVerifier:
             raise VerifierError("INVALID_ARGUMENT", str(exc)) from None
         if e.logprobs is not None and not 0 <= e.logprobs <= MAX_LOGPROBS:
             raise VerifierError("INVALID_ARGUMENT", f"logprobs must be in [0, {MAX_LOGPROBS}], got {e.logprobs}")
+        if len(e.suppress_ids) > MAX_SUPPRESSED:
+            raise VerifierError("INVALID_ARGUMENT",
+                                f"{len(e.suppress_ids)} suppressed token ids, at most {MAX_SUPPRESSED}")
+        bad = [t for t in e.suppress_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise VerifierError("INVALID_ARGUMENT",
+                                f"suppressed token ids {bad[:5]} outside the vocabulary [0, {self.vocab_size})")
         return prompt
 
     def _check_extend(self, key: Key, e: ExtendEntry) -> torch.Tensor:
@@ -349,7 +358,9 @@ class TreeVerifier:
             seed = e.sampling.seed if e.sampling.seed is not None else secrets.randbits(63)
             self._sessions[key] = _Session(self._free_slots.pop(), e.sampling, seed,
                                            torch.Generator().manual_seed(seed), features=bool(e.feature_layer_ids),
-                                           logprobs=e.logprobs, prefilling=True)
+                                           logprobs=e.logprobs, prefilling=True,
+                                           suppress_ids=tuple(e.suppress_ids) if e.suppress_before > 0 else (),
+                                           suppress_before=e.suppress_before)
 
     def _launch_prefill(self, group: Sequence[tuple[int, Key, OpenEntry | ExtendEntry, torch.Tensor]],
                         stage: Stage) -> _LaunchedPrefill:
@@ -365,7 +376,7 @@ class TreeVerifier:
                                                            [s.length for s in sessions])
                 with stage("sample"):
                     ending = [sessions[j] for j in last]
-                    logits = rows_of(logits, last)
+                    logits = self._suppressed(rows_of(logits, last), ending, [group[j][3] for j in last])
                     tokens = self._first_tokens(ending, logits, [group[j][3] for j in last]) if last else None
                     wanted = [f if s.features else f[:0] for s, f in zip(sessions, features)]
                     # One copy for the group, not one per session; on the device it also frees them
@@ -411,6 +422,23 @@ class TreeVerifier:
             outcomes.append(Prefilled(token=ends[j][0], features=f, max_seq_len=self.limits.max_seq_len,
                                       logprobs=ends[j][1]))
         return outcomes
+
+    @staticmethod
+    def _suppressed(logits: torch.Tensor, sessions: Sequence[_Session], chunks: Sequence[torch.Tensor]
+                    ) -> torch.Tensor:
+        """The prompts' last logits [B, V], with the tokens that the first generated token (at
+        position: the prompt's length) may not be taken out for the sessions that suppress some
+        there (a copy then; else the same tensor)."""
+        firsts = [s.length + c.shape[0] for s, c in zip(sessions, chunks)]
+        if not any(p < s.suppress_before for s, p in zip(sessions, firsts)):
+            return logits
+        ids = [s.suppress_ids or (0,) for s in sessions]
+        padded = [list(x) + [x[0]] * (MAX_SUPPRESSED - len(x)) for x in ids]
+        dev = logits.device
+        logits = logits.clone()[:, None]
+        suppress_tokens(logits, to_device(firsts, dev, torch.int64)[:, None], to_device(padded, dev, torch.int64),
+                        to_device([s.suppress_before for s in sessions], dev, torch.int64))
+        return logits[:, 0]
 
     def _first_tokens(self, sessions: Sequence[_Session], logits: torch.Tensor, chunks: Sequence[torch.Tensor]
                       ) -> torch.Tensor:
@@ -482,7 +510,8 @@ class TreeVerifier:
                 coins = (None if s.sampling.greedy or self.runner.sampling != "sample"
                          else draw_coins(s.generator, e.tree.num_nodes))
                 depths = layouts[i].depths if layouts[i] is not _ON_DEVICE else None
-                rows.append(VerifyRow(s.slot, s.length, e.tree, depths, s.sampling, coins, s.seed, s.logprobs))
+                rows.append(VerifyRow(s.slot, s.length, e.tree, depths, s.sampling, coins, s.seed, s.logprobs,
+                                      s.suppress_ids, s.suppress_before))
             walked = [layouts[i] for i in good]
             masks = (ancestor_masks(walked, max(r.tree.num_nodes for r in rows))
                      if any(layout is not _ON_DEVICE for layout in walked) else _ONE_NODE.expand(len(rows), 1, 1))

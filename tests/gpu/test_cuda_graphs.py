@@ -872,6 +872,33 @@ def test_logprobs_through_graphs_equal_eager_on_gpu(tiny_pair):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_min_tokens_through_graphs_equal_eager_on_gpu(tiny_pair):
+    """min_tokens's held-back ids, written into the graphs' inputs, batched beside sessions without
+    them (float32): the eager step's tokens, greedy and sampled, and no held-back id in the first
+    min_tokens; without min_tokens the same requests stop earlier."""
+    graphs, eager = _engine(tiny_pair, torch.float32), _engine(tiny_pair, torch.float32, cuda_graphs=False)
+    assert graphs.verifier.runner.graphs.num_graphs > 0
+    ar = graphs.generate(PROMPTS[0], GenerationConfig(40, mode=DraftMode("ar", 0))).tokens
+    stops = tuple(dict.fromkeys(ar))[:8]
+    sampled = SamplingParams(0.8, 0, 1.0, seed=5)
+    requests = [(PROMPTS[0], GenerationConfig(40, mode=DraftMode("tree", 16), stop_token_ids=stops, min_tokens=20)),
+                (PROMPTS[1], GenerationConfig(40, mode=DraftMode("tree", 16))),
+                (PROMPTS[0], GenerationConfig(40, sampling=sampled, mode=DraftMode("tree", 16), stop_token_ids=stops,
+                                              min_tokens=20)),
+                (PROMPTS[0], GenerationConfig(40, mode=DraftMode("ar", 0), stop_token_ids=stops, min_tokens=20))]
+    calls = _count_graph_runs(graphs.verifier.runner.graphs)
+    got, want = graphs.generate_many(requests), eager.generate_many(requests)
+    assert any(hit and rows > 1 for _, rows, hit in calls)
+    assert [g.tokens for g in got] == [w.tokens for w in want]
+    assert got[0].tokens == got[3].tokens
+    for out in (got[0], got[2]):
+        assert len(out.tokens) >= 20 and not set(out.tokens[:20]) & set(stops)
+    free = graphs.generate(PROMPTS[0], GenerationConfig(40, mode=DraftMode("tree", 16), stop_token_ids=stops))
+    assert len(free.tokens) == 1  # its first token is a stop id
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
 def test_greedy_equals_ar_on_gpu_triton_attention(tiny_pair):
     """attention="triton" in the captured graphs (float32): batched tree decoding == AR with "sdpa"."""
     engine = _engine(tiny_pair, torch.float32)

@@ -50,7 +50,7 @@ class Chat(_message.Message):
     def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., add_generation_prompt: _Optional[bool] = ..., template_kwargs: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("text", "token_ids", "chat", "max_new_tokens", "sampling", "stop_token_ids", "stop", "tree_budget", "logprobs", "ignore_eos")
+    __slots__ = ("text", "token_ids", "chat", "max_new_tokens", "sampling", "stop_token_ids", "stop", "tree_budget", "logprobs", "ignore_eos", "min_tokens")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     CHAT_FIELD_NUMBER: _ClassVar[int]
@@ -61,6 +61,7 @@ class GenerateRequest(_message.Message):
     TREE_BUDGET_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    MIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
     text: str
     token_ids: TokenIds
     chat: Chat
@@ -71,7 +72,8 @@ class GenerateRequest(_message.Message):
     tree_budget: int
     logprobs: int
     ignore_eos: bool
-    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[Chat, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., stop: _Optional[_Iterable[str]] = ..., tree_budget: _Optional[int] = ..., logprobs: _Optional[int] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
+    min_tokens: int
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[Chat, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., stop: _Optional[_Iterable[str]] = ..., tree_budget: _Optional[int] = ..., logprobs: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., min_tokens: _Optional[int] = ...) -> None: ...
 
 class TopLogprob(_message.Message):
     __slots__ = ("token_id", "logprob")
@@ -194,20 +196,24 @@ class PackedInts(_message.Message):
     def __init__(self, data: _Optional[bytes] = ..., width: _Optional[int] = ...) -> None: ...
 
 class Open(_message.Message):
-    __slots__ = ("prompt_token_ids", "sampling", "traceparent", "feature_layer_ids", "logprobs", "more")
+    __slots__ = ("prompt_token_ids", "sampling", "traceparent", "feature_layer_ids", "logprobs", "more", "suppress_token_ids", "suppress_before")
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
     FEATURE_LAYER_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     MORE_FIELD_NUMBER: _ClassVar[int]
+    SUPPRESS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SUPPRESS_BEFORE_FIELD_NUMBER: _ClassVar[int]
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
     traceparent: str
     feature_layer_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: int
     more: bool
-    def __init__(self, prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., traceparent: _Optional[str] = ..., feature_layer_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[int] = ..., more: _Optional[bool] = ...) -> None: ...
+    suppress_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    suppress_before: int
+    def __init__(self, prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., traceparent: _Optional[str] = ..., feature_layer_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[int] = ..., more: _Optional[bool] = ..., suppress_token_ids: _Optional[_Iterable[int]] = ..., suppress_before: _Optional[int] = ...) -> None: ...
 
 class Extend(_message.Message):
     __slots__ = ("prompt_token_ids", "more", "traceparent")

@@ -1,0 +1,189 @@
+"""min_tokens: the first N generated tokens are never a stop token. The verifier takes the stop
+token ids (and the end-of-sequence tokens) out of the target's distribution at those positions,
+inside the verify step (`verifier_svc.accept.suppress_tokens`) and for the prefill's first token;
+the drafter sends them with the open, positioned in the session's context so that a re-open
+keeps them. Outputs are compared with a plain reference decoding of the same masked target."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from common.protocol import MAX_SUPPRESSED, OpenEntry, SamplingParams, StatusError
+from common.wire import LinkLimits, decode_link_request, encode_link_request
+from drafter_svc.drafter import DraftMode
+from drafter_svc.generate import LocalEngine
+from drafter_svc.scheduler import GenerationConfig
+from verifier_svc.accept import suppress_tokens
+from verifier_svc.tree_verifier import VerifierLimits
+
+PROMPT = [5, 17, 42, 99, 3]
+N = 24
+MODES = [DraftMode("ar", 0), DraftMode("chain", 0), DraftMode("tree", 4), DraftMode("tree", 16)]
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_pair):
+    target, draft = tiny_pair
+    return LocalEngine.load(str(target), str(draft), limits=VerifierLimits(max_sessions=6, max_seq_len=256))
+
+
+def suppress_reference(logits, next_positions, ids, before):
+    out = logits.clone()
+    for b in range(logits.shape[0]):
+        for t in range(logits.shape[1]):
+            if next_positions[b, t] < before[b]:
+                out[b, t, sorted(set(ids[b].tolist()))] = float("-inf")
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_suppress_tokens_equals_its_reference(dtype):
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        b, t, v = (int(torch.randint(1, n, (1,), generator=gen)) for n in (5, 9, 50))
+        v += MAX_SUPPRESSED
+        logits = torch.randn(b, t, v, generator=gen).to(dtype)
+        positions = torch.randint(0, 20, (b, t), generator=gen)
+        before = torch.randint(0, 24, (b,), generator=gen)
+        ids = torch.zeros(b, MAX_SUPPRESSED, dtype=torch.int64)
+        for row in range(b):  # k real ids, padded with the first as the verify step pads them
+            k = int(torch.randint(0, 6, (1,), generator=gen))
+            real = torch.randint(0, v, (max(k, 1),), generator=gen)
+            ids[row] = real[0]
+            ids[row, :k] = real[:k]
+            if k == 0:
+                before[row] = 0
+        expected = suppress_reference(logits, positions, ids, before)
+        suppress_tokens(logits, positions, ids, before)
+        assert torch.equal(logits, expected)
+
+
+@pytest.fixture(scope="module")
+def hf_target(tiny_pair):
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(str(tiny_pair[0]), dtype=torch.float32).eval()
+
+
+def reference_decode(model, prompt, n, suppressed, min_tokens, stop_ids):
+    """Greedy decoding with transformers' model of the target, the whole sequence each step, with
+    `suppressed` at -inf for the first `min_tokens` tokens; it ends at a stop id (inclusive)."""
+    ids, out = list(prompt), []
+    with torch.no_grad():
+        for i in range(n):
+            logits = model(torch.tensor([ids])).logits[0, -1]
+            if i < min_tokens:
+                logits[list(suppressed)] = float("-inf")
+            out.append(int(logits.argmax()))
+            ids.append(out[-1])
+            if out[-1] in stop_ids:
+                break
+    return out
+
+
+def test_greedy_min_tokens_equals_the_masked_target_in_every_mode(engine, hf_target):
+    """With the greedy output's 4th token as the model's EOS and a stop id from later on, the
+    first 10 tokens are neither; every mode equals the masked reference, batched beside a twin
+    without min_tokens (which stops at the EOS) and with a chunked prompt."""
+    ar = engine.generate(PROMPT, GenerationConfig(N, mode=DraftMode("ar", 0))).tokens
+    eos, stop = ar[3], ar[12]
+    with_eos = dataclasses.replace(engine, eos_token_ids=(eos,))
+    expected = reference_decode(hf_target, PROMPT, N, {eos, stop}, 10, {eos, stop})
+    assert expected[:10] != ar[:10] and eos not in expected[:10] and stop not in expected[:10]
+    for mode in MODES:
+        for chunk in (0, 2):
+            kept, plain = with_eos.generate_many([
+                (PROMPT, GenerationConfig(N, mode=mode, stop_token_ids=(stop,), min_tokens=10)),
+                (PROMPT, GenerationConfig(N, mode=mode, stop_token_ids=(stop,)))], prefill_chunk=chunk)
+            assert kept.tokens == expected, (mode, chunk)
+            assert kept.finish_reason == ("stop" if expected[-1] in (eos, stop) else "length")
+            assert plain.tokens == ar[: ar.index(eos) + 1] and plain.finish_reason == "stop"
+
+
+def test_min_tokens_on_the_first_token(engine, hf_target):
+    """The prefill's own token is suppressed too: with the greedy first token as the EOS and
+    min_tokens 1, the output starts with the runner-up."""
+    ar = engine.generate(PROMPT, GenerationConfig(N, mode=DraftMode("ar", 0))).tokens
+    with_eos = dataclasses.replace(engine, eos_token_ids=(ar[0],))
+    expected = reference_decode(hf_target, PROMPT, N, {ar[0]}, 1, {ar[0]})
+    for mode in (DraftMode("ar", 0), DraftMode("tree", 16)):
+        out = with_eos.generate(PROMPT, GenerationConfig(N, mode=mode, min_tokens=1))
+        assert out.tokens == expected and out.tokens[0] != ar[0]
+    assert with_eos.generate(PROMPT, GenerationConfig(N, mode=DraftMode("tree", 16))).tokens == [ar[0]]
+
+
+def test_seeded_sampling_with_min_tokens_holds_back_the_stop_ids_and_equals_plain_decoding(engine):
+    """Sampled (position-keyed) with the greedy output's tokens as stop ids: without min_tokens some
+    seeds stop within 12 tokens; with min_tokens 12 none does, and tree decoding gives plain
+    decoding's tokens for the same seed."""
+    ar = engine.generate(PROMPT, GenerationConfig(N, mode=DraftMode("ar", 0))).tokens
+    stops = tuple(dict.fromkeys(ar))[:MAX_SUPPRESSED - len(engine.eos_token_ids)]
+    early = 0
+    for seed in range(12):
+        sampling = SamplingParams(temperature=0.8, top_k=0, top_p=1.0, seed=seed)
+        free = engine.generate(PROMPT, GenerationConfig(N, sampling, stop_token_ids=stops, mode=DraftMode("tree", 8)))
+        early += len(free.tokens) < 12
+        runs = engine.generate_many([(PROMPT, GenerationConfig(N, sampling, stop_token_ids=stops, mode=mode,
+                                                               min_tokens=12)) for mode in MODES])
+        assert not set(runs[0].tokens[:12]) & set(stops + engine.eos_token_ids), seed
+        assert all(r.tokens == runs[0].tokens for r in runs), seed
+    assert early >= 3, early
+
+
+def test_bad_min_tokens_are_refused(engine):
+    too_many = tuple(range(1, MAX_SUPPRESSED + 2))
+    with pytest.raises(ValueError, match="min_tokens holds back at most"):
+        engine.generate(PROMPT, GenerationConfig(N, stop_token_ids=too_many, min_tokens=1))
+    engine.generate(PROMPT, GenerationConfig(4, stop_token_ids=too_many))  # fine without min_tokens
+    with pytest.raises(ValueError, match="min_tokens must be in"):
+        engine.generate(PROMPT, GenerationConfig(4, min_tokens=5))
+
+
+def test_the_link_carries_suppressed_ids_and_the_verifier_checks_them(engine):
+    limits = LinkLimits(max_entries=8, max_tree_nodes=64)
+    entry = OpenEntry(7, [1, 2, 3], SamplingParams(), suppress_ids=(4, 9), suppress_before=13)
+    many = OpenEntry(8, [1, 2, 3], SamplingParams(), suppress_ids=tuple(range(MAX_SUPPRESSED + 1)), suppress_before=5)
+    decoded, refused = decode_link_request(encode_link_request(1, [entry, many]), limits)
+    assert decoded == entry
+    assert isinstance(refused.outcome, StatusError) and "at most 32" in refused.outcome.message
+    verifier = engine.verifier
+    vocab = verifier.vocab_size
+    bad = OpenEntry(9, [1, 2, 3], SamplingParams(), suppress_ids=(vocab,), suppress_before=5)
+    (result,) = verifier.step([("test", bad)])
+    assert result.outcome.status == "INVALID_ARGUMENT" and "outside the vocabulary" in result.outcome.message
+
+
+def test_a_session_that_re_opens_keeps_its_min_tokens(engine):
+    """The link fails twice early on (the verifier drops its sessions): every session re-opens with
+    its prompt plus its tokens so far, and the held-back ids stay held back up to the same token,
+    not min_tokens past the re-open: the outputs are the undisturbed ones."""
+    from drafter_svc.link import LocalLink
+    from drafter_svc.scheduler import DraftScheduler
+
+    class FlakyLink(LocalLink):
+        sends = 0
+
+        def send(self, entries):
+            self.sends += 1
+            if self.sends in (3, 6):
+                self.close()
+                raise StatusError("UNAVAILABLE", "verifier went away")
+            super().send(entries)
+
+    ar = engine.generate(PROMPT, GenerationConfig(40, mode=DraftMode("ar", 0))).tokens
+    eos = tuple(dict.fromkeys(ar[2:10]))  # several, so that some come after min_tokens
+    requests = [(PROMPT + [i], GenerationConfig(40, mode=mode, min_tokens=m))
+                for i, mode in enumerate(MODES) for m in (6, 12)]
+    with_eos = dataclasses.replace(engine, eos_token_ids=eos)
+    undisturbed = with_eos.generate_many(requests)
+    assert any(len(r.tokens) < 40 for r in undisturbed)  # some stop at the EOS once allowed
+    scheduler = DraftScheduler(FlakyLink(engine.verifier), engine.proposer, max_sessions=len(requests),
+                               feature_layer_ids=engine.verifier.feature_layer_ids, eos_token_ids=eos,
+                               recovery_timeout_s=30.0)
+    ends = [{} for _ in requests]
+    for end, (prompt, config) in zip(ends, requests):
+        scheduler.submit(prompt, config, lambda item, end=end: end.__setitem__("last", item))
+    scheduler.run_until_idle()
+    assert scheduler.link.sends > 6
+    assert [end["last"].tokens for end in ends] == [r.tokens for r in undisturbed]
