@@ -426,9 +426,9 @@ class TreeVerifier:
     @staticmethod
     def _suppressed(logits: torch.Tensor, sessions: Sequence[_Session], chunks: Sequence[torch.Tensor]
                     ) -> torch.Tensor:
-        """The prompts' last logits [B, V], with the tokens that the first generated token (at
-        position: the prompt's length) may not be taken out for the sessions that suppress some
-        there (a copy then; else the same tensor)."""
+        """The prompts' last logits [B, V] with, for each session that holds tokens back from its
+        first generated token (at the prompt's length: min_tokens), those at -inf (a copy; the
+        same tensor when no session does)."""
         firsts = [s.length + c.shape[0] for s, c in zip(sessions, chunks)]
         if not any(p < s.suppress_before for s, p in zip(sessions, firsts)):
             return logits
