@@ -390,8 +390,6 @@ class DrafterEngine:
                                   stop_token_ids=tuple(request.stop_token_ids), mode=mode,
                                   logprobs=request.logprobs if request.HasField("logprobs") else None,
                                   ignore_eos=request.ignore_eos, min_tokens=request.min_tokens)
-        if config.min_tokens and request.stop:
-            raise ValueError("min_tokens does not go with stop strings (stop token ids it holds back)")
         config.check()
         return _Request(prompt_ids, config, list(request.stop))
 
@@ -590,12 +588,12 @@ class GenerationService:
         try:
             deliver = functools.partial(self._mailbox.put, updates)
             if req.stop:  # ends the session in the round that completes a stop string
-                deliver = _StopWatch(TextStream(self.engine.tokenizer, req.stop), deliver)
+                deliver = _StopWatch(TextStream(self.engine.tokenizer, req.stop, req.config.min_tokens), deliver)
             sid = scheduler.submit(req.prompt_ids, req.config, deliver, watches_text=bool(req.stop))
         except ValueError as exc:
             raise StatusError("INVALID_ARGUMENT", str(exc)) from None
         metrics.ACTIVE_SESSIONS.inc()
-        text = TextStream(self.engine.tokenizer, req.stop)
+        text = TextStream(self.engine.tokenizer, req.stop, req.config.min_tokens)
         finished = stopped = False
         last_round = 0.0  # when the last round with tokens arrived; 0 before the first token
         try:

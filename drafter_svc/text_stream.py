@@ -14,7 +14,8 @@ when more tokens follow, as byte-level BPE's does).
 
 Stops follow OpenAI: the text ends just before the first stop string to be completed (the
 earliest end; of two that end together, the longer), and the stop string is not in it. The
-tokens end with the one in which the stop string ends; the rest are dropped.
+tokens end with the one in which the stop string ends; the rest are dropped. With `min_tokens`
+(as vLLM's), a stop string completed by one of the first min_tokens - 1 tokens does not count.
 """
 from __future__ import annotations
 
@@ -29,9 +30,10 @@ MAX_SPLIT = 3  # token boundaries to look back for a character's end: an unfinis
 class TextStream:
     """One generation's tokens, pushed a round at a time, as final text and delivered tokens."""
 
-    def __init__(self, tokenizer, stop: Sequence[str] = ()):
+    def __init__(self, tokenizer, stop: Sequence[str] = (), min_tokens: int = 0):
         self.tokenizer = tokenizer
         self.stop = [s for s in stop if s]
+        self.unchecked = max(0, min_tokens - 1)  # tokens still to come that no stop string may end in
         self.holdback = max((len(s) for s in self.stop), default=1) - 1
         self.window: list[int] = []  # the tokens from the context on
         self.read = 0                # window[:read] is context: its text was released before
@@ -47,6 +49,23 @@ class TextStream:
         tokens = list(tokens)
         if self.stopped:
             return [], ""
+        if self.unchecked and tokens:  # those first, their text not searched for stop strings
+            head, tokens = tokens[:self.unchecked], tokens[self.unchecked:]
+            self.unchecked -= len(head)
+            released = self._unchecked(lambda: self._push(head)[1])
+            out, more = self._push(tokens) if tokens else ([], "")
+            return head + out, released + more
+        return self._push(tokens)
+
+    def _unchecked(self, run):
+        """run() with no stop string searched for (the text it scans is still held back as usual)."""
+        stop, self.stop = self.stop, []
+        try:
+            return run()
+        finally:
+            self.stop = stop
+
+    def _push(self, tokens: list[int]) -> tuple[list[int], str]:
         before = len(self.window)
         self.window.extend(tokens)
         new_text = self._new_text(len(self.window))
@@ -82,7 +101,8 @@ class TextStream:
         (A stop string found only now ends in U+FFFD; it cuts the text, but the tokens are out.)"""
         if self.stopped:
             return ""
-        released, stop_end = self._scan(self._new_text(len(self.window))[self.seen:])
+        rest = self._new_text(len(self.window))[self.seen:]
+        released, stop_end = self._unchecked(lambda: self._scan(rest)) if self.unchecked else self._scan(rest)
         if stop_end is None:
             released, self.held = released + self.held, ""
         return released

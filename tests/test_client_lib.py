@@ -188,6 +188,19 @@ def test_ignore_eos_generates_past_the_models_end_of_sequence_tokens(client, dra
     assert kept.token_ids == plain.token_ids and kept.finish_reason == "length"
 
 
+def test_min_tokens_hold_back_stop_strings(client):
+    """A stop string that the greedy output completes in its second token cuts it there, unless
+    min_tokens asks for 6 tokens first (the shipped model's EOS never comes that early)."""
+    ids = (5, 17, 42, 99, 3)
+    plain = client.generate(token_ids=ids, max_new_tokens=12, timeout=TIMEOUT)
+    stop = client.generate(token_ids=ids, max_new_tokens=2, timeout=TIMEOUT).text[-1]
+    cut = client.generate(token_ids=ids, max_new_tokens=12, stop=[stop], timeout=TIMEOUT)
+    kept = client.generate(token_ids=ids, max_new_tokens=12, stop=[stop], min_tokens=6, timeout=TIMEOUT)
+    assert len(cut.token_ids) <= 2 and cut.finish_reason == "stop"
+    assert len(kept.token_ids) >= 6 and kept.token_ids == plain.token_ids[:len(kept.token_ids)]
+    assert kept.text.startswith(plain.text[:plain.text.index(stop)]) and stop in kept.text
+
+
 def test_logprobs_sync_async_and_streamed_agree(client, address):
     """Typed logprobs: one per token, the same through GenerateOnce, the stream and asyncio;
     none unless asked."""

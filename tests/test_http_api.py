@@ -287,7 +287,6 @@ def test_stop_cuts_text_and_usage(client, grpc_stub):
     ({"prompt": PROMPT, "ignore_eos": 1}, "ignore_eos", "boolean"),
     ({"prompt": PROMPT, "min_tokens": -1}, "min_tokens", "min_tokens must be in [0,"),
     ({"prompt": PROMPT, "min_tokens": 8, "max_tokens": 4}, "min_tokens", "max_new_tokens 4"),
-    ({"prompt": PROMPT, "min_tokens": 2, "stop": "x"}, "min_tokens", "stop strings"),
 ])
 def test_bad_completion_requests_get_400_with_openai_error_body(drafter, body, param, needle):
     status, reply = post(drafter, "/v1/completions", body)

@@ -148,6 +148,48 @@ def test_stop_strings_cut_text_and_tokens_whatever_the_rounds(tokenizer):
     assert checked > 100
 
 
+def reference_stop_from(tokenizer, ids: list[int], stop: str, min_tokens: int) -> tuple[list[int], str, bool]:
+    """vLLM's min_tokens for stop strings: the first occurrence that the first min_tokens - 1
+    tokens do not complete; the tokens up to the one that completes it, the text before it, and
+    whether there is one (else all the tokens and the whole text)."""
+    full = tokenizer.decode(ids)
+    floor = len(tokenizer.decode(ids[:min_tokens - 1]).rstrip("\ufffd")) if min_tokens > 1 else 0
+    i = full.find(stop, max(0, floor - len(stop) + 1))
+    if i < 0:
+        return ids, full, False
+    k = next(k for k in range(1, len(ids) + 1) if tokenizer.decode(ids[:k])[i:i + len(stop)] == stop)
+    return ids[:k], full[:i], True
+
+
+def test_stop_strings_count_from_min_tokens_whatever_the_rounds(tokenizer):
+    """A stop string that one of the first min_tokens - 1 tokens completes does not stop the
+    stream (vLLM's min_tokens); the first completed later does, however the rounds are cut."""
+    rng = random.Random(3)
+    checked = skipped = 0
+    for ids in sequences(tokenizer, rng, 100):
+        full = tokenizer.decode(ids)
+        start = rng.randrange(len(full))
+        stop = full[start:start + rng.randint(1, 4)]
+        if "\ufffd" in stop:
+            continue
+        min_tokens = rng.randint(1, len(ids) + 2)
+        want_tokens, want_text, stops = reference_stop_from(tokenizer, ids, stop, min_tokens)
+        skipped += reference_stop(tokenizer, ids, stop)[0] != want_tokens
+        for chunks in (rounds(ids, rng), rounds(ids, rng, 2), [[t] for t in ids], [ids]):
+            text = TextStream(tokenizer, [stop], min_tokens=min_tokens)
+            tokens, pieces = [], []
+            for chunk in chunks:
+                got, delta = text.push(chunk)
+                tokens += got
+                pieces.append(delta)
+            pieces.append(text.finish())
+            assert tokens == want_tokens, (ids, stop, min_tokens, chunks)
+            assert "".join(pieces) == want_text
+            assert text.stopped == stops
+        checked += 1
+    assert checked > 100 and skipped > 10, (checked, skipped)
+
+
 def test_a_stop_string_split_over_rounds_and_characters(tiny_tokenizer):
     tok = tiny_tokenizer
     ids = tok.encode("price: 3 € each, then more text").ids
