@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Sequence
 from typing import NoReturn
 
 
@@ -20,6 +21,21 @@ def number_list(text: str, flag: str, kind: type = int) -> list:
         return [kind(x) for x in text.split(",")]
     except ValueError:
         fail(f"{flag} must be comma-separated {'integers' if kind is int else 'numbers'}, got {text!r}")
+
+
+def token_biases(items: Sequence[str] | None, flag: str) -> dict[int, float]:
+    """The ID=BIAS items of a repeatable flag as {token id: bias}; exits with one line naming `flag`
+    on a malformed one (the range is the request's to check)."""
+    out = {}
+    for item in items or ():
+        token, sep, bias = item.partition("=")
+        try:
+            if not sep:
+                raise ValueError
+            out[int(token)] = float(bias)
+        except ValueError:
+            fail(f"{flag} must be TOKEN_ID=BIAS, got {item!r}")
+    return out
 
 
 def env_flag(text: str) -> bool:

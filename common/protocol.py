@@ -74,9 +74,31 @@ SEED_LIMIT = 1 << 63
 
 # Most alternatives a request may ask for per token (GenerateRequest.logprobs), as in OpenAI's API.
 MAX_LOGPROBS = 20
-# Tokens a session may keep out of its first tokens (GenerateRequest.min_tokens: the stop token ids
-# and the end-of-sequence tokens), a static dimension of the verify step's inputs.
-MAX_SUPPRESSED = 32
+# Token biases a session may have (GenerateRequest.logit_bias, and the stop token ids that
+# min_tokens holds back), a static dimension of the verify step's inputs; |logit_bias| at most
+# BIAS_LIMIT (OpenAI's); ALWAYS: a bias's `until` for every position.
+MAX_TOKEN_BIAS = 64
+BIAS_LIMIT = 100.0
+ALWAYS = (1 << 32) - 1
+
+
+@dataclass(frozen=True)
+class TokenBias:
+    """`value` added to the target's logit of `token` at every context position before `until`
+    (-inf: never that token there; a request's min_tokens)."""
+    token: int
+    value: float
+    until: int = ALWAYS
+
+    def check(self, vocab_size: int) -> None:
+        """Raise ValueError with a one-line message for an entry out of range."""
+        if not 0 <= self.token < vocab_size:
+            raise ValueError(f"biased token id {self.token} outside the vocabulary [0, {vocab_size})")
+        if not (abs(self.value) <= BIAS_LIMIT or self.value == float("-inf")):
+            raise ValueError(f"a token bias must be in [-{BIAS_LIMIT:g}, {BIAS_LIMIT:g}] (or -inf), got {self.value}")
+        if not 0 <= self.until <= ALWAYS:
+            raise ValueError(f"a token bias's position bound must be in [0, 2^32), got {self.until}")
+
 # Stop strings a request may give: each is scanned for every round, and a stream holds back
 # the text that could still begin one (the longest's length less one character).
 MAX_STOP_STRINGS, MAX_STOP_CHARS = 64, 1024
@@ -137,9 +159,7 @@ class OpenEntry:
     feature_layer_ids: tuple[int, ...] = ()  # what the drafter needs; must equal the verifier's
     logprobs: int | None = None  # None: none; N in [0, MAX_LOGPROBS]: emitted tokens' logprobs and the top N
     more: bool = False  # prompt_ids is the prompt's first chunk, the rest follows in ExtendEntry's
-    # No token at a context position before `suppress_before` is one of `suppress_ids` (min_tokens).
-    suppress_ids: tuple[int, ...] = ()
-    suppress_before: int = 0
+    token_bias: tuple[TokenBias, ...] = ()  # logit_bias, and min_tokens' stop ids at -inf
 
 
 @dataclass

@@ -18,8 +18,9 @@ import numpy as np
 import torch
 
 from common.feature_wire import SCALE_BYTES, FeatureReader
-from common.protocol import (MAX_LOGPROBS, MAX_SUPPRESSED, CloseEntry, Entry, Extended, ExtendEntry, OpenEntry,
-                             Prefilled, SamplingParams, StatusError, StepResult, TokenLogprob, TreeEntry, Verified)
+from common.protocol import (MAX_LOGPROBS, MAX_TOKEN_BIAS, CloseEntry, Entry, Extended, ExtendEntry, OpenEntry,
+                             Prefilled, SamplingParams, StatusError, StepResult, TokenBias, TokenLogprob, TreeEntry,
+                             Verified)
 from common.rpc import decode_message, pb
 from common.tree import DraftTree
 
@@ -108,8 +109,8 @@ def encode_link_request(step: int, entries: Sequence[Entry]) -> pb.LinkRequest:
         if isinstance(e, OpenEntry):
             entry = msg.entries.add(session_id=e.session_id, open=pb.Open(
                 prompt_token_ids=e.prompt_ids, sampling=encode_sampling(e.sampling), traceparent=e.traceparent,
-                feature_layer_ids=e.feature_layer_ids, more=e.more, suppress_token_ids=e.suppress_ids,
-                suppress_before=e.suppress_before))
+                feature_layer_ids=e.feature_layer_ids, more=e.more, bias_token_ids=[b.token for b in e.token_bias],
+                bias_values=[b.value for b in e.token_bias], bias_until=[b.until for b in e.token_bias]))
             if e.logprobs is not None:
                 entry.open.logprobs = e.logprobs
         elif isinstance(e, TreeEntry):
@@ -164,13 +165,15 @@ def decode_link_request(msg: pb.LinkRequest, limits: LinkLimits) -> list[Entry |
                 out.append(_invalid(sid, f"bad sampling parameters: {exc}"))
                 continue
             logprobs = e.open.logprobs if e.open.HasField("logprobs") else None
-            if len(e.open.suppress_token_ids) > MAX_SUPPRESSED:
-                out.append(_invalid(sid, f"{len(e.open.suppress_token_ids)} suppressed token ids, at most "
-                                         f"{MAX_SUPPRESSED}"))
+            o = e.open
+            counts = {len(o.bias_token_ids), len(o.bias_values), len(o.bias_until)}
+            if len(counts) > 1 or max(counts) > MAX_TOKEN_BIAS:
+                out.append(_invalid(sid, f"token biases of {len(o.bias_token_ids)} ids, {len(o.bias_values)} values "
+                                         f"and {len(o.bias_until)} bounds: at most {MAX_TOKEN_BIAS}, as many of each"))
                 continue
             out.append(OpenEntry(sid, list(e.open.prompt_token_ids), sampling, e.open.traceparent,
                                  tuple(e.open.feature_layer_ids), logprobs, e.open.more,
-                                 tuple(e.open.suppress_token_ids), e.open.suppress_before))
+                                 tuple(map(TokenBias, o.bias_token_ids, o.bias_values, o.bias_until))))
         elif kind == "extend":
             out.append(ExtendEntry(sid, list(e.extend.prompt_token_ids), e.extend.more, e.extend.traceparent))
         elif kind == "tree":

@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass
 
 from common.auth import ApiKeyError, read_api_key
-from common.cli import FlagParser, fail, number_list
+from common.cli import FlagParser, fail, number_list, token_biases
 from common.rpc import pb
 from common.tls import ChannelTls, TlsError
 from drafter_svc import client_lib
@@ -28,7 +28,8 @@ def request_options(a) -> dict:
     """`client_lib.build_request`'s arguments from the parsed flags (exits on a malformed one)."""
     options = dict(max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,
                    seed=a.seed, stop=a.stop or [], stop_token_ids=a.stop_token_id or [], tree_budget=a.tree_budget,
-                   logprobs=a.logprobs, ignore_eos=a.ignore_eos, min_tokens=a.min_tokens)
+                   logprobs=a.logprobs, ignore_eos=a.ignore_eos, min_tokens=a.min_tokens,
+                   logit_bias=token_biases(a.logit_bias, "--logit-bias"))
     if a.prompt_ids is not None:
         options["token_ids"] = number_list(a.prompt_ids, "--prompt-ids")
     elif a.chat:
@@ -74,6 +75,9 @@ def parse_args(argv=None):
     p.add_argument("--stop-token-id", type=int, action="append", help="stop token id (repeatable)")
     p.add_argument("--ignore-eos", action="store_true",
                    help="do not stop at the model's end-of-sequence tokens (stop ids and strings still stop)")
+    p.add_argument("--logit-bias", action="append", metavar="ID=BIAS",
+                   help="add BIAS (in [-100, 100]) to the target's logit of token ID, as OpenAI's logit_bias "
+                        "(repeatable)")
     p.add_argument("--min-tokens", type=int, default=0, metavar="N",
                    help="the first N tokens are never a stop token id or (without --ignore-eos) an end-of-sequence "
                         "token: they are taken out of the target's distribution there (default 0)")

@@ -144,12 +144,14 @@ def build_request(prompt: str | None = None, *, token_ids: Sequence[int] | None 
                   seed: int | None = None, stop: Sequence[str] = (), stop_token_ids: Sequence[int] = (),
                   tree_budget: int | None = None, add_generation_prompt: bool | None = None,
                   template_kwargs: Mapping[str, str] | None = None, logprobs: int | None = None,
-                  ignore_eos: bool = False, min_tokens: int = 0) -> pb.GenerateRequest:
+                  ignore_eos: bool = False, min_tokens: int = 0,
+                  logit_bias: Mapping[int, float] | None = None) -> pb.GenerateRequest:
     """The GenerateRequest of these arguments; exactly one of `prompt` (text), `token_ids` and
     `messages` (chat). None leaves a field unset (the server's default; for `logprobs`, none:
     N in 0..20 asks for each token's logprob and the N most likely tokens). `ignore_eos`: the
     model's end-of-sequence tokens do not end the generation; `min_tokens`: the first N tokens
-    are no stop token (nor, without ignore_eos, an end-of-sequence token). GenerationError
+    are no stop token (nor, without ignore_eos, an end-of-sequence token); `logit_bias`: token id
+    -> a bias in [-100, 100] added to the target's logit, as OpenAI's. GenerationError
     INVALID_ARGUMENT when they cannot form a request (the server checks the values further)."""
     try:
         if sum(x is not None for x in (prompt, token_ids, messages)) != 1:
@@ -160,6 +162,7 @@ def build_request(prompt: str | None = None, *, token_ids: Sequence[int] | None 
             stop = [stop]
         req = pb.GenerateRequest(stop=list(stop), ignore_eos=bool(ignore_eos))
         _field(lambda: req.stop_token_ids.extend(int(t) for t in stop_token_ids), "stop_token_ids")
+        _field(lambda: req.logit_bias.update({int(t): float(v) for t, v in (logit_bias or {}).items()}), "logit_bias")
         if prompt is not None:
             if not isinstance(prompt, str):
                 raise ValueError(f"prompt must be a str, got {type(prompt).__name__}")

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from common.checkpoint import load_tokenizer
-from common.cli import FlagParser, fail, number_list
+from common.cli import FlagParser, fail, number_list, token_biases
 from common.config import CheckpointError, load_draft_config
 from common.devices import parse_device
 from common.feature_projection import FeatureProjection
@@ -124,6 +124,8 @@ def build_parser() -> FlagParser:
     p.add_argument("--seed", type=int, default=None, help="sampling seed; the same seed gives the same output")
     p.add_argument("--ignore-eos", action="store_true",
                    help="do not stop at the model's end-of-sequence tokens: generate --max-new-tokens tokens")
+    p.add_argument("--logit-bias", action="append", metavar="ID=BIAS",
+                   help="add BIAS (in [-100, 100]) to the target's logit of token ID (repeatable)")
     p.add_argument("--min-tokens", type=int, default=0, metavar="N",
                    help="the first N tokens are never an end-of-sequence token (taken out of the target's "
                         "distribution there; default 0)")
@@ -154,7 +156,8 @@ def main(argv: list[str] | None = None) -> None:
     if mode.kind != "ar" and not a.draft:
         fail("--draft is required unless --ar is given")
     config = GenerationConfig(a.max_new_tokens, SamplingParams(a.temperature, a.top_k, a.top_p, a.seed), mode=mode,
-                              ignore_eos=a.ignore_eos, min_tokens=a.min_tokens)
+                              ignore_eos=a.ignore_eos, min_tokens=a.min_tokens,
+                              logit_bias=tuple(sorted(token_biases(a.logit_bias, "--logit-bias").items())))
     try:
         config.check()
     except ValueError as exc:

@@ -19,12 +19,13 @@ side by side (choice `index` = prompt x n + j; choice j > 0 of a seeded request 
 seed + j, so that the choices differ; usage counts each prompt once, every choice's tokens).
 Unknown fields are ignored, as OpenAI clients send fields for other servers; known ones
 that would change the output and are not supported (echo, penalties, tools, ...)
-get 400. Logprobs (completions: `logprobs` N; chat: `logprobs: true` with `top_logprobs` N;
-N <= 20) are those of the gRPC API (`GenerateRequest.logprobs`), in OpenAI's formats, each
-token's text being the token decoded alone. Extensions: `top_k`, `stop_token_ids`, `ignore_eos` (vLLM's and
-SGLang's: the model's end-of-sequence tokens do not stop it), `min_tokens` (vLLM's: the first N tokens are no
-stop token), `tree_budget`, and for chat
-`chat_template_kwargs` and `add_generation_prompt`. With `--api-key` the /v1 endpoints need
+get 400. `logit_bias` is OpenAI's (token id keys, values in [-100, 100]). Logprobs
+(completions: `logprobs` N; chat: `logprobs: true` with `top_logprobs` N; N <= 20) are those of
+the gRPC API (`GenerateRequest.logprobs`), in OpenAI's formats, each token's text being the
+token decoded alone. Extensions: `top_k`, `stop_token_ids`, `ignore_eos` (vLLM's and SGLang's:
+the model's end-of-sequence tokens do not stop it), `min_tokens` (vLLM's: the first N tokens are
+no stop token), `tree_budget`, and for chat `chat_template_kwargs` and `add_generation_prompt`.
+With `--api-key` the /v1 endpoints need
 `Authorization: Bearer <key>`; with `--tls-cert` the port speaks HTTPS only.
 """
 from __future__ import annotations
@@ -46,7 +47,7 @@ from aiohttp import web
 from common import metrics
 from common.auth import presents_key
 from common.grpc_server import MIB, bind_error_reason
-from common.protocol import MAX_LOGPROBS, SEED_LIMIT, ContextTooLong, StatusError, TokenLogprob
+from common.protocol import BIAS_LIMIT, MAX_LOGPROBS, SEED_LIMIT, ContextTooLong, StatusError, TokenLogprob
 from common.rpc import pb
 from drafter_svc.scheduler import QueueFull
 from drafter_svc.server import Finished, GenerationService, InFlight, TextDelta
@@ -73,7 +74,7 @@ DEFAULT_TEMPERATURE = 1.0  # OpenAI's, for requests that send none
 # OpenAI fields this server does not implement: a request may send them only with these values.
 UNSUPPORTED = {
     "echo": (None, False), "suffix": (None, ""),
-    "best_of": (None, 1), "frequency_penalty": (None, 0), "presence_penalty": (None, 0), "logit_bias": (None, {}),
+    "best_of": (None, 1), "frequency_penalty": (None, 0), "presence_penalty": (None, 0),
     "tools": (None, []), "tool_choice": (None, "none", "auto"), "functions": (None, []),
     "function_call": (None, "none", "auto"),  # with no tools (any given get 400), "auto" calls none
     "response_format": (None, {"type": "text"}),
@@ -185,6 +186,8 @@ def _fill_common(body: dict, req: pb.GenerateRequest, max_tokens: int | None) ->
         req.stop_token_ids.extend(_token_ids(stop_ids, "stop_token_ids"))
     req.ignore_eos = bool(_typed(body, "ignore_eos", (bool,), "a boolean"))
     req.min_tokens = _integer(body, "min_tokens", 0, UINT32) or 0
+    for token, value in _logit_bias(body).items():
+        req.logit_bias[token] = value
     budget = _integer(body, "tree_budget", 0, UINT32)
     if budget is not None:
         req.tree_budget = budget
@@ -194,6 +197,24 @@ def _fill_common(body: dict, req: pb.GenerateRequest, max_tokens: int | None) ->
         raise BadRequest("stream_options is only allowed when stream is true", "stream_options")
     include_usage = bool(_typed(options or {}, "include_usage", (bool,), "a boolean"))
     return stream, include_usage
+
+
+def _logit_bias(body: dict) -> dict[int, float]:
+    """OpenAI's logit_bias: token ids (as JSON object keys, so strings) to biases in [-100, 100]."""
+    value = _typed(body, "logit_bias", (dict,), "an object of token ids to numbers") or {}
+    out = {}
+    for key, bias in value.items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise BadRequest(f"logit_bias keys must be token ids, got {key!r}", "logit_bias") from None
+        if not -(1 << 63) <= token < 1 << 63:
+            raise BadRequest("logit_bias has token ids out of range", "logit_bias")
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not abs(bias) <= BIAS_LIMIT:
+            raise BadRequest(f"logit_bias values must be numbers in [-{BIAS_LIMIT:g}, {BIAS_LIMIT:g}], got {bias!r}",
+                             "logit_bias")
+        out[token] = float(bias)
+    return out
 
 
 def _object(data: bytes) -> dict:
@@ -325,7 +346,7 @@ def error_response(status: int, message: str, kind: str = "invalid_request_error
 # prompt is the chat's messages): the first of these names that begins the message.
 _PARAMS = (("temperature", "temperature"), ("top_p", "top_p"), ("top_k", "top_k"), ("seed", "seed"),
            ("max_new_tokens", "max_tokens"), ("tree_budget", "tree_budget"), ("logprobs", "logprobs"),
-           ("min_tokens", "min_tokens"),
+           ("min_tokens", "min_tokens"), ("logit_bias", "logit_bias"),
            ("stop token ids", "stop_token_ids"), ("stop", "stop"), ("prompt", "prompt"))
 
 

@@ -61,9 +61,9 @@ from dataclasses import dataclass, field
 from opentelemetry import trace
 from torch import Tensor
 
-from common.protocol import (MAX_LOGPROBS, MAX_SUPPRESSED, CloseEntry, Entry, ExtendEntry, Extended, LinkLost,
-                             OpenEntry, Prefilled, SamplingParams, StatusError, StepResult, TokenLogprob, TreeEntry,
-                             Verified)
+from common.protocol import (BIAS_LIMIT, MAX_LOGPROBS, MAX_TOKEN_BIAS, CloseEntry, Entry, ExtendEntry, Extended,
+                             LinkLost, OpenEntry, Prefilled, SamplingParams, StatusError, StepResult, TokenBias,
+                             TokenLogprob, TreeEntry, Verified)
 from common import metrics
 from common.tracing import traceparent_of, tracer
 from common.tree import DeviceTree, DraftTree
@@ -84,12 +84,17 @@ class GenerationConfig:
     logprobs: int | None = None  # None: none; N: each emitted token's logprob and the N most likely tokens
     ignore_eos: bool = False  # the model's end-of-sequence tokens do not stop the generation
     min_tokens: int = 0  # the first min_tokens tokens are never a stop token (taken out of the distribution)
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) added to the target's logits
 
     def check(self) -> None:
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if not 0 <= self.min_tokens <= self.max_new_tokens:
             raise ValueError(f"min_tokens must be in [0, max_new_tokens {self.max_new_tokens}], got {self.min_tokens}")
+        for token, value in self.logit_bias:
+            if not abs(value) <= BIAS_LIMIT:
+                raise ValueError(f"logit_bias of token {token} must be in [-{BIAS_LIMIT:g}, {BIAS_LIMIT:g}], "
+                                 f"got {value}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
         self.sampling.check()
@@ -259,12 +264,14 @@ class _Session:
         mode = self.config.mode
         return mode.kind == "chain" or (mode.kind == "tree" and mode.budget > 0)
 
-    def suppressed(self) -> tuple[tuple[int, ...], int]:
-        """What the verifier keeps out of its first tokens (min_tokens: the stop ids, before this
-        context position; the same after a re-open, whose prompt holds the tokens so far)."""
-        if not self.config.min_tokens:
-            return (), 0
-        return tuple(sorted(self.stop_ids)), len(self.prompt_ids) + self.config.min_tokens
+    def token_bias(self) -> tuple[TokenBias, ...]:
+        """The biases the verifier adds to its logits: logit_bias everywhere, and -inf for the stop
+        ids before the context position min_tokens past the prompt (the same after a re-open,
+        whose prompt holds the tokens so far)."""
+        until = len(self.prompt_ids) + self.config.min_tokens
+        held_back = sorted(self.stop_ids) if self.config.min_tokens else []
+        return (*(TokenBias(t, v) for t, v in self.config.logit_bias),
+                *(TokenBias(t, float("-inf"), until) for t in held_back))
 
     def open_prompt(self) -> list[int]:
         """What an open prefills: the prompt, and after a lost verifier the tokens emitted so far."""
@@ -401,9 +408,10 @@ class DraftScheduler:
             self._queued += 1
         sid = next(self._ids)
         stop_ids = frozenset(config.stop_token_ids) | (frozenset() if config.ignore_eos else self.eos_token_ids)
-        if config.min_tokens and len(stop_ids) > MAX_SUPPRESSED:
-            raise ValueError(f"min_tokens holds back at most {MAX_SUPPRESSED} stop and end-of-sequence token ids, "
-                             f"this request has {len(stop_ids)}")
+        biases = len(config.logit_bias) + (len(stop_ids) if config.min_tokens else 0)
+        if biases > MAX_TOKEN_BIAS:
+            raise ValueError(f"logit_bias and the stop and end-of-sequence ids that min_tokens holds back take at "
+                             f"most {MAX_TOKEN_BIAS} tokens together, this request has {biases}")
         session = _Session(sid, list(prompt_ids), config, stop_ids, deliver,
                            time.monotonic() + self.queue_timeout_s, watches_text)
         self._commands.put(("submit", session))
@@ -774,7 +782,7 @@ class DraftScheduler:
             chunk, more = take(s)
             entries.append(OpenEntry(s.sid, chunk, s.config.sampling, traceparent_of(s.span),
                                      self.feature_layer_ids if s.drafts else (),  # plain decoding needs no features
-                                     s.config.logprobs, more, *s.suppressed()))
+                                     s.config.logprobs, more, s.token_bias()))
         return sessions, entries
 
     def _prompt_budget(self, decoding: bool) -> float:

@@ -389,7 +389,11 @@ class DrafterEngine:
         config = GenerationConfig(max_new_tokens=max_new, sampling=decode_sampling(request.sampling),
                                   stop_token_ids=tuple(request.stop_token_ids), mode=mode,
                                   logprobs=request.logprobs if request.HasField("logprobs") else None,
-                                  ignore_eos=request.ignore_eos, min_tokens=request.min_tokens)
+                                  ignore_eos=request.ignore_eos, min_tokens=request.min_tokens,
+                                  logit_bias=tuple(sorted(request.logit_bias.items())))
+        bad = [t for t, _ in config.logit_bias if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"logit_bias token ids {bad[:5]} outside the vocabulary [0, {self.vocab_size})")
         config.check()
         return _Request(prompt_ids, config, list(request.stop))
 

@@ -188,6 +188,18 @@ def test_ignore_eos_generates_past_the_models_end_of_sequence_tokens(client, dra
     assert kept.token_ids == plain.token_ids and kept.finish_reason == "length"
 
 
+def test_logit_bias_bans_and_favours_tokens(client):
+    """Banning the greedy output's first token changes it; +100 on a token makes it every token."""
+    ids = (5, 17, 42, 99, 3)
+    plain = client.generate(token_ids=ids, max_new_tokens=8, timeout=TIMEOUT)
+    banned = client.generate(token_ids=ids, max_new_tokens=8, logit_bias={plain.token_ids[0]: -100},
+                             timeout=TIMEOUT)
+    forced = client.generate(token_ids=ids, max_new_tokens=8, logit_bias={42: 100.0}, timeout=TIMEOUT)
+    assert banned.token_ids[0] != plain.token_ids[0] and plain.token_ids[0] not in banned.token_ids
+    assert list(forced.token_ids) == [42] * 8
+    assert build_request(PROMPT, logit_bias={3: 1.5}).logit_bias[3] == 1.5
+
+
 def test_min_tokens_hold_back_stop_strings(client):
     """A stop string that the greedy output completes in its second token cuts it there, unless
     min_tokens asks for 6 tokens first (the shipped model's EOS never comes that early)."""

@@ -287,6 +287,11 @@ def test_stop_cuts_text_and_usage(client, grpc_stub):
     ({"prompt": PROMPT, "ignore_eos": 1}, "ignore_eos", "boolean"),
     ({"prompt": PROMPT, "min_tokens": -1}, "min_tokens", "min_tokens must be in [0,"),
     ({"prompt": PROMPT, "min_tokens": 8, "max_tokens": 4}, "min_tokens", "max_new_tokens 4"),
+    ({"prompt": PROMPT, "logit_bias": {"x": 1}}, "logit_bias", "keys must be token ids"),
+    ({"prompt": PROMPT, "logit_bias": {"5": 101}}, "logit_bias", "[-100, 100]"),
+    ({"prompt": PROMPT, "logit_bias": {"5": "1"}}, "logit_bias", "[-100, 100]"),
+    ({"prompt": PROMPT, "logit_bias": [5]}, "logit_bias", "an object"),
+    ({"prompt": PROMPT, "logit_bias": {"999999": 1}}, "logit_bias", "outside the vocabulary"),
 ])
 def test_bad_completion_requests_get_400_with_openai_error_body(drafter, body, param, needle):
     status, reply = post(drafter, "/v1/completions", body)
@@ -330,15 +335,17 @@ def test_openai_defaults_and_lenient_values():
     assert parse_chat(json.dumps(chat).encode()).choices[0].sampling.temperature == 1.0
 
 
-def test_ignore_eos_and_min_tokens_reach_every_choice():
-    """vLLM's and SGLang's ignore_eos (benchmark clients send it) and min_tokens are passed on to each
-    generation."""
+def test_ignore_eos_min_tokens_and_logit_bias_reach_every_choice():
+    """vLLM's and SGLang's ignore_eos (benchmark clients send it), min_tokens and OpenAI's logit_bias
+    are passed on to each generation."""
     assert not parse_completion(json.dumps({"prompt": "x"}).encode()).choices[0].ignore_eos
     completion = parse_completion(json.dumps({"prompt": ["x", "y"], "n": 2, "ignore_eos": True}).encode())
     assert len(completion.choices) == 4 and all(c.ignore_eos for c in completion.choices)
     chat = {"messages": [{"role": "user", "content": "x"}], "ignore_eos": True, "min_tokens": 3}
     assert parse_chat(json.dumps(chat).encode()).choices[0].ignore_eos
     assert parse_chat(json.dumps(chat).encode()).choices[0].min_tokens == 3
+    biased = parse_completion(json.dumps({"prompt": "x", "logit_bias": {"7": -100, "9": 2.5}}).encode())
+    assert dict(biased.choices[0].logit_bias) == {7: -100.0, 9: 2.5}
 
 
 @pytest.mark.parametrize("body, needle", [

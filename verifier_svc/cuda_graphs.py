@@ -53,12 +53,12 @@ import torch
 from torch import Tensor
 
 from common.buckets import KV_ALIGN, auto_kv_buckets, round_up
-from common.protocol import MAX_SUPPRESSED, SamplingParams
+from common.protocol import MAX_TOKEN_BIAS, SamplingParams, TokenBias
 from common.staging import StagedInputs, to_device
 from common.tree import DeviceTree, DraftTree, tree_fields
 from ddtree_kernels.place_trees import MAX_BLOCK as PLACE_MAX_BLOCK, place_trees
 from ddtree_kernels.tree_sampling import kernel_backend
-from verifier_svc.accept import accept_batch, suppress_tokens
+from verifier_svc.accept import accept_batch, bias_tokens
 from verifier_svc.target_model import KVCache, TargetModel
 
 log = logging.getLogger(__name__)
@@ -121,8 +121,7 @@ class VerifyRow:
     coins: Tensor | None = None  # float32 [n + 1] when sampling with coins
     seed: int = 0  # the session's sampling seed (position-keyed sampling)
     logprobs: int | None = None  # the emitted tokens' logprobs and the top N are wanted (None: not)
-    suppress_ids: tuple[int, ...] = ()  # never the token at a position before suppress_before (min_tokens)
-    suppress_before: int = 0
+    token_bias: tuple[TokenBias, ...] = ()  # logit_bias, and min_tokens' stop ids at -inf
 
 
 _FIELD_ALIGN = 16  # bytes: each field starts on such a boundary, as Triton's kernels are compiled for
@@ -160,9 +159,9 @@ class BatchInputs:
         b, t = self.B, self.T = batch, tokens
         ints = [("tokens", (b, t)), ("positions", (b, t)), ("next_token", (b, t)), ("next_sibling", (b, t)),
                 ("past", (b,)), ("slot", (b,)), ("top_k", (b,)), ("seed", (b,)),
-                ("suppress", (b, MAX_SUPPRESSED)), ("suppress_before", (b,))]
+                ("bias_ids", (b, MAX_TOKEN_BIAS)), ("bias_until", (b, MAX_TOKEN_BIAS))]
         floats = [("coins", (b, t)), ("final_coin", (b,)), ("temperature", (b,)), ("top_p", (b,)),
-                  ("greedy", (b,))]
+                  ("greedy", (b,)), ("bias", (b, MAX_TOKEN_BIAS))]
         self._staging = StagedInputs(device, pinned)
         int_buffer, host_ints = self._staging.buffer(_layout_size(ints, 8), dtype=torch.int64)
         float_buffer, host_floats = self._staging.buffer(_layout_size(floats, 4), dtype=torch.float32)
@@ -200,8 +199,8 @@ class BatchInputs:
         col_of = np.arange(row_of.size) - np.repeat(np.cumsum(sizes) - sizes, sizes)
         past = np.array([r.past for r in rows])
         for field, value in ((i.tokens, 0), (i.next_token, -1), (i.next_sibling, -1), (i.past, 0), (i.top_k, 0),
-                             (i.seed, 0), (i.slot, scratch_slot), (i.positions, 0), (i.suppress, 0),
-                             (i.suppress_before, 0)):
+                             (i.seed, 0), (i.slot, scratch_slot), (i.positions, 0), (i.bias_ids, 0),
+                             (i.bias_until, 0)):
             field.fill(value)
         i.positions[:b] = past[:, None]
         if on_host:
@@ -212,11 +211,13 @@ class BatchInputs:
             i.positions[row_of, col_of] += np.concatenate([rows[j].depths for j in on_host])
         i.past[:b] = past
         i.slot[:b] = [r.slot for r in rows]
+        f.bias.fill(0.0)
         for j, r in enumerate(rows):
-            if r.suppress_ids:  # padded with its first id: see `suppress_tokens`
-                i.suppress[j] = r.suppress_ids[0]
-                i.suppress[j, :len(r.suppress_ids)] = r.suppress_ids
-                i.suppress_before[j] = r.suppress_before
+            if r.token_bias:  # (the rest of the row's entries add 0)
+                n = len(r.token_bias)
+                i.bias_ids[j, :n] = [e.token for e in r.token_bias]
+                i.bias_until[j, :n] = [e.until for e in r.token_bias]
+                f.bias[j, :n] = [e.value for e in r.token_bias]
         mask[:] = self._eye
         mask[:b, :width, :width] = masks.numpy()
         for field, value in ((f.coins, 0.5), (f.final_coin, 0.5), (f.temperature, 1.0), (f.top_p, 1.0),
@@ -300,7 +301,7 @@ def verify_step(model: TargetModel, cache: KVCache, inp: BatchInputs, length: in
     out = model(i.tokens, i.positions, cache, i.slot, cache_pos, mask, logits_out=inp.logits_out)
     if mode == "forward":
         return out
-    suppress_tokens(out.logits, i.positions + 1, i.suppress, i.suppress_before)
+    bias_tokens(out.logits, i.positions + 1, i.bias_ids, f.bias, i.bias_until)
     result, features = accept_batch(mode, i.tokens, i.next_token, i.next_sibling, out.logits, out.features,
                                     greedy=f.greedy > 0.5, coins=f.coins, final_coin=f.final_coin,
                                     temperature=f.temperature, top_k=i.top_k, top_p=f.top_p, seeds=i.seed,

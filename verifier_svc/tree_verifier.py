@@ -28,11 +28,12 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from common.protocol import (MAX_LOGPROBS, MAX_SUPPRESSED, CloseEntry, Entry, Extended, ExtendEntry, OpenEntry,
-                             Prefilled, SamplingParams, StatusError, StepResult, TreeEntry, Verified, VerifiedRows)
+from common.protocol import (MAX_LOGPROBS, MAX_TOKEN_BIAS, CloseEntry, Entry, Extended, ExtendEntry, OpenEntry,
+                             Prefilled, SamplingParams, StatusError, StepResult, TokenBias, TreeEntry, Verified,
+                             VerifiedRows)
 from common.staging import HostCopy, rows_of, to_device
 from common.tree import DeviceTree, DraftTree, TreeError, TreeLayout, ancestor_masks, walk_trees
-from verifier_svc.accept import Stage, accept_roots, draw_coins, emitted_logprobs, no_stage, suppress_tokens
+from verifier_svc.accept import Stage, accept_roots, bias_tokens, draw_coins, emitted_logprobs, no_stage
 from verifier_svc.cuda_graphs import VerifyRow
 from verifier_svc.target_runner import PendingVerify, TargetRunner
 
@@ -64,8 +65,7 @@ class _Session:
     features: bool = True  # the drafter wants the target features of its tokens
     logprobs: int | None = None  # its emitted tokens' logprobs and the top N are wanted (None: not)
     prefilling: bool = False  # more prompt chunks are to come (ExtendEntry); no tree until the last
-    suppress_ids: tuple[int, ...] = ()  # never the token at a position before suppress_before (min_tokens)
-    suppress_before: int = 0
+    token_bias: tuple[TokenBias, ...] = ()  # logit_bias, and min_tokens' stop ids at -inf
 
 
 Key = tuple[Hashable, int]  # (owner, session id)
@@ -317,13 +317,13 @@ class TreeVerifier:
             raise VerifierError("INVALID_ARGUMENT", str(exc)) from None
         if e.logprobs is not None and not 0 <= e.logprobs <= MAX_LOGPROBS:
             raise VerifierError("INVALID_ARGUMENT", f"logprobs must be in [0, {MAX_LOGPROBS}], got {e.logprobs}")
-        if len(e.suppress_ids) > MAX_SUPPRESSED:
-            raise VerifierError("INVALID_ARGUMENT",
-                                f"{len(e.suppress_ids)} suppressed token ids, at most {MAX_SUPPRESSED}")
-        bad = [t for t in e.suppress_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise VerifierError("INVALID_ARGUMENT",
-                                f"suppressed token ids {bad[:5]} outside the vocabulary [0, {self.vocab_size})")
+        if len(e.token_bias) > MAX_TOKEN_BIAS:
+            raise VerifierError("INVALID_ARGUMENT", f"{len(e.token_bias)} token biases, at most {MAX_TOKEN_BIAS}")
+        try:
+            for bias in e.token_bias:
+                bias.check(self.vocab_size)
+        except ValueError as exc:
+            raise VerifierError("INVALID_ARGUMENT", str(exc)) from None
         return prompt
 
     def _check_extend(self, key: Key, e: ExtendEntry) -> torch.Tensor:
@@ -359,8 +359,7 @@ class TreeVerifier:
             self._sessions[key] = _Session(self._free_slots.pop(), e.sampling, seed,
                                            torch.Generator().manual_seed(seed), features=bool(e.feature_layer_ids),
                                            logprobs=e.logprobs, prefilling=True,
-                                           suppress_ids=tuple(e.suppress_ids) if e.suppress_before > 0 else (),
-                                           suppress_before=e.suppress_before)
+                                           token_bias=tuple(e.token_bias))
 
     def _launch_prefill(self, group: Sequence[tuple[int, Key, OpenEntry | ExtendEntry, torch.Tensor]],
                         stage: Stage) -> _LaunchedPrefill:
@@ -376,7 +375,7 @@ class TreeVerifier:
                                                            [s.length for s in sessions])
                 with stage("sample"):
                     ending = [sessions[j] for j in last]
-                    logits = self._suppressed(rows_of(logits, last), ending, [group[j][3] for j in last])
+                    logits = self._biased(rows_of(logits, last), ending, [group[j][3] for j in last])
                     tokens = self._first_tokens(ending, logits, [group[j][3] for j in last]) if last else None
                     wanted = [f if s.features else f[:0] for s, f in zip(sessions, features)]
                     # One copy for the group, not one per session; on the device it also frees them
@@ -424,20 +423,19 @@ class TreeVerifier:
         return outcomes
 
     @staticmethod
-    def _suppressed(logits: torch.Tensor, sessions: Sequence[_Session], chunks: Sequence[torch.Tensor]
-                    ) -> torch.Tensor:
-        """The prompts' last logits [B, V] with, for each session that holds tokens back from its
-        first generated token (at the prompt's length: min_tokens), those at -inf (a copy; the
-        same tensor when no session does)."""
-        firsts = [s.length + c.shape[0] for s, c in zip(sessions, chunks)]
-        if not any(p < s.suppress_before for s, p in zip(sessions, firsts)):
+    def _biased(logits: torch.Tensor, sessions: Sequence[_Session], chunks: Sequence[torch.Tensor]) -> torch.Tensor:
+        """The prompts' last logits [B, V] with each session's token biases for its first generated
+        token, at the prompt's length, added (a copy; the same tensor when no session has any)."""
+        if not any(s.token_bias for s in sessions):
             return logits
-        ids = [s.suppress_ids or (0,) for s in sessions]
-        padded = [list(x) + [x[0]] * (MAX_SUPPRESSED - len(x)) for x in ids]
+        k = max(len(s.token_bias) for s in sessions)
+        entries = [list(s.token_bias) + [TokenBias(0, 0.0)] * (k - len(s.token_bias)) for s in sessions]
         dev = logits.device
         logits = logits.clone()[:, None]
-        suppress_tokens(logits, to_device(firsts, dev, torch.int64)[:, None], to_device(padded, dev, torch.int64),
-                        to_device([s.suppress_before for s in sessions], dev, torch.int64))
+        bias_tokens(logits, to_device([s.length + c.shape[0] for s, c in zip(sessions, chunks)], dev)[:, None],
+                    to_device([[e.token for e in row] for row in entries], dev, torch.int64),
+                    to_device([[e.value for e in row] for row in entries], dev, torch.float32),
+                    to_device([[e.until for e in row] for row in entries], dev, torch.int64))
         return logits[:, 0]
 
     def _first_tokens(self, sessions: Sequence[_Session], logits: torch.Tensor, chunks: Sequence[torch.Tensor]
@@ -511,7 +509,7 @@ class TreeVerifier:
                          else draw_coins(s.generator, e.tree.num_nodes))
                 depths = layouts[i].depths if layouts[i] is not _ON_DEVICE else None
                 rows.append(VerifyRow(s.slot, s.length, e.tree, depths, s.sampling, coins, s.seed, s.logprobs,
-                                      s.suppress_ids, s.suppress_before))
+                                      s.token_bias))
             walked = [layouts[i] for i in good]
             masks = (ancestor_masks(walked, max(r.tree.num_nodes for r in rows))
                      if any(layout is not _ON_DEVICE for layout in walked) else _ONE_NODE.expand(len(rows), 1, 1))

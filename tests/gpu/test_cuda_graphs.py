@@ -872,10 +872,10 @@ def test_logprobs_through_graphs_equal_eager_on_gpu(tiny_pair):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
-def test_min_tokens_through_graphs_equal_eager_on_gpu(tiny_pair):
-    """min_tokens's held-back ids, written into the graphs' inputs, batched beside sessions without
-    them (float32): the eager step's tokens, greedy and sampled, and no held-back id in the first
-    min_tokens; without min_tokens the same requests stop earlier."""
+def test_token_biases_through_graphs_equal_eager_on_gpu(tiny_pair):
+    """min_tokens's held-back ids and logit_bias, written into the graphs' inputs, batched beside
+    sessions without them (float32): the eager step's tokens, greedy and sampled, and no held-back
+    id in the first min_tokens; without min_tokens the same requests stop earlier."""
     graphs, eager = _engine(tiny_pair, torch.float32), _engine(tiny_pair, torch.float32, cuda_graphs=False)
     assert graphs.verifier.runner.graphs.num_graphs > 0
     ar = graphs.generate(PROMPTS[0], GenerationConfig(40, mode=DraftMode("ar", 0))).tokens
@@ -885,7 +885,9 @@ def test_min_tokens_through_graphs_equal_eager_on_gpu(tiny_pair):
                 (PROMPTS[1], GenerationConfig(40, mode=DraftMode("tree", 16))),
                 (PROMPTS[0], GenerationConfig(40, sampling=sampled, mode=DraftMode("tree", 16), stop_token_ids=stops,
                                               min_tokens=20)),
-                (PROMPTS[0], GenerationConfig(40, mode=DraftMode("ar", 0), stop_token_ids=stops, min_tokens=20))]
+                (PROMPTS[0], GenerationConfig(40, mode=DraftMode("ar", 0), stop_token_ids=stops, min_tokens=20)),
+                (PROMPTS[2], GenerationConfig(40, mode=DraftMode("tree", 16),
+                                              logit_bias=((ar[1], -100.0), (ar[3], 3.0))))]
     calls = _count_graph_runs(graphs.verifier.runner.graphs)
     got, want = graphs.generate_many(requests), eager.generate_many(requests)
     assert any(hit and rows > 1 for _, rows, hit in calls)
