@@ -21,7 +21,8 @@ from common.config import check_draft_fits_target, load_target_config
 from common.devices import device_id
 from common.feature_projection import projection_fingerprint
 from common.layers import gemm_weights
-from common.protocol import StatusError, VerifiedRows
+from common.logit_bias import bias_rows
+from common.protocol import StatusError, TokenBias, VerifiedRows
 from common.staging import rows_of, to_device
 from common.tree import DeviceTree, DraftTree
 from drafter_svc.budget import BudgetChoice, BudgetPlanner
@@ -85,7 +86,8 @@ class BuiltTrees:
 def build_trees(modes: Sequence[DraftMode], block_logits: torch.Tensor, roots: Sequence[int],
                 rooms: Sequence[int], planner: BudgetPlanner | None = None, batch: int = 0,
                 adaptive: Sequence[bool] | None = None, on_device: bool = False,
-                prior_gains: Sequence[np.ndarray | None] | None = None) -> BuiltTrees:
+                prior_gains: Sequence[np.ndarray | None] | None = None,
+                token_bias: Sequence[tuple[Sequence[TokenBias], int]] = ()) -> BuiltTrees:
     """Each drafted session's tree under its mode, with at most `rooms[i]` nodes besides the root.
 
     block_logits [S, D, V], row i for session i. All DDTrees are built in one batched call,
@@ -96,7 +98,12 @@ def build_trees(modes: Sequence[DraftMode], block_logits: torch.Tensor, roots: S
     With `on_device` (a verifier in this process takes them), the DDTrees stay on the device
     (`select_device_trees`) and nothing waits for the draft. The planner then weighs the gains
     of the sessions' previous trees (`prior_gains`; a session without one gets their mean): this
-    step's are on the device. Until some session has one, the trees are built on the host."""
+    step's are on the device. Until some session has one, the trees are built on the host.
+
+    `token_bias`: each session's token biases and the position of its depth-1 token, added to
+    its rows of block_logits (in place) so that its tree proposes what the biased target picks."""
+    if any(biases for biases, _ in token_bias):
+        bias_rows(block_logits, [b for b, _ in token_bias], [p for _, p in token_bias])
     trees: list[DraftTree | DeviceTree | None] = [None] * len(modes)
     gains: list[np.ndarray | None] = [None] * len(modes)
     tree_rows, chain_rows = [], []

@@ -222,6 +222,12 @@ class _Session:
     def __init__(self, sid: int, prompt_ids: list[int], config: GenerationConfig, stop_ids: frozenset[int],
                  deliver: Callable[[Delivery], None], admission_deadline: float, watches_text: bool = False):
         self.sid, self.prompt_ids, self.config, self.stop_ids = sid, prompt_ids, config, stop_ids
+        # What the verifier adds to its logits: logit_bias everywhere, and -inf for the stop ids before
+        # the context position min_tokens past the prompt (the same after a re-open, whose prompt
+        # holds the tokens so far). The draft's block logits take them too (`build_trees`).
+        held_back = sorted(stop_ids) if config.min_tokens else []
+        self.token_bias = (*(TokenBias(t, v) for t, v in config.logit_bias),
+                           *(TokenBias(t, float("-inf"), len(prompt_ids) + config.min_tokens) for t in held_back))
         self.deliver = deliver
         self.watches_text = watches_text  # its callback may end it (stop strings): no outbox
         self.admission_deadline = admission_deadline
@@ -263,15 +269,6 @@ class _Session:
     def drafts(self) -> bool:
         mode = self.config.mode
         return mode.kind == "chain" or (mode.kind == "tree" and mode.budget > 0)
-
-    def token_bias(self) -> tuple[TokenBias, ...]:
-        """The biases the verifier adds to its logits: logit_bias everywhere, and -inf for the stop
-        ids before the context position min_tokens past the prompt (the same after a re-open,
-        whose prompt holds the tokens so far)."""
-        until = len(self.prompt_ids) + self.config.min_tokens
-        held_back = sorted(self.stop_ids) if self.config.min_tokens else []
-        return (*(TokenBias(t, v) for t, v in self.config.logit_bias),
-                *(TokenBias(t, float("-inf"), until) for t in held_back))
 
     def open_prompt(self) -> list[int]:
         """What an open prefills: the prompt, and after a lost verifier the tokens emitted so far."""
@@ -782,7 +779,7 @@ class DraftScheduler:
             chunk, more = take(s)
             entries.append(OpenEntry(s.sid, chunk, s.config.sampling, traceparent_of(s.span),
                                      self.feature_layer_ids if s.drafts else (),  # plain decoding needs no features
-                                     s.config.logprobs, more, s.token_bias()))
+                                     s.config.logprobs, more, s.token_bias))
         return sessions, entries
 
     def _prompt_budget(self, decoding: bool) -> float:
@@ -869,7 +866,8 @@ class DraftScheduler:
                 built = build_trees([s.config.mode for s in sessions], block, [s.root for s in sessions],
                                     [rooms[i] for i in busy], self.planner, len(drafting),
                                     [self._adapts(s) for s in sessions], on_device=self._device_trees,
-                                    prior_gains=[s.gains for s in sessions])
+                                    prior_gains=[s.gains for s in sessions],
+                                    token_bias=[(s.token_bias, s.length + 1) for s in sessions])
                 budget = built.choice
                 if budget is not None:
                     trace.get_current_span().set_attribute("tree.budget", budget.budget)

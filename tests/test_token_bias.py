@@ -1,8 +1,9 @@
 """Token biases: logit_bias (added to the target's logits everywhere) and min_tokens (the first N
 generated tokens are never a stop token: the stop token ids and the end-of-sequence tokens at
--inf there). The verifier adds them inside the verify step (`verifier_svc.accept.bias_tokens`)
+-inf there). The verifier adds them inside the verify step (`common.logit_bias.bias_tokens`)
 and for the prefill's first token; the drafter sends them with the open, their positions in the
-session's context so that a re-open keeps them. Outputs are compared with a plain reference
+session's context so that a re-open keeps them, and adds them to its own block logits so that
+its trees propose what the biased target picks. Outputs are compared with a plain reference
 decoding of the same biased target."""
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from common.wire import LinkLimits, decode_link_request, encode_link_request
 from drafter_svc.drafter import DraftMode
 from drafter_svc.generate import LocalEngine
 from drafter_svc.scheduler import GenerationConfig
-from verifier_svc.accept import bias_tokens
+from common.logit_bias import bias_tokens
 from verifier_svc.tree_verifier import VerifierLimits
 
 PROMPT = [5, 17, 42, 99, 3]
@@ -177,6 +178,14 @@ def test_seeded_sampling_with_logit_bias_equals_plain_decoding(engine):
         counts["free"] += free.tokens.count(favoured)
         counts["biased"] += runs[0].tokens.count(favoured)
     assert counts["biased"] > 5 * counts["free"] + 50, counts
+
+
+def test_the_draft_takes_the_biases_too(engine):
+    """A token at +100 is every token; the draft's block logits take the bias as well, so its trees
+    propose it and most rounds accept many tokens (without: one token a round)."""
+    forced = engine.generate(PROMPT, GenerationConfig(N, mode=DraftMode("tree", 16), logit_bias=((42, 100.0),)))
+    assert forced.tokens == [42] * N
+    assert forced.rounds <= N // 4, forced.acceptance_lengths
 
 
 def test_bad_token_biases_are_refused(engine):

@@ -101,19 +101,6 @@ def accept_batch(mode: str, tokens: Tensor, next_token: Tensor, next_sibling: Te
     return result, features.gather(1, path[:, :, None].expand(b, t, features.shape[2]))
 
 
-def bias_tokens(logits: Tensor, next_positions: Tensor, ids: Tensor, values: Tensor, until: Tensor) -> None:
-    """Add the sessions' token biases (logit_bias; min_tokens' -inf) to their logits, in place and
-    with static shapes (inside the verify graphs): entry k of batch row b adds values[b, k]
-    (float32 [B, K]) to the logit of token ids[b, k] in the rows of logits [B, T, V] whose next
-    token goes to a position next_positions [b, t] < until[b, k]. Unused entries add 0 (to token
-    0). Entries of one token add up (a scatter-add): with at most one finite value among them, as
-    a request gives, the sum does not depend on their order."""
-    b, t, _ = logits.shape
-    active = next_positions[:, :, None] < until[:, None, :]
-    add = torch.where(active, values[:, None, :], 0.0).to(logits.dtype)
-    logits.scatter_add_(2, ids[:, None, :].expand(b, t, ids.shape[1]), add)
-
-
 def accept_roots(roots: list[DraftTree], logits: Tensor, sampling: list[SamplingParams], *,
                  seeds: list[int] | None = None, positions: list[int] | None = None,
                  coins: list[Tensor | None] | None = None) -> Tensor:

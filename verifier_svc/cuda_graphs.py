@@ -53,12 +53,13 @@ import torch
 from torch import Tensor
 
 from common.buckets import KV_ALIGN, auto_kv_buckets, round_up
+from common.logit_bias import bias_tokens
 from common.protocol import MAX_TOKEN_BIAS, SamplingParams, TokenBias
 from common.staging import StagedInputs, to_device
 from common.tree import DeviceTree, DraftTree, tree_fields
 from ddtree_kernels.place_trees import MAX_BLOCK as PLACE_MAX_BLOCK, place_trees
 from ddtree_kernels.tree_sampling import kernel_backend
-from verifier_svc.accept import accept_batch, bias_tokens
+from verifier_svc.accept import accept_batch
 from verifier_svc.target_model import KVCache, TargetModel
 
 log = logging.getLogger(__name__)

@@ -31,9 +31,10 @@ import torch
 from common.protocol import (MAX_LOGPROBS, MAX_TOKEN_BIAS, CloseEntry, Entry, Extended, ExtendEntry, OpenEntry,
                              Prefilled, SamplingParams, StatusError, StepResult, TokenBias, TreeEntry, Verified,
                              VerifiedRows)
-from common.staging import HostCopy, rows_of, to_device
+from common.logit_bias import bias_rows
+from common.staging import HostCopy, rows_of
 from common.tree import DeviceTree, DraftTree, TreeError, TreeLayout, ancestor_masks, walk_trees
-from verifier_svc.accept import Stage, accept_roots, bias_tokens, draw_coins, emitted_logprobs, no_stage
+from verifier_svc.accept import Stage, accept_roots, draw_coins, emitted_logprobs, no_stage
 from verifier_svc.cuda_graphs import VerifyRow
 from verifier_svc.target_runner import PendingVerify, TargetRunner
 
@@ -375,7 +376,10 @@ class TreeVerifier:
                                                            [s.length for s in sessions])
                 with stage("sample"):
                     ending = [sessions[j] for j in last]
-                    logits = self._biased(rows_of(logits, last), ending, [group[j][3] for j in last])
+                    logits = rows_of(logits, last)
+                    # (each prompt's first token goes to the position of the prompt's length)
+                    bias_rows(logits[:, None], [s.token_bias for s in ending],
+                              [s.length + group[j][3].shape[0] for s, j in zip(ending, last)])
                     tokens = self._first_tokens(ending, logits, [group[j][3] for j in last]) if last else None
                     wanted = [f if s.features else f[:0] for s, f in zip(sessions, features)]
                     # One copy for the group, not one per session; on the device it also frees them
@@ -421,22 +425,6 @@ class TreeVerifier:
             outcomes.append(Prefilled(token=ends[j][0], features=f, max_seq_len=self.limits.max_seq_len,
                                       logprobs=ends[j][1]))
         return outcomes
-
-    @staticmethod
-    def _biased(logits: torch.Tensor, sessions: Sequence[_Session], chunks: Sequence[torch.Tensor]) -> torch.Tensor:
-        """The prompts' last logits [B, V] with each session's token biases for its first generated
-        token, at the prompt's length, added (a copy; the same tensor when no session has any)."""
-        if not any(s.token_bias for s in sessions):
-            return logits
-        k = max(len(s.token_bias) for s in sessions)
-        entries = [list(s.token_bias) + [TokenBias(0, 0.0)] * (k - len(s.token_bias)) for s in sessions]
-        dev = logits.device
-        logits = logits.clone()[:, None]
-        bias_tokens(logits, to_device([s.length + c.shape[0] for s, c in zip(sessions, chunks)], dev)[:, None],
-                    to_device([[e.token for e in row] for row in entries], dev, torch.int64),
-                    to_device([[e.value for e in row] for row in entries], dev, torch.float32),
-                    to_device([[e.until for e in row] for row in entries], dev, torch.int64))
-        return logits[:, 0]
 
     def _first_tokens(self, sessions: Sequence[_Session], logits: torch.Tensor, chunks: Sequence[torch.Tensor]
                       ) -> torch.Tensor:
