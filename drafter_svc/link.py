@@ -403,5 +403,7 @@ def check_verifier(info: pb.InfoResponse, target: TargetConfig, draft: DraftConf
     if info.feature_wire not in FORMATS.values():
         problems.append(f"verifier sends features as {info.feature_wire!r}, this drafter reads "
                         f"{' or '.join(repr(f) for f in FORMATS.values())}")
+    if not info.token_bias:
+        problems.append("verifier predates token biases (logit_bias, min_tokens) and would ignore them: upgrade it")
     if problems:
         raise StatusError("FAILED_PRECONDITION", "; ".join(problems))

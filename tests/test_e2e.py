@@ -526,16 +526,20 @@ def test_mismatched_verifier_is_refused(tmp_path, tiny_tokenizer, verifier):
     assert err.value.status == "FAILED_PRECONDITION" and "mismatch" in err.value.message
 
 
-def test_verifier_sending_features_in_an_unknown_format_is_refused(qwen3_pair, verifier_stub):
+def test_verifier_sending_features_in_an_unknown_format_or_predating_token_biases_is_refused(qwen3_pair, verifier_stub):
     from drafter_svc.link import check_verifier
 
     info = verifier_stub.Info(pb.InfoRequest())
     target, draft = load_target_config(qwen3_pair[0]), load_draft_config(qwen3_pair[1])
     check_verifier(info, target, draft)
-    info.feature_wire = "fp4-nvfp4"
+    wire, info.feature_wire = info.feature_wire, "fp4-nvfp4"
     with pytest.raises(StatusError) as err:
         check_verifier(info, target, draft)
     assert err.value.status == "FAILED_PRECONDITION" and "'fp4-nvfp4'" in err.value.message
+    info.feature_wire, info.token_bias = wire, False  # an older verifier's Info
+    with pytest.raises(StatusError) as err:
+        check_verifier(info, target, draft)
+    assert err.value.status == "FAILED_PRECONDITION" and "predates token biases" in err.value.message
 
 
 def test_verifier_projecting_for_another_draft_is_refused(tmp_path, tiny_tokenizer, qwen3_pair, verifier):

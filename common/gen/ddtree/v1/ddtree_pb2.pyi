@@ -365,7 +365,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("architecture", "vocab_size", "hidden_size", "num_layers", "dtype", "config_fingerprint", "feature_layer_ids", "max_seq_len", "max_sessions", "max_tree_nodes", "free_sessions", "feature_projection", "busy_s", "device_id", "verify_costs", "sampling", "deterministic", "feature_wire", "draining")
+    __slots__ = ("architecture", "vocab_size", "hidden_size", "num_layers", "dtype", "config_fingerprint", "feature_layer_ids", "max_seq_len", "max_sessions", "max_tree_nodes", "free_sessions", "feature_projection", "busy_s", "device_id", "verify_costs", "sampling", "deterministic", "feature_wire", "draining", "token_bias")
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -385,6 +385,7 @@ class InfoResponse(_message.Message):
     DETERMINISTIC_FIELD_NUMBER: _ClassVar[int]
     FEATURE_WIRE_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_BIAS_FIELD_NUMBER: _ClassVar[int]
     architecture: str
     vocab_size: int
     hidden_size: int
@@ -404,7 +405,8 @@ class InfoResponse(_message.Message):
     deterministic: bool
     feature_wire: str
     draining: bool
-    def __init__(self, architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., dtype: _Optional[str] = ..., config_fingerprint: _Optional[str] = ..., feature_layer_ids: _Optional[_Iterable[int]] = ..., max_seq_len: _Optional[int] = ..., max_sessions: _Optional[int] = ..., max_tree_nodes: _Optional[int] = ..., free_sessions: _Optional[int] = ..., feature_projection: _Optional[str] = ..., busy_s: _Optional[float] = ..., device_id: _Optional[str] = ..., verify_costs: _Optional[_Iterable[_Union[VerifyCost, _Mapping]]] = ..., sampling: _Optional[str] = ..., deterministic: _Optional[bool] = ..., feature_wire: _Optional[str] = ..., draining: _Optional[bool] = ...) -> None: ...
+    token_bias: bool
+    def __init__(self, architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., dtype: _Optional[str] = ..., config_fingerprint: _Optional[str] = ..., feature_layer_ids: _Optional[_Iterable[int]] = ..., max_seq_len: _Optional[int] = ..., max_sessions: _Optional[int] = ..., max_tree_nodes: _Optional[int] = ..., free_sessions: _Optional[int] = ..., feature_projection: _Optional[str] = ..., busy_s: _Optional[float] = ..., device_id: _Optional[str] = ..., verify_costs: _Optional[_Iterable[_Union[VerifyCost, _Mapping]]] = ..., sampling: _Optional[str] = ..., deterministic: _Optional[bool] = ..., feature_wire: _Optional[str] = ..., draining: _Optional[bool] = ..., token_bias: _Optional[bool] = ...) -> None: ...
 
 class VerifyCost(_message.Message):
     __slots__ = ("batch", "tokens", "seconds")
