@@ -526,7 +526,7 @@ def test_mismatched_verifier_is_refused(tmp_path, tiny_tokenizer, verifier):
     assert err.value.status == "FAILED_PRECONDITION" and "mismatch" in err.value.message
 
 
-def test_verifier_sending_features_in_an_unknown_format_or_predating_token_biases_is_refused(qwen3_pair, verifier_stub):
+def test_verifier_with_unknown_features_or_before_token_biases_is_refused(qwen3_pair, verifier_stub):
     from drafter_svc.link import check_verifier
 
     info = verifier_stub.Info(pb.InfoRequest())
