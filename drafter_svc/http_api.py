@@ -35,6 +35,7 @@ import contextlib
 import json
 import logging
 import math
+import re
 import ssl
 import time
 import uuid
@@ -125,9 +126,9 @@ def _integer(body: dict, name: str, low: int, high: int, high_text: str = "", lo
     return value
 
 
-def _token_ids(value: Any, name: str) -> list[int]:
+def _token_ids(value: Any, name: str, what: str = "a string or a list of integer token ids") -> list[int]:
     if not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
-        raise BadRequest(f"{name} must be a string or a list of integer token ids", name)
+        raise BadRequest(f"{name} must be {what}", name)
     if any(not -(1 << 63) <= t < 1 << 63 for t in value):
         raise BadRequest(f"{name} has token ids out of range", name)
     return value
@@ -183,7 +184,7 @@ def _fill_common(body: dict, req: pb.GenerateRequest, max_tokens: int | None) ->
     if stop_ids is not None:
         if not isinstance(stop_ids, list):
             raise BadRequest("stop_token_ids must be a list of integer token ids", "stop_token_ids")
-        req.stop_token_ids.extend(_token_ids(stop_ids, "stop_token_ids"))
+        req.stop_token_ids.extend(_token_ids(stop_ids, "stop_token_ids", "a list of integer token ids"))
     req.ignore_eos = bool(_typed(body, "ignore_eos", (bool,), "a boolean"))
     req.min_tokens = _integer(body, "min_tokens", 0, UINT32) or 0
     for token, value in _logit_bias(body).items():
@@ -199,15 +200,17 @@ def _fill_common(body: dict, req: pb.GenerateRequest, max_tokens: int | None) ->
     return stream, include_usage
 
 
+_TOKEN_ID = re.compile(r"-?(0|[1-9][0-9]*)")
+
+
 def _logit_bias(body: dict) -> dict[int, float]:
     """OpenAI's logit_bias: token ids (as JSON object keys, so strings) to biases in [-100, 100]."""
     value = _typed(body, "logit_bias", (dict,), "an object of token ids to numbers") or {}
     out = {}
     for key, bias in value.items():
-        try:
-            token = int(key)
-        except ValueError:
-            raise BadRequest(f"logit_bias keys must be token ids, got {key!r}", "logit_bias") from None
+        if not _TOKEN_ID.fullmatch(key):  # not int()'s " 5", "+5", "1_0" or other scripts' digits
+            raise BadRequest(f"logit_bias keys must be token ids, got {key!r}", "logit_bias")
+        token = int(key)
         if not -(1 << 63) <= token < 1 << 63:
             raise BadRequest("logit_bias has token ids out of range", "logit_bias")
         if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not abs(bias) <= BIAS_LIMIT:

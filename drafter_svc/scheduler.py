@@ -90,7 +90,8 @@ class GenerationConfig:
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if not 0 <= self.min_tokens <= self.max_new_tokens:
-            raise ValueError(f"min_tokens must be in [0, max_new_tokens {self.max_new_tokens}], got {self.min_tokens}")
+            raise ValueError(f"min_tokens must be in [0, the {self.max_new_tokens} tokens to generate], "
+                             f"got {self.min_tokens}")
         for token, value in self.logit_bias:
             if not abs(value) <= BIAS_LIMIT:
                 raise ValueError(f"logit_bias of token {token} must be in [-{BIAS_LIMIT:g}, {BIAS_LIMIT:g}], "
@@ -398,17 +399,19 @@ class DraftScheduler:
         config.check()
         if config.mode.kind != "ar" and self.proposer is None:
             raise ValueError(f"draft mode {config.mode.kind!r} needs a draft model")
+        stop_ids = frozenset(config.stop_token_ids) | (frozenset() if config.ignore_eos else self.eos_token_ids)
+        held_back = len(stop_ids) if config.min_tokens else 0
+        if len(config.logit_bias) + held_back > MAX_TOKEN_BIAS:
+            raise ValueError(f"min_tokens holds back {held_back} stop and end-of-sequence ids, which with "
+                             f"{len(config.logit_bias)} logit_bias entries exceed the {MAX_TOKEN_BIAS} biased tokens "
+                             f"a request may have" if held_back else
+                             f"logit_bias has {len(config.logit_bias)} entries, at most {MAX_TOKEN_BIAS}")
         with self._queue_lock:  # len() of the running dict is atomic: a snapshot of the free slots
             waiting = self._queued - max(0, self.max_sessions - len(self._running))
             if waiting >= self.max_queue:
                 raise QueueFull(max(waiting, 0), self.retry_after_s(max(waiting, 0)))
             self._queued += 1
         sid = next(self._ids)
-        stop_ids = frozenset(config.stop_token_ids) | (frozenset() if config.ignore_eos else self.eos_token_ids)
-        biases = len(config.logit_bias) + (len(stop_ids) if config.min_tokens else 0)
-        if biases > MAX_TOKEN_BIAS:
-            raise ValueError(f"logit_bias and the stop and end-of-sequence ids that min_tokens holds back take at "
-                             f"most {MAX_TOKEN_BIAS} tokens together, this request has {biases}")
         session = _Session(sid, list(prompt_ids), config, stop_ids, deliver,
                            time.monotonic() + self.queue_timeout_s, watches_text)
         self._commands.put(("submit", session))

@@ -380,8 +380,14 @@ class DrafterEngine:
             raise ContextTooLong(f"max_new_tokens {request.max_new_tokens} and a prompt of {len(prompt_ids)} tokens "
                                  f"exceed the verifier's max_seq_len {self.info.max_seq_len}: at most {fits} new "
                                  f"tokens fit", "max_new_tokens")
-        # Unset: the server's default, which the context may cut short (finish reason "length").
-        max_new = request.max_new_tokens if request.HasField("max_new_tokens") else self.cfg.max_new_tokens
+        if request.min_tokens > fits:
+            raise ContextTooLong(f"min_tokens {request.min_tokens} and a prompt of {len(prompt_ids)} tokens exceed the "
+                                 f"verifier's max_seq_len {self.info.max_seq_len}: at most {fits} new tokens fit",
+                                 "min_tokens")
+        # Unset: the server's default (at least min_tokens), which the context may cut short (finish
+        # reason "length").
+        max_new = (request.max_new_tokens if request.HasField("max_new_tokens")
+                   else max(self.cfg.max_new_tokens, request.min_tokens))
         budget = request.tree_budget if request.HasField("tree_budget") else self.cfg.tree_budget
         if budget > self.info.max_tree_nodes - 1:
             raise ValueError(f"tree_budget {budget} exceeds the verifier's limit of {self.info.max_tree_nodes - 1}")

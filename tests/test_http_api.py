@@ -286,8 +286,14 @@ def test_stop_cuts_text_and_usage(client, grpc_stub):
     ({"prompt": PROMPT, "top_k": -2}, "top_k", "top_k"),
     ({"prompt": PROMPT, "ignore_eos": 1}, "ignore_eos", "boolean"),
     ({"prompt": PROMPT, "min_tokens": -1}, "min_tokens", "min_tokens must be in [0,"),
-    ({"prompt": PROMPT, "min_tokens": 8, "max_tokens": 4}, "min_tokens", "max_new_tokens 4"),
+    ({"prompt": PROMPT, "min_tokens": 8, "max_tokens": 4}, "min_tokens", "the 4 tokens to generate"),
+    ({"prompt": PROMPT, "min_tokens": 1, "stop_token_ids": list(range(100, 164))}, "min_tokens", "holds back 65"),
+    ({"prompt": PROMPT, "logit_bias": {str(t): 1 for t in range(65)}}, "logit_bias", "65 entries, at most 64"),
+    ({"prompt": PROMPT, "stop_token_ids": ["5"]}, "stop_token_ids", "must be a list of integer token ids"),
     ({"prompt": PROMPT, "logit_bias": {"x": 1}}, "logit_bias", "keys must be token ids"),
+    ({"prompt": PROMPT, "logit_bias": {"1_0": 1}}, "logit_bias", "keys must be token ids"),
+    ({"prompt": PROMPT, "logit_bias": {" 5": 1}}, "logit_bias", "keys must be token ids"),
+    ({"prompt": PROMPT, "logit_bias": {"05": 1}}, "logit_bias", "keys must be token ids"),
     ({"prompt": PROMPT, "logit_bias": {"5": 101}}, "logit_bias", "[-100, 100]"),
     ({"prompt": PROMPT, "logit_bias": {"5": "1"}}, "logit_bias", "[-100, 100]"),
     ({"prompt": PROMPT, "logit_bias": [5]}, "logit_bias", "an object"),
@@ -313,12 +319,16 @@ def test_requests_past_the_context_get_context_length_exceeded(drafter, grpc_stu
             ("/v1/completions", {"prompt": [5] * 512}, "prompt"),
             ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x " * 600}]}, "messages"),
             ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 10 ** 6},
-             "max_tokens")):
+             "max_tokens"),
+            ("/v1/completions", {"prompt": ids, "min_tokens": 14}, "min_tokens")):
         status, reply = post(drafter, path, body)
         assert status == 400 and reply["error"]["code"] == "context_length_exceeded", reply
         assert reply["error"]["param"] == param, reply
     status, reply = post(drafter, "/v1/completions", {"prompt": ids, "max_tokens": 13, "temperature": 0})
     assert status == 200 and reply["usage"]["completion_tokens"] == 13, reply
+    # min_tokens past the server's default (32 here) raises it, as vLLM's unset max_tokens takes the context.
+    status, reply = post(drafter, "/v1/completions", {"prompt": [5] * 4, "min_tokens": 40, "temperature": 0})
+    assert status == 200 and reply["usage"]["completion_tokens"] >= 40, reply
     with pytest.raises(grpc.RpcError) as info:
         grpc_stub.GenerateOnce(pb.GenerateRequest(token_ids=pb.TokenIds(ids=ids), max_new_tokens=14), timeout=60)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "at most 13 new tokens fit" in info.value.details()

@@ -190,15 +190,32 @@ def test_the_draft_takes_the_biases_too(engine):
 
 def test_bad_token_biases_are_refused(engine):
     too_many = tuple(range(1, MAX_TOKEN_BIAS + 2))
-    with pytest.raises(ValueError, match="at most 64 tokens together, this request has 66"):
+    with pytest.raises(ValueError, match="min_tokens holds back 66 stop and end-of-sequence ids"):
         engine.generate(PROMPT, GenerationConfig(N, stop_token_ids=too_many, min_tokens=1))
     engine.generate(PROMPT, GenerationConfig(4, stop_token_ids=too_many))  # fine without min_tokens
-    with pytest.raises(ValueError, match="this request has 65"):
+    with pytest.raises(ValueError, match="logit_bias has 65 entries, at most 64"):
         engine.generate(PROMPT, GenerationConfig(N, logit_bias=tuple((t, 1.0) for t in too_many)))
     with pytest.raises(ValueError, match="must be in"):
         engine.generate(PROMPT, GenerationConfig(N, logit_bias=((3, 100.5),)))
     with pytest.raises(ValueError, match="min_tokens must be in"):
         engine.generate(PROMPT, GenerationConfig(4, min_tokens=5))
+
+
+def test_refused_requests_leave_the_queue_as_it_was(engine):
+    """Requests refused for their biases, many more than the queue holds, take no place in it."""
+    from drafter_svc.link import LocalLink
+    from drafter_svc.scheduler import DraftScheduler
+
+    scheduler = DraftScheduler(LocalLink(engine.verifier), engine.proposer, max_sessions=2, max_queue=3,
+                               feature_layer_ids=engine.verifier.feature_layer_ids)
+    for _ in range(10):
+        with pytest.raises(ValueError, match="logit_bias has 65 entries"):
+            scheduler.submit(PROMPT, GenerationConfig(4, logit_bias=tuple((t, 1.0) for t in range(65))), print)
+    ends = []
+    for _ in range(5):
+        scheduler.submit(PROMPT, GenerationConfig(4), ends.append)
+    scheduler.run_until_idle()
+    assert sum(len(getattr(e, "tokens", ())) == 4 for e in ends) == 5
 
 
 def test_the_link_carries_token_biases_and_the_verifier_checks_them(engine):
