@@ -29,10 +29,16 @@ _BATCH = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 # -- drafter: requests (observed in drafter_svc/server.py from the scheduler's deliveries) ----------
 
-REQUESTS = Counter("ddtree_drafter_requests_total", "Generation requests that ended, by API (grpc, http), "
-                   "finish reason (stop, length, cancelled; none for an error) and gRPC status code (OK, "
-                   "INVALID_ARGUMENT, RESOURCE_EXHAUSTED, UNAVAILABLE, ...)", ["api", "finish_reason", "code"])
-PROMPT_TOKENS = Counter("ddtree_drafter_prompt_tokens_total", "Prompt tokens of the requests submitted")
+REQUESTS = Counter("ddtree_drafter_requests_total", "Generations that ended (each choice of an HTTP request "
+                   "with n choices or a batch of prompts counts; an HTTP request refused before any "
+                   "generation counts once), by API (grpc, http), finish reason (stop, length, cancelled; none "
+                   "for an error) and gRPC status code (OK, INVALID_ARGUMENT, RESOURCE_EXHAUSTED, UNAVAILABLE, "
+                   "...)", ["api", "finish_reason", "code"])
+HTTP_REQUESTS = Counter("ddtree_drafter_http_requests_total", "HTTP requests answered, by route (the path "
+                        "pattern; unmatched for an unknown path) and status (a stream's is its first one)",
+                        ["route", "status"])
+PROMPT_TOKENS = Counter("ddtree_drafter_prompt_tokens_total",
+                        "Prompt tokens of the generations submitted (each choice counts its prompt)")
 GENERATED_TOKENS = Counter("ddtree_drafter_generated_tokens_total",
                            "Tokens delivered to clients (after stop strings: the sum of usage.completion_tokens)")
 ROUNDS = Counter("ddtree_drafter_rounds_total", "Verify rounds that emitted tokens (the prefill not included)")

@@ -642,6 +642,17 @@ class _InProgress:
     async def middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         self.requests.enter()
         try:
+            response = await self._answer(request, handler)
+            resource = request.match_info.route.resource
+            route = resource.canonical if resource is not None else "unmatched"
+            metrics.HTTP_REQUESTS.labels(route, str(response.status)).inc()
+            return response
+        finally:
+            self.requests.leave()
+
+    @staticmethod
+    async def _answer(request: web.Request, handler: Handler) -> web.StreamResponse:
+        try:
             return await handler(request)
         except web.HTTPException as exc:
             if exc.status < 400:
@@ -652,8 +663,6 @@ class _InProgress:
         except Exception:
             log.exception("HTTP handler failed")
             return error_response(500, "internal error in the drafter; see its log", kind="server_error")
-        finally:
-            self.requests.leave()
 
 
 class HttpServer:

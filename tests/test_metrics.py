@@ -70,6 +70,7 @@ DRAFTER_FAMILIES = {
     "ddtree_drafter_step_batch_size": "histogram", "ddtree_drafter_step_seconds": "histogram",
     "ddtree_drafter_link_seconds": "histogram", "ddtree_drafter_tree_budget": "histogram",
     "ddtree_drafter_budget_calibration": "gauge", "ddtree_drafter_link_bytes": "counter",
+    "ddtree_drafter_http_requests": "counter",
 }
 VERIFIER_FAMILIES = {
     "ddtree_verifier_step_seconds": "histogram", "ddtree_verifier_step_batch_size": "histogram",
@@ -168,6 +169,22 @@ def test_stop_and_errors_are_counted_by_reason_and_code(client, drafter):
     assert moved(before, after, "ddtree_drafter_generated_tokens_total") == (
         cut.usage.completion_tokens + once.final.usage.completion_tokens)
     assert moved(before, after, "ddtree_drafter_request_latency_seconds_count") == 2  # the two that ended normally
+
+
+def test_http_requests_are_counted_once_and_generations_each(drafter):
+    """A request of 2 prompts x n 2 is one HTTP request of four generations; a refused one and an
+    unknown path are one HTTP request each."""
+    before = scrape(drafter.server.http_port)
+    status, reply = post(drafter, "/v1/completions", {"prompt": [PROMPT, "x"], "n": 2, "max_tokens": 3})
+    assert status == 200 and len(reply["choices"]) == 4
+    assert post(drafter, "/v1/completions", {"prompt": PROMPT, "n": 0})[0] == 400
+    assert post(drafter, "/v1/nothing", {})[0] == 404
+    after = scrape(drafter.server.http_port)
+    assert moved(before, after, "ddtree_drafter_http_requests_total", route="/v1/completions", status="200") == 1
+    assert moved(before, after, "ddtree_drafter_http_requests_total", route="/v1/completions", status="400") == 1
+    assert moved(before, after, "ddtree_drafter_http_requests_total", route="unmatched", status="404") == 1
+    assert sum(moved(before, after, "ddtree_drafter_requests_total", api="http", finish_reason=reason, code="OK")
+               for reason in ("length", "stop")) == 4  # (sampled at OpenAI's temperature 1: an EOS may come)
 
 
 @pytest.mark.parametrize("n", [1, 3])
