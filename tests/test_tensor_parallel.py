@@ -129,7 +129,9 @@ REQUESTS = [(PROMPTS[0], GenerationConfig(24, mode=DraftMode("tree", 16))),
             (PROMPTS[1], GenerationConfig(24, mode=DraftMode("ar", 0))),
             (PROMPTS[0][:9], GenerationConfig(24, mode=DraftMode("chain", 0))),
             (PROMPTS[1] + [7], GenerationConfig(24, sampling=SamplingParams(0.9, 30, 0.95, seed=5),
-                                                mode=DraftMode("tree", 8)))]
+                                                mode=DraftMode("tree", 8))),
+            (PROMPTS[1], GenerationConfig(24, mode=DraftMode("tree", 8), logit_bias=((5, -100.0), (17, 4.0)),
+                                          stop_token_ids=(7, 9), min_tokens=12))]
 
 
 def _engine_worker(rank: int, world: int, init_file: str, target_dir: str, draft_dir: str, out_dir: str) -> None:
