@@ -102,8 +102,7 @@ def build_trees(modes: Sequence[DraftMode], block_logits: torch.Tensor, roots: S
 
     `token_bias`: each session's token biases and the position of its depth-1 token, added to
     its rows of block_logits (in place) so that its tree proposes what the biased target picks."""
-    if any(biases for biases, _ in token_bias):
-        bias_rows(block_logits, [b for b, _ in token_bias], [p for _, p in token_bias])
+    bias_rows(block_logits, [b for b, _ in token_bias], [p for _, p in token_bias])
     trees: list[DraftTree | DeviceTree | None] = [None] * len(modes)
     gains: list[np.ndarray | None] = [None] * len(modes)
     tree_rows, chain_rows = [], []

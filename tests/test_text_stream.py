@@ -52,9 +52,9 @@ def rounds(ids: list[int], rng: random.Random, most: int = 8) -> list[list[int]]
     return out
 
 
-def stream(tokenizer, chunks, stop=()) -> tuple[list[int], list[str], TextStream]:
+def stream(tokenizer, chunks, stop=(), min_tokens=0) -> tuple[list[int], list[str], TextStream]:
     """Push every chunk; the delivered tokens, the text pieces (the finish last), the stream."""
-    text = TextStream(tokenizer, stop)
+    text = TextStream(tokenizer, stop, min_tokens)
     tokens, pieces = [], []
     for chunk in chunks:
         got, delta = text.push(chunk)
@@ -176,13 +176,7 @@ def test_stop_strings_count_from_min_tokens_whatever_the_rounds(tokenizer):
         want_tokens, want_text, stops = reference_stop_from(tokenizer, ids, stop, min_tokens)
         skipped += reference_stop(tokenizer, ids, stop)[0] != want_tokens
         for chunks in (rounds(ids, rng), rounds(ids, rng, 2), [[t] for t in ids], [ids]):
-            text = TextStream(tokenizer, [stop], min_tokens=min_tokens)
-            tokens, pieces = [], []
-            for chunk in chunks:
-                got, delta = text.push(chunk)
-                tokens += got
-                pieces.append(delta)
-            pieces.append(text.finish())
+            tokens, pieces, text = stream(tokenizer, chunks, [stop], min_tokens)
             assert tokens == want_tokens, (ids, stop, min_tokens, chunks)
             assert "".join(pieces) == want_text
             assert text.stopped == stops
