@@ -15,7 +15,8 @@ batch size B in `--batches` and tree size N in `--trees` (and N = 0, the plain d
   alone (no accept, no compaction); `eager-s`: verify_batch with sampled rows;
 * graph: `TargetRunner.verify_batch` replaying the captured (mode, B, T, L) graph (static KV
   length from the automatic ladder), the whole call; `graph-s`: sampled rows (the coin walk's "sample"
-  graph, temperature 0.8, top-k 50, top-p 0.9); `replay`: the bare greedy graph replay
+  graph, temperature 0.8, top-k 50, top-p 0.9); `graph-p`: greedy rows with repetition
+  penalties (presence and frequency 0.5, repetition 1.2: their kernels' work); `replay`: the bare greedy graph replay
   (device time); `fwd rep`: the bare "forward" graph replay (forward only);
 * prefill (`--prefill N`): one session's N-token prompt through the verifier's eager prefill;
 * floor: (weights read per step + the B pasts' K/V) / read bandwidth measured in this run;
@@ -373,6 +374,7 @@ def main(argv=None) -> dict:
         for budget in [0] + trees:
             greedy_rows, masks = make_batch(cfg, batch, budget, past, SamplingParams())
             sampled_rows, _ = make_batch(cfg, batch, budget, past, sampling)
+            penalized_rows, _ = make_batch(cfg, batch, budget, past, PENALIZED)
             n = max(r.tree.num_nodes for r in greedy_rows)
             row = {"batch": batch, "drafted": budget, "tokens": n, "step_tokens": batch * n}
             e_reps = max(3, reps // 2)
@@ -381,6 +383,7 @@ def main(argv=None) -> dict:
             row["eager_sample_ms"] = wall_ms(lambda: eager.verify_batch(sampled_rows, masks), device, e_reps)
             row["graph_ms"] = wall_ms(lambda: graph.verify_batch(greedy_rows, masks), device, reps)
             row["graph_sample_ms"] = wall_ms(lambda: graph.verify_batch(sampled_rows, masks), device, reps)
+            row["graph_penalized_ms"] = wall_ms(lambda: graph.verify_batch(penalized_rows, masks), device, reps)
             row["graph_replay_ms"] = replay_ms(graph, "greedy", greedy_rows, masks, reps)
             row["graph_forward_replay_ms"] = replay_ms(graph, "forward", greedy_rows, masks, reps)
             shape = graph.graphs.select("greedy", batch, n, past + n)
@@ -427,6 +430,10 @@ def main(argv=None) -> dict:
     return res
 
 
+# Greedy rows with every repetition penalty on (the "graph-p" column): the penalties' own cost.
+PENALIZED = SamplingParams(presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.2)
+
+
 def _cell(value) -> str:
     if value is None:
         return f"{'-':>8}"
@@ -441,13 +448,13 @@ def print_table(res: dict) -> None:
              "no floor on a CPU, whose pass is bound by its arithmetic")
     print(f"\nbatched verify step, past {res['past']} per session ({res['device']}, {res['dtype']}); "
           f"{floor}; times in ms (wall per call, synced; replay: device time)")
-    head = ("B", "tokens", "eager", "eag-fwd", "eager-s", "graph", "graph-s", "replay", "fwd-rep", "floor",
+    head = ("B", "tokens", "eager", "eag-fwd", "eager-s", "graph", "graph-s", "graph-p", "replay", "fwd-rep", "floor",
             "g/floor", "eag/gr", "ms/sess", "same")
     print(" ".join(f"{h:>8}" for h in head))
     for r in res["verify"]:
         vals = (r["batch"], r["tokens"], r["eager_ms"], r["eager_forward_ms"], r["eager_sample_ms"], r["graph_ms"],
-                r["graph_sample_ms"], r["graph_replay_ms"], r["graph_forward_replay_ms"], r["floor_ms"],
-                r["graph_over_floor"], r["eager_over_graph"], r["graph_ms_per_session"], r["greedy_same_as_eager"])
+                r["graph_sample_ms"], r.get("graph_penalized_ms"), r["graph_replay_ms"], r["graph_forward_replay_ms"],
+                r["floor_ms"], r["graph_over_floor"], r["eager_over_graph"], r["graph_ms_per_session"], r["greedy_same_as_eager"])
         print(" ".join(_cell(v) for v in vals))
     if res.get("attention"):
         print("\nattention, one layer, batch 1 (device ms):")

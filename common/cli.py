@@ -38,6 +38,25 @@ def token_biases(items: Sequence[str] | None, flag: str) -> dict[int, float]:
     return out
 
 
+def add_penalty_flags(p: argparse.ArgumentParser) -> None:
+    """The repetition penalties' flags (`penalty_options` reads them), as both request CLIs take them."""
+    p.add_argument("--presence-penalty", type=float, default=0.0,
+                   help="subtract this (in [-2, 2]) from the logit of every token generated so far, as OpenAI's "
+                        "presence_penalty (default 0)")
+    p.add_argument("--frequency-penalty", type=float, default=0.0,
+                   help="subtract this (in [-2, 2]) from a token's logit once per time it was generated so far, as "
+                        "OpenAI's frequency_penalty (default 0)")
+    p.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="divide a positive logit (multiply a negative one) of every token in the prompt or generated "
+                        "so far by this, in (0, 100], as vLLM's repetition_penalty (default 1: off)")
+
+
+def penalty_options(a: argparse.Namespace) -> dict[str, float]:
+    """The repetition penalties of parsed `add_penalty_flags` flags, by their SamplingParams names."""
+    return dict(presence_penalty=a.presence_penalty, frequency_penalty=a.frequency_penalty,
+                repetition_penalty=a.repetition_penalty)
+
+
 def env_flag(text: str) -> bool:
     """An on/off value from the environment: 1, true, yes, on."""
     return str(text).lower() in ("1", "true", "yes", "on")

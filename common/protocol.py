@@ -51,6 +51,14 @@ class SamplingParams:
     top_k: int = 0             # 0 = off
     top_p: float = 1.0         # 1 = off
     seed: int | None = None    # None = a fresh random seed
+    presence_penalty: float = 0.0    # subtracted from a token's logit once it has been generated
+    frequency_penalty: float = 0.0   # subtracted once per time it has been generated
+    repetition_penalty: float = 1.0  # a logit of a token in the prompt or output: divided (> 0) or multiplied
+
+    @property
+    def penalized(self) -> bool:
+        """Whether any repetition penalty applies (`common.penalties`)."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
     @property
     def greedy(self) -> bool:
@@ -67,7 +75,17 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.seed is not None and not 0 <= self.seed < SEED_LIMIT:
             raise ValueError(f"seed must be in [0, 2^63), got {self.seed}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not abs(value) <= PENALTY_LIMIT:
+                raise ValueError(f"{name} must be in [-{PENALTY_LIMIT:g}, {PENALTY_LIMIT:g}], got {value}")
+        if not 0.0 < self.repetition_penalty <= REPETITION_LIMIT:
+            raise ValueError(f"repetition_penalty must be in (0, {REPETITION_LIMIT:g}], got {self.repetition_penalty}")
 
+
+# |presence_penalty| and |frequency_penalty| at most PENALTY_LIMIT (OpenAI's range); repetition_penalty
+# in (0, REPETITION_LIMIT].
+PENALTY_LIMIT, REPETITION_LIMIT = 2.0, 100.0
 
 # Seeds are in [0, 2^63): the verifier keys its sampling on them as int64 (the wire's field is uint64).
 SEED_LIMIT = 1 << 63
@@ -160,6 +178,9 @@ class OpenEntry:
     logprobs: int | None = None  # None: none; N in [0, MAX_LOGPROBS]: emitted tokens' logprobs and the top N
     more: bool = False  # prompt_ids is the prompt's first chunk, the rest follows in ExtendEntry's
     token_bias: tuple[TokenBias, ...] = ()  # logit_bias, and min_tokens' stop ids at -inf
+    # The context position the generated tokens start at (the repetition penalties count them): a
+    # re-opened session's prompt holds its tokens so far. ALWAYS: none of the prompt was generated.
+    output_start: int = ALWAYS
 
 
 @dataclass

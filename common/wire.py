@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from common.feature_wire import SCALE_BYTES, FeatureReader
-from common.protocol import (MAX_LOGPROBS, MAX_TOKEN_BIAS, CloseEntry, Entry, Extended, ExtendEntry, OpenEntry,
+from common.protocol import (ALWAYS, MAX_LOGPROBS, MAX_TOKEN_BIAS, CloseEntry, Entry, Extended, ExtendEntry, OpenEntry,
                              Prefilled, SamplingParams, StatusError, StepResult, TokenBias, TokenLogprob, TreeEntry,
                              Verified)
 from common.rpc import decode_message, pb
@@ -113,6 +113,8 @@ def encode_link_request(step: int, entries: Sequence[Entry]) -> pb.LinkRequest:
                 bias_values=[b.value for b in e.token_bias], bias_until=[b.until for b in e.token_bias]))
             if e.logprobs is not None:
                 entry.open.logprobs = e.logprobs
+            if e.output_start != ALWAYS:
+                entry.open.output_start = e.output_start
         elif isinstance(e, TreeEntry):
             msg.entries.add(session_id=e.session_id, tree=pb.Tree(round=e.round, num_nodes=e.tree.num_nodes,
                                                                   traceparent=e.traceparent))
@@ -173,7 +175,8 @@ def decode_link_request(msg: pb.LinkRequest, limits: LinkLimits) -> list[Entry |
                 continue
             out.append(OpenEntry(sid, list(e.open.prompt_token_ids), sampling, e.open.traceparent,
                                  tuple(e.open.feature_layer_ids), logprobs, e.open.more,
-                                 tuple(map(TokenBias, o.bias_token_ids, o.bias_values, o.bias_until))))
+                                 tuple(map(TokenBias, o.bias_token_ids, o.bias_values, o.bias_until)),
+                                 o.output_start if o.HasField("output_start") else ALWAYS))
         elif kind == "extend":
             out.append(ExtendEntry(sid, list(e.extend.prompt_token_ids), e.extend.more, e.extend.traceparent))
         elif kind == "tree":
@@ -483,7 +486,14 @@ def encode_sampling(s: SamplingParams) -> pb.SamplingParams:
     msg = pb.SamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p)
     if s.seed is not None:
         msg.seed = s.seed
+    for name in _PENALTIES:
+        if getattr(s, name) != getattr(_DEFAULT_SAMPLING, name):
+            setattr(msg, name, getattr(s, name))
     return msg
+
+
+_PENALTIES = ("presence_penalty", "frequency_penalty", "repetition_penalty")
+_DEFAULT_SAMPLING = SamplingParams()
 
 
 def decode_sampling(msg: pb.SamplingParams) -> SamplingParams:
@@ -493,6 +503,7 @@ def decode_sampling(msg: pb.SamplingParams) -> SamplingParams:
         top_k=msg.top_k if msg.HasField("top_k") else 0,
         top_p=msg.top_p if msg.HasField("top_p") else 1.0,
         seed=msg.seed if msg.HasField("seed") else None,
+        **{name: getattr(msg, name) for name in _PENALTIES if msg.HasField(name)},
     )
     s.check()
     return s

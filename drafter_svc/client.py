@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass
 
 from common.auth import ApiKeyError, read_api_key
-from common.cli import FlagParser, fail, number_list, token_biases
+from common.cli import FlagParser, add_penalty_flags, fail, number_list, penalty_options, token_biases
 from common.rpc import pb
 from common.tls import ChannelTls, TlsError
 from drafter_svc import client_lib
@@ -29,7 +29,7 @@ def request_options(a) -> dict:
     options = dict(max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,
                    seed=a.seed, stop=a.stop or [], stop_token_ids=a.stop_token_id or [], tree_budget=a.tree_budget,
                    logprobs=a.logprobs, ignore_eos=a.ignore_eos, min_tokens=a.min_tokens,
-                   logit_bias=token_biases(a.logit_bias, "--logit-bias"))
+                   logit_bias=token_biases(a.logit_bias, "--logit-bias"), **penalty_options(a))
     if a.prompt_ids is not None:
         options["token_ids"] = number_list(a.prompt_ids, "--prompt-ids")
     elif a.chat:
@@ -81,6 +81,7 @@ def parse_args(argv=None):
     p.add_argument("--min-tokens", type=int, default=0, metavar="N",
                    help="the first N tokens are never a stop token id or (without --ignore-eos) an end-of-sequence "
                         "token: they are taken out of the target's distribution there (default 0)")
+    add_penalty_flags(p)
     p.add_argument("--tree-budget", type=int, help="DDTree nodes per round (default: the server's)")
     p.add_argument("--logprobs", type=int, metavar="N",
                    help="also get each token's log probability and the N (0 to 20) most likely tokens at its "

@@ -145,13 +145,17 @@ def build_request(prompt: str | None = None, *, token_ids: Sequence[int] | None 
                   tree_budget: int | None = None, add_generation_prompt: bool | None = None,
                   template_kwargs: Mapping[str, str] | None = None, logprobs: int | None = None,
                   ignore_eos: bool = False, min_tokens: int = 0,
-                  logit_bias: Mapping[int, float] | None = None) -> pb.GenerateRequest:
+                  logit_bias: Mapping[int, float] | None = None, presence_penalty: float | None = None,
+                  frequency_penalty: float | None = None,
+                  repetition_penalty: float | None = None) -> pb.GenerateRequest:
     """The GenerateRequest of these arguments; exactly one of `prompt` (text), `token_ids` and
     `messages` (chat). None leaves a field unset (the server's default; for `logprobs`, none:
     N in 0..20 asks for each token's logprob and the N most likely tokens). `ignore_eos`: the
     model's end-of-sequence tokens do not end the generation; `min_tokens`: the first N tokens
     are no stop token (nor, without ignore_eos, an end-of-sequence token); `logit_bias`: token id
-    -> a bias in [-100, 100] added to the target's logit, as OpenAI's. GenerationError
+    -> a bias in [-100, 100] added to the target's logit, as OpenAI's; `presence_penalty`,
+    `frequency_penalty` (OpenAI's) and `repetition_penalty` (vLLM's): the repetition penalties
+    (`SamplingParams`; None or their neutral value leaves them off). GenerationError
     INVALID_ARGUMENT when they cannot form a request (the server checks the values further)."""
     try:
         if sum(x is not None for x in (prompt, token_ids, messages)) != 1:
@@ -182,7 +186,9 @@ def build_request(prompt: str | None = None, *, token_ids: Sequence[int] | None 
             if value is not None:
                 _field(functools.partial(setattr, req, name, value), name)
         req.sampling.SetInParent()
-        for name, value in (("temperature", temperature), ("top_k", top_k), ("top_p", top_p), ("seed", seed)):
+        for name, value in (("temperature", temperature), ("top_k", top_k), ("top_p", top_p), ("seed", seed),
+                            ("presence_penalty", presence_penalty), ("frequency_penalty", frequency_penalty),
+                            ("repetition_penalty", repetition_penalty)):
             if value is not None:
                 _field(functools.partial(setattr, req.sampling, name, value), name)
     except (ValueError, TypeError) as exc:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from common.checkpoint import load_tokenizer
-from common.cli import FlagParser, fail, number_list, token_biases
+from common.cli import FlagParser, add_penalty_flags, fail, number_list, penalty_options, token_biases
 from common.config import CheckpointError, load_draft_config
 from common.devices import parse_device
 from common.feature_projection import FeatureProjection
@@ -129,6 +129,7 @@ def build_parser() -> FlagParser:
     p.add_argument("--min-tokens", type=int, default=0, metavar="N",
                    help="the first N tokens are never an end-of-sequence token (taken out of the target's "
                         "distribution there; default 0)")
+    add_penalty_flags(p)
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--tree-budget", type=int, default=DraftMode.budget,
                       help=f"DDTree nodes drafted per round (default {DraftMode.budget})")
@@ -155,7 +156,8 @@ def main(argv: list[str] | None = None) -> None:
         mode = DraftMode("tree", a.tree_budget)
     if mode.kind != "ar" and not a.draft:
         fail("--draft is required unless --ar is given")
-    config = GenerationConfig(a.max_new_tokens, SamplingParams(a.temperature, a.top_k, a.top_p, a.seed), mode=mode,
+    sampling = SamplingParams(a.temperature, a.top_k, a.top_p, a.seed, **penalty_options(a))
+    config = GenerationConfig(a.max_new_tokens, sampling, mode=mode,
                               ignore_eos=a.ignore_eos, min_tokens=a.min_tokens,
                               logit_bias=tuple(sorted(token_biases(a.logit_bias, "--logit-bias").items())))
     try:

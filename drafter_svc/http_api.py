@@ -18,14 +18,15 @@ after a stream started is sent as one `data: {"error": ...}` event before `[DONE
 side by side (choice `index` = prompt x n + j; choice j > 0 of a seeded request samples with
 seed + j, so that the choices differ; usage counts each prompt once, every choice's tokens).
 Unknown fields are ignored, as OpenAI clients send fields for other servers; known ones
-that would change the output and are not supported (echo, penalties, tools, ...)
-get 400. `logit_bias` is OpenAI's (token id keys, values in [-100, 100]). Logprobs
+that would change the output and are not supported (echo, best_of, tools, ...)
+get 400. `logit_bias` is OpenAI's (token id keys, values in [-100, 100]), as are
+`presence_penalty` and `frequency_penalty` (in [-2, 2]). Logprobs
 (completions: `logprobs` N; chat: `logprobs: true` with `top_logprobs` N; N <= 20) are those of
 the gRPC API (`GenerateRequest.logprobs`), in OpenAI's formats, each token's text being the
 token decoded alone. Extensions: `top_k`, `stop_token_ids`, `ignore_eos` (vLLM's and SGLang's:
 the model's end-of-sequence tokens do not stop it), `min_tokens` (vLLM's: the first N tokens are
-no stop token), `tree_budget`, and for chat `chat_template_kwargs` and `add_generation_prompt`.
-With `--api-key` the /v1 endpoints need
+no stop token), `repetition_penalty` (vLLM's, in (0, 100]), `tree_budget`, and for chat
+`chat_template_kwargs` and `add_generation_prompt`. With `--api-key` the /v1 endpoints need
 `Authorization: Bearer <key>`; with `--tls-cert` the port speaks HTTPS only.
 """
 from __future__ import annotations
@@ -72,10 +73,11 @@ HTTP_STATUS = {
 INT32, UINT32 = 1 << 31, 1 << 32
 MAX_CHOICES = 128  # generations one request may ask for: prompts x n (OpenAI's cap on n)
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's, for requests that send none
+PENALTIES = ("presence_penalty", "frequency_penalty", "repetition_penalty")  # SamplingParams' fields of these names
 # OpenAI fields this server does not implement: a request may send them only with these values.
 UNSUPPORTED = {
     "echo": (None, False), "suffix": (None, ""),
-    "best_of": (None, 1), "frequency_penalty": (None, 0), "presence_penalty": (None, 0),
+    "best_of": (None, 1),
     "tools": (None, []), "tool_choice": (None, "none", "auto"), "functions": (None, []),
     "function_call": (None, "none", "auto"),  # with no tools (any given get 400), "auto" calls none
     "response_format": (None, {"type": "text"}),
@@ -179,6 +181,10 @@ def _fill_common(body: dict, req: pb.GenerateRequest, max_tokens: int | None) ->
         req.sampling.top_k = top_k
     if seed is not None:
         req.sampling.seed = seed % SEED_LIMIT
+    for name in PENALTIES:
+        value = _number(body, name)
+        if value is not None:
+            setattr(req.sampling, name, value)
     req.stop.extend(_strings(body, "stop"))
     stop_ids = body.get("stop_token_ids")
     if stop_ids is not None:
@@ -350,6 +356,7 @@ def error_response(status: int, message: str, kind: str = "invalid_request_error
 _PARAMS = (("temperature", "temperature"), ("top_p", "top_p"), ("top_k", "top_k"), ("seed", "seed"),
            ("max_new_tokens", "max_tokens"), ("tree_budget", "tree_budget"), ("logprobs", "logprobs"),
            ("min_tokens", "min_tokens"), ("logit_bias", "logit_bias"),
+           *((name, name) for name in PENALTIES),
            ("stop token ids", "stop_token_ids"), ("stop", "stop"), ("prompt", "prompt"))
 
 

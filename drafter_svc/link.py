@@ -405,5 +405,8 @@ def check_verifier(info: pb.InfoResponse, target: TargetConfig, draft: DraftConf
                         f"{' or '.join(repr(f) for f in FORMATS.values())}")
     if not info.token_bias:
         problems.append("verifier predates token biases (logit_bias, min_tokens) and would ignore them: upgrade it")
+    elif not info.penalties:
+        problems.append("verifier predates the repetition penalties (presence_penalty, frequency_penalty, "
+                        "repetition_penalty) and would ignore them: upgrade it")
     if problems:
         raise StatusError("FAILED_PRECONDITION", "; ".join(problems))

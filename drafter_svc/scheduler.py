@@ -782,7 +782,7 @@ class DraftScheduler:
             chunk, more = take(s)
             entries.append(OpenEntry(s.sid, chunk, s.config.sampling, traceparent_of(s.span),
                                      self.feature_layer_ids if s.drafts else (),  # plain decoding needs no features
-                                     s.config.logprobs, more, s.token_bias))
+                                     s.config.logprobs, more, s.token_bias, output_start=len(s.prompt_ids)))
         return sessions, entries
 
     def _prompt_budget(self, decoding: bool) -> float:

@@ -177,3 +177,22 @@ def dflash_hidden_reference(draft, embed: Tensor, features: Tensor, block_ids: l
         mlp, y = layer.mlp, layer.post_attention_layernorm(h)
         h = h + mlp.down_proj(torch.nn.functional.silu(mlp.gate_proj(y)) * mlp.up_proj(y))
     return draft.norm(h)[0]
+
+
+def flaky_local_link(verifier, fail_at: tuple[int, ...]):
+    """An in-process link to `verifier` whose sends number `fail_at` (1-based) fail as a lost
+    verifier does (its sessions dropped, UNAVAILABLE); `sends` counts them."""
+    from common.protocol import StatusError
+    from drafter_svc.link import LocalLink
+
+    class FlakyLink(LocalLink):
+        sends = 0
+
+        def send(self, entries):
+            self.sends += 1
+            if self.sends in fail_at:
+                self.close()
+                raise StatusError("UNAVAILABLE", "verifier went away")
+            super().send(entries)
+
+    return FlakyLink(verifier)

@@ -200,6 +200,21 @@ def test_logit_bias_bans_and_favours_tokens(client):
     assert build_request(PROMPT, logit_bias={3: 1.5}).logit_bias[3] == 1.5
 
 
+def test_penalties_reach_the_verifier_and_are_checked(client):
+    """A strong frequency and presence penalty make the greedy output repeat fewer tokens (through
+    the real services); an out-of-range one is INVALID_ARGUMENT naming it."""
+    ids = (5, 17, 42, 99, 3)
+    plain = client.generate(token_ids=ids, max_new_tokens=32, ignore_eos=True, timeout=TIMEOUT)
+    penalised = client.generate(token_ids=ids, max_new_tokens=32, ignore_eos=True, frequency_penalty=2.0,
+                                presence_penalty=2.0, repetition_penalty=1.5, timeout=TIMEOUT)
+    assert len(set(penalised.token_ids)) > len(set(plain.token_ids)), (plain.token_ids, penalised.token_ids)
+    with pytest.raises(GenerationError) as err:
+        client.generate(token_ids=ids, max_new_tokens=4, repetition_penalty=-1.0, timeout=TIMEOUT)
+    assert err.value.code == "INVALID_ARGUMENT" and "repetition_penalty must be in (0, 100]" in err.value.message
+    request = build_request(PROMPT, presence_penalty=0.5, frequency_penalty=None)
+    assert request.sampling.presence_penalty == 0.5 and not request.sampling.HasField("frequency_penalty")
+
+
 def test_min_tokens_hold_back_stop_strings(client):
     """A stop string that the greedy output completes in its second token cuts it there, unless
     min_tokens asks for 6 tokens first (the shipped model's EOS never comes that early)."""

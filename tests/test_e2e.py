@@ -526,7 +526,7 @@ def test_mismatched_verifier_is_refused(tmp_path, tiny_tokenizer, verifier):
     assert err.value.status == "FAILED_PRECONDITION" and "mismatch" in err.value.message
 
 
-def test_verifier_with_unknown_features_or_before_token_biases_is_refused(qwen3_pair, verifier_stub):
+def test_verifier_with_unknown_features_or_before_token_biases_or_penalties_is_refused(qwen3_pair, verifier_stub):
     from drafter_svc.link import check_verifier
 
     info = verifier_stub.Info(pb.InfoRequest())
@@ -540,6 +540,10 @@ def test_verifier_with_unknown_features_or_before_token_biases_is_refused(qwen3_
     with pytest.raises(StatusError) as err:
         check_verifier(info, target, draft)
     assert err.value.status == "FAILED_PRECONDITION" and "predates token biases" in err.value.message
+    info.token_bias, info.penalties = True, False  # one with the token biases, before the penalties
+    with pytest.raises(StatusError) as err:
+        check_verifier(info, target, draft)
+    assert err.value.status == "FAILED_PRECONDITION" and "predates the repetition penalties" in err.value.message
 
 
 def test_verifier_projecting_for_another_draft_is_refused(tmp_path, tiny_tokenizer, qwen3_pair, verifier):

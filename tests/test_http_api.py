@@ -273,7 +273,11 @@ def test_stop_cuts_text_and_usage(client, grpc_stub):
     ({"prompt": PROMPT, "logprobs": True}, "logprobs", "integer"),
     ({"prompt": PROMPT, "echo": True}, "echo", "not supported"),
     ({"prompt": PROMPT, "stream_options": {"include_usage": True}}, "stream_options", "stream"),
-    ({"prompt": PROMPT, "presence_penalty": 0.5}, "presence_penalty", "not supported"),
+    ({"prompt": PROMPT, "best_of": 2}, "best_of", "not supported"),
+    ({"prompt": PROMPT, "presence_penalty": 2.5}, "presence_penalty", "presence_penalty must be in [-2, 2]"),
+    ({"prompt": PROMPT, "frequency_penalty": -3}, "frequency_penalty", "frequency_penalty must be in [-2, 2]"),
+    ({"prompt": PROMPT, "frequency_penalty": "1"}, "frequency_penalty", "a number"),
+    ({"prompt": PROMPT, "repetition_penalty": 0}, "repetition_penalty", "repetition_penalty must be in (0, 100]"),
     ({"prompt": PROMPT, "seed": -(1 << 63) - 1}, "seed", "seed must be in [-2^63, 2^63)"),
     ({"prompt": [1, "x"]}, "prompt", "token ids"),
     ({"prompt": [5, 999999]}, "prompt", "outside the vocabulary"),
@@ -347,9 +351,9 @@ def test_openai_defaults_and_lenient_values():
     assert parse_chat(json.dumps(chat).encode()).choices[0].sampling.temperature == 1.0
 
 
-def test_ignore_eos_min_tokens_and_logit_bias_reach_every_choice():
-    """vLLM's and SGLang's ignore_eos (benchmark clients send it), min_tokens and OpenAI's logit_bias
-    are passed on to each generation."""
+def test_ignore_eos_min_tokens_logit_bias_and_penalties_reach_every_choice():
+    """vLLM's and SGLang's ignore_eos (benchmark clients send it), min_tokens, OpenAI's logit_bias and
+    presence and frequency penalties, and vLLM's repetition_penalty are passed on to each generation."""
     assert not parse_completion(json.dumps({"prompt": "x"}).encode()).choices[0].ignore_eos
     completion = parse_completion(json.dumps({"prompt": ["x", "y"], "n": 2, "ignore_eos": True}).encode())
     assert len(completion.choices) == 4 and all(c.ignore_eos for c in completion.choices)
@@ -358,6 +362,12 @@ def test_ignore_eos_min_tokens_and_logit_bias_reach_every_choice():
     assert parse_chat(json.dumps(chat).encode()).choices[0].min_tokens == 3
     biased = parse_completion(json.dumps({"prompt": "x", "logit_bias": {"7": -100, "9": 2.5}}).encode())
     assert dict(biased.choices[0].logit_bias) == {7: -100.0, 9: 2.5}
+    penalized = parse_chat(json.dumps({**chat, "n": 2, "presence_penalty": 0.5, "frequency_penalty": -1,
+                                       "repetition_penalty": 1.25}).encode())
+    for choice in penalized.choices:
+        sampling = choice.sampling
+        assert (sampling.presence_penalty, sampling.frequency_penalty, sampling.repetition_penalty) == (0.5, -1, 1.25)
+    assert not parse_chat(json.dumps(chat).encode()).choices[0].sampling.HasField("presence_penalty")
 
 
 @pytest.mark.parametrize("body, needle", [

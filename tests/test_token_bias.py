@@ -17,6 +17,7 @@ from common.wire import LinkLimits, decode_link_request, encode_link_request
 from drafter_svc.drafter import DraftMode
 from drafter_svc.generate import LocalEngine
 from drafter_svc.scheduler import GenerationConfig
+from tests.reference import flaky_local_link
 from common.logit_bias import bias_tokens
 from verifier_svc.tree_verifier import VerifierLimits
 
@@ -203,7 +204,6 @@ def test_bad_token_biases_are_refused(engine):
 
 def test_refused_requests_leave_the_queue_as_it_was(engine):
     """Requests refused for their biases, many more than the queue holds, take no place in it."""
-    from drafter_svc.link import LocalLink
     from drafter_svc.scheduler import DraftScheduler
 
     scheduler = DraftScheduler(LocalLink(engine.verifier), engine.proposer, max_sessions=2, max_queue=3,
@@ -246,16 +246,6 @@ def test_a_session_that_re_opens_keeps_its_min_tokens(engine):
     from drafter_svc.link import LocalLink
     from drafter_svc.scheduler import DraftScheduler
 
-    class FlakyLink(LocalLink):
-        sends = 0
-
-        def send(self, entries):
-            self.sends += 1
-            if self.sends in (3, 6):
-                self.close()
-                raise StatusError("UNAVAILABLE", "verifier went away")
-            super().send(entries)
-
     ar = engine.generate(PROMPT, GenerationConfig(40, mode=DraftMode("ar", 0))).tokens
     eos = tuple(dict.fromkeys(ar[2:10]))  # several, so that some come after min_tokens
     requests = [(PROMPT + [i], GenerationConfig(40, mode=mode, min_tokens=m))
@@ -263,7 +253,7 @@ def test_a_session_that_re_opens_keeps_its_min_tokens(engine):
     with_eos = dataclasses.replace(engine, eos_token_ids=eos)
     undisturbed = with_eos.generate_many(requests)
     assert any(len(r.tokens) < 40 for r in undisturbed)  # some stop at the EOS once allowed
-    scheduler = DraftScheduler(FlakyLink(engine.verifier), engine.proposer, max_sessions=len(requests),
+    scheduler = DraftScheduler(flaky_local_link(engine.verifier, (3, 6)), engine.proposer, max_sessions=len(requests),
                                feature_layer_ids=engine.verifier.feature_layer_ids, eos_token_ids=eos,
                                recovery_timeout_s=30.0)
     ends = [{} for _ in requests]

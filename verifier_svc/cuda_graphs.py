@@ -54,6 +54,7 @@ from torch import Tensor
 
 from common.buckets import KV_ALIGN, auto_kv_buckets, round_up
 from common.logit_bias import bias_tokens
+from common.penalties import NO_PENALTY, PenaltyState, penalize, penalty_values
 from common.protocol import MAX_TOKEN_BIAS, SamplingParams, TokenBias
 from common.staging import StagedInputs, to_device
 from common.tree import DeviceTree, DraftTree, tree_fields
@@ -162,7 +163,7 @@ class BatchInputs:
                 ("past", (b,)), ("slot", (b,)), ("top_k", (b,)), ("seed", (b,)),
                 ("bias_ids", (b, MAX_TOKEN_BIAS)), ("bias_until", (b, MAX_TOKEN_BIAS))]
         floats = [("coins", (b, t)), ("final_coin", (b,)), ("temperature", (b,)), ("top_p", (b,)),
-                  ("greedy", (b,)), ("bias", (b, MAX_TOKEN_BIAS))]
+                  ("greedy", (b,)), ("bias", (b, MAX_TOKEN_BIAS)), ("penalties", (b, 3))]
         self._staging = StagedInputs(device, pinned)
         int_buffer, host_ints = self._staging.buffer(_layout_size(ints, 8), dtype=torch.int64)
         float_buffer, host_floats = self._staging.buffer(_layout_size(floats, 4), dtype=torch.float32)
@@ -219,6 +220,10 @@ class BatchInputs:
                 i.bias_ids[j, :n] = [e.token for e in r.token_bias]
                 i.bias_until[j, :n] = [e.until for e in r.token_bias]
                 f.bias[j, :n] = [e.value for e in r.token_bias]
+        f.penalties[:] = NO_PENALTY
+        penalized = [j for j, r in enumerate(rows) if r.sampling.penalized]
+        if penalized:
+            f.penalties[penalized] = penalty_values([rows[j].sampling for j in penalized])
         mask[:] = self._eye
         mask[:b, :width, :width] = masks.numpy()
         for field, value in ((f.coins, 0.5), (f.final_coin, 0.5), (f.temperature, 1.0), (f.top_p, 1.0),
@@ -283,8 +288,11 @@ class BatchInputs:
         self.fill([row] * self.B, masks, scratch_slot)
 
 
-def verify_step(model: TargetModel, cache: KVCache, inp: BatchInputs, length: int, mode: str):
+def verify_step(model: TargetModel, cache: KVCache, inp: BatchInputs, length: int, mode: str,
+                penalties: PenaltyState | None = None):
     """The static-shape step over key length `length` (captured on CUDA, eager otherwise).
+    With `penalties` (the slots' token counts) the rows' repetition penalties apply, and the
+    accepted paths are counted.
 
     "forward": ForwardOutput of all B x T rows. "greedy" / "keyed" / "sample": (result int64 [B, T + 2] =
     [accepted, bonus, path padded with -1] per row, features of the path rows [B, T, F], logits
@@ -303,6 +311,8 @@ def verify_step(model: TargetModel, cache: KVCache, inp: BatchInputs, length: in
     if mode == "forward":
         return out
     bias_tokens(out.logits, i.positions + 1, i.bias_ids, f.bias, i.bias_until)
+    if penalties is not None:
+        penalize(out.logits, penalties, i.slot, i.tokens, inp.tree_mask, f.penalties)
     result, features = accept_batch(mode, i.tokens, i.next_token, i.next_sibling, out.logits, out.features,
                                     greedy=f.greedy > 0.5, coins=f.coins, final_coin=f.final_coin,
                                     temperature=f.temperature, top_k=i.top_k, top_p=f.top_p, seeds=i.seed,
@@ -313,6 +323,8 @@ def verify_step(model: TargetModel, cache: KVCache, inp: BatchInputs, length: in
     src = past + torch.where(keep, path, 0)
     dst = past + torch.where(keep, inp.arange[None], 0)
     cache.move(i.slot[:, None].expand(b, t), src, dst)
+    if penalties is not None:  # the path's tokens (root and accepted) join the committed context
+        penalties.take(i.slot[:, None].expand(b, t), torch.gather(i.tokens, 1, path.clamp(min=0)), keep, keep)
     if inp.features_out is not None:
         inp.features_out.copy_(features)
         features = inp.features_out
@@ -323,9 +335,11 @@ class VerifyGraphs:
     """Captured verify steps of one model over one KV cache, keyed by (mode, B, T, L)."""
 
     def __init__(self, model: TargetModel, cache: KVCache, max_seq_len: int, scratch_slot: int,
-                 config: GraphConfig = GraphConfig(), *, capture: bool | None = None):
+                 config: GraphConfig = GraphConfig(), *, capture: bool | None = None,
+                 penalties: PenaltyState | None = None):
         config.check()
         self.model, self.cache, self.config, self.scratch_slot = model, cache, config, scratch_slot
+        self.penalties = penalties  # the slots' token counts (`verify_step`)
         self.device = cache.k.device
         self.capture = self.device.type == "cuda" if capture is None else capture
         if self.capture and self.device.type != "cuda":
@@ -408,11 +422,11 @@ class VerifyGraphs:
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side), torch.inference_mode():
             for _ in range(self.config.warmup_iters):
-                verify_step(self.model, self.cache, inp, length, mode)
+                verify_step(self.model, self.cache, inp, length, mode, self.penalties)
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.inference_mode(), torch.cuda.graph(graph, pool=self._pool):
-            outputs = verify_step(self.model, self.cache, inp, length, mode)
+            outputs = verify_step(self.model, self.cache, inp, length, mode, self.penalties)
         self._graphs[(mode, b, t, length)] = (graph, outputs)
 
     def replay_dummy(self, b: int, t: int) -> bool:
@@ -449,5 +463,5 @@ class VerifyGraphs:
             self.mirror.verify(mode, inp, length, graphed=True)
         if not self.capture:
             with torch.inference_mode():
-                return verify_step(self.model, self.cache, inp, length, mode)
+                return verify_step(self.model, self.cache, inp, length, mode, self.penalties)
         return self.replay(mode, b, t, length)

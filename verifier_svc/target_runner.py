@@ -25,9 +25,11 @@ from torch import Tensor
 
 from common.feature_wire import FP8, MODEL_DTYPE, pack_rows
 from common.layers import gemm_weights
+from common.penalties import PenaltyState, penalize_dense, penalty_rows
 from common.protocol import SamplingParams, TokenLogprob
 from common.staging import HostCopy, to_device
 from common.tree import DraftTree
+from ddtree_kernels.penalties import warm_up as warm_up_penalties
 from ddtree_kernels.place_trees import warm_up as warm_up_place_trees
 from ddtree_kernels.skinny_gemm import warm_up as warm_up_gemms
 from ddtree_kernels.slot_attention import warm_up as warm_up_attention
@@ -107,13 +109,17 @@ class TargetRunner:
         self.scratch_slot = num_slots
         use_graphs = cuda_graphs and self.device.type == "cuda"
         self.cache = KVCache(model.cfg, num_slots + 1, cache_length(max_seq_len, max_tree_nodes), p.device, p.dtype)
+        # Per slot, how often each token occurs in its context (the repetition penalties, `common.penalties`).
+        self.penalties = PenaltyState(num_slots + 1, model.cfg.vocab_size, p.device)
         # every attention and few-row GEMM variant now, not when an eager pass (a prompt chunk) first takes it
         warm_up_attention(self.cache.k[0], self.cache.v[0], model.cfg.num_heads)
         warm_up_gemms(gemm_weights(model))
+        if p.device.type == "cuda":
+            warm_up_penalties(p.device, model.lm_head.weight.dtype)
         graph_config = graph_config or GraphConfig(modes=("greedy", sampling))
         self.graph_config = graph_config
-        self.graphs = (VerifyGraphs(model, self.cache, max_seq_len, self.scratch_slot, graph_config)
-                       if use_graphs else None)
+        self.graphs = (VerifyGraphs(model, self.cache, max_seq_len, self.scratch_slot, graph_config,
+                                    penalties=self.penalties) if use_graphs else None)
         self.mirror = None  # tensor parallelism: see `set_mirror`
         # The features a verify or a prefill returns stay on the model's device (an in-process
         # drafter reads them there: no copy to the host and back); by default they come to the host.
@@ -214,6 +220,31 @@ class TargetRunner:
         out = prefill_forward(self.model, self.cache, *args)
         return out.logits[:, 0], [out.features[i, t - n:] for i, n in enumerate(sizes.tolist())]
 
+    def count_prompts(self, slots: Sequence[int], prompts: Sequence[Tensor], pasts: Sequence[int],
+                      output_starts: Sequence[int]) -> None:
+        """Count prompt chunks in their slots' token counts (the repetition penalties): chunk b's
+        tokens go to positions pasts[b].., generated from output_starts[b] on; a chunk at past 0
+        starts its slot afresh. Every tensor parallel rank counts them."""
+        sizes = torch.tensor([p.shape[0] for p in prompts])
+        positions = torch.cat([torch.arange(past, past + p.shape[0]) for past, p in zip(pasts, prompts)])
+        generated = positions >= torch.tensor(output_starts).repeat_interleave(sizes)
+        fresh = [slot for slot, past in zip(slots, pasts) if past == 0]
+        args = (to_device(fresh, self.device, torch.int64),
+                to_device(torch.tensor(slots).repeat_interleave(sizes), self.device),
+                to_device(torch.cat(list(prompts)), self.device), to_device(generated, self.device))
+        if self.mirror is not None:
+            self.mirror.count_prompts(*args)
+        self.penalties.take_prompt(*args)
+
+    @torch.inference_mode()
+    def penalize_last(self, logits: Tensor, slots: Sequence[int], sampling: Sequence[SamplingParams]) -> None:
+        """The repetition penalties on each prompt's last logits [B, V] (its first token's), in place,
+        from its slot's counts (the whole prompt, counted by `count_prompts`)."""
+        penalties = penalty_rows(sampling, self.device)
+        if penalties is not None:
+            penalize_dense(logits[:, None], self.penalties, to_device(list(slots), self.device, torch.int64),
+                           penalties)
+
     def _prefill_graphed(self, slots: Sequence[int], prompts: Sequence[Tensor], pasts: Sequence[int]
                          ) -> tuple[Tensor, list[Tensor]] | None:
         """`prefill` through a captured "forward" graph, or None when none fits (or there are none).
@@ -258,7 +289,7 @@ class TargetRunner:
         if self.mirror is not None:
             self.mirror.verify(mode, inp, length, graphed=False)
         with torch.inference_mode():
-            return verify_step(self.model, self.cache, inp, length, mode)
+            return verify_step(self.model, self.cache, inp, length, mode, self.penalties)
 
     def verify_batch(self, rows: Sequence[VerifyRow], masks: Tensor,
                      with_features: Sequence[bool] | None = None) -> VerifiedBatch:

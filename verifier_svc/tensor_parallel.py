@@ -40,7 +40,7 @@ from verifier_svc.target_runner import TargetRunner, prefill_forward
 
 log = logging.getLogger(__name__)
 
-STOP, PREFILL, VERIFY = 0, 1, 2  # the operation a header announces
+STOP, PREFILL, VERIFY, COUNT = 0, 1, 2, 3  # the operation a header announces
 HEADER = 6  # int64s: operation, then its sizes
 # Headers go over a gloo group on the CPU with no practical timeout: a rank waits for the next step
 # as long as the verifier idles (a NCCL collective would be killed by its watchdog). Steps' tensors
@@ -124,6 +124,9 @@ class StepMirror:
         self._send(PREFILL, b, t, length, logit_rows.shape[0],
                    tensors=(tokens, positions, slots, cache_pos, mask.contiguous(), logit_rows))
 
+    def count_prompts(self, fresh: Tensor, slots: Tensor, tokens: Tensor, generated: Tensor) -> None:
+        self._send(COUNT, fresh.shape[0], tokens.shape[0], tensors=(fresh, slots, tokens, generated))
+
     def verify(self, mode: str, inp: BatchInputs, length: int, graphed: bool) -> None:
         self._send(VERIFY, MODES.index(mode), inp.B, inp.T, length, int(graphed), tensors=inp.buffers)
 
@@ -156,6 +159,13 @@ def follow(runner: TargetRunner, control: dist.ProcessGroup | None = None) -> in
                 dist.broadcast(tensor, 0)
             tokens, positions, slots, cache_pos, mask, logit_rows = tensors
             prefill_forward(runner.model, runner.cache, tokens, positions, slots, cache_pos, mask.bool(), logit_rows)
+        elif op == COUNT:
+            tensors = [torch.empty(n, dtype=dtype, device=dev) for n, dtype in (
+                (sizes[0], torch.int64), (sizes[1], torch.int64), (sizes[1], torch.int64), (sizes[1], torch.bool))]
+            for tensor in tensors:
+                dist.broadcast(_wire(tensor), 0)
+            runner.penalties.take_prompt(*tensors)
+            continue  # no forward
         elif op == VERIFY:
             mode, b, t, length, graphed = MODES[sizes[0]], *sizes[1:5]
             inp = runner.graphs.inputs(b, t) if graphed else BatchInputs(b, t, dev, pinned=False)
@@ -165,7 +175,7 @@ def follow(runner: TargetRunner, control: dist.ProcessGroup | None = None) -> in
                 runner.graphs.replay(mode, b, t, length)
             else:
                 with torch.inference_mode():
-                    verify_step(runner.model, runner.cache, inp, length, mode)
+                    verify_step(runner.model, runner.cache, inp, length, mode, runner.penalties)
         else:
             raise RuntimeError(f"tensor parallel rank: unknown operation {op} from rank 0")
         ran += 1

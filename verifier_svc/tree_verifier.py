@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from common.protocol import (MAX_LOGPROBS, MAX_TOKEN_BIAS, CloseEntry, Entry, Extended, ExtendEntry, OpenEntry,
+from common.protocol import (ALWAYS, MAX_LOGPROBS, MAX_TOKEN_BIAS, CloseEntry, Entry, Extended, ExtendEntry, OpenEntry,
                              Prefilled, SamplingParams, StatusError, StepResult, TokenBias, TreeEntry, Verified,
                              VerifiedRows)
 from common.logit_bias import bias_rows
@@ -67,6 +67,7 @@ class _Session:
     logprobs: int | None = None  # its emitted tokens' logprobs and the top N are wanted (None: not)
     prefilling: bool = False  # more prompt chunks are to come (ExtendEntry); no tree until the last
     token_bias: tuple[TokenBias, ...] = ()  # logit_bias, and min_tokens' stop ids at -inf
+    output_start: int = ALWAYS  # the context position its generated tokens start at (repetition penalties)
 
 
 Key = tuple[Hashable, int]  # (owner, session id)
@@ -318,6 +319,8 @@ class TreeVerifier:
             raise VerifierError("INVALID_ARGUMENT", str(exc)) from None
         if e.logprobs is not None and not 0 <= e.logprobs <= MAX_LOGPROBS:
             raise VerifierError("INVALID_ARGUMENT", f"logprobs must be in [0, {MAX_LOGPROBS}], got {e.logprobs}")
+        if not 0 <= e.output_start <= ALWAYS:
+            raise VerifierError("INVALID_ARGUMENT", f"output_start must be in [0, 2^32), got {e.output_start}")
         if len(e.token_bias) > MAX_TOKEN_BIAS:
             raise VerifierError("INVALID_ARGUMENT", f"{len(e.token_bias)} token biases, at most {MAX_TOKEN_BIAS}")
         try:
@@ -360,7 +363,7 @@ class TreeVerifier:
             self._sessions[key] = _Session(self._free_slots.pop(), e.sampling, seed,
                                            torch.Generator().manual_seed(seed), features=bool(e.feature_layer_ids),
                                            logprobs=e.logprobs, prefilling=True,
-                                           token_bias=tuple(e.token_bias))
+                                           token_bias=tuple(e.token_bias), output_start=e.output_start)
 
     def _launch_prefill(self, group: Sequence[tuple[int, Key, OpenEntry | ExtendEntry, torch.Tensor]],
                         stage: Stage) -> _LaunchedPrefill:
@@ -371,6 +374,11 @@ class TreeVerifier:
         last = [j for j, (_, _, e, _) in enumerate(group) if not e.more]  # chunks that end their prompt
         try:
             with stage("prefill"):
+                counted = [j for j, s in enumerate(sessions) if s.sampling.penalized]
+                if counted:  # (only sessions with repetition penalties read their slot's counts)
+                    self.runner.count_prompts([sessions[j].slot for j in counted], [group[j][3] for j in counted],
+                                              [sessions[j].length for j in counted],
+                                              [sessions[j].output_start for j in counted])
                 with stage("forward"):
                     logits, features = self.runner.prefill([s.slot for s in sessions], [c for *_, c in group],
                                                            [s.length for s in sessions])
@@ -380,6 +388,7 @@ class TreeVerifier:
                     # (each prompt's first token goes to the position of the prompt's length)
                     bias_rows(logits[:, None], [s.token_bias for s in ending],
                               [s.length + group[j][3].shape[0] for s, j in zip(ending, last)])
+                    self.runner.penalize_last(logits, [s.slot for s in ending], [s.sampling for s in ending])
                     tokens = self._first_tokens(ending, logits, [group[j][3] for j in last]) if last else None
                     wanted = [f if s.features else f[:0] for s, f in zip(sessions, features)]
                     # One copy for the group, not one per session; on the device it also frees them

@@ -901,6 +901,31 @@ def test_token_biases_through_graphs_equal_eager_on_gpu(tiny_pair):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_penalties_through_graphs_equal_plain_decoding_on_gpu(tiny_pair, dtype):
+    """Repetition penalties in the graphs' inputs (the dense part in its kernel, the paths beside
+    it), batched beside sessions without them: tree decoding gives plain decoding's tokens, greedy
+    and seeded, and the eager step's in float32; the penalties change the output."""
+    graphs = _engine(tiny_pair, dtype)
+    assert graphs.verifier.runner.graphs.num_graphs > 0
+    penalties = [SamplingParams(presence_penalty=1.5, frequency_penalty=0.5),
+                 SamplingParams(repetition_penalty=1.6), SamplingParams(0.8, 0, 1.0, seed=3, frequency_penalty=1.0)]
+    requests = [(PROMPTS[i % len(PROMPTS)], GenerationConfig(40, sampling=s, mode=m, ignore_eos=True))
+                for i, s in enumerate(penalties) for m in (DraftMode("ar", 0), DraftMode("tree", 16))]
+    requests.append((PROMPTS[0], GenerationConfig(40, mode=DraftMode("tree", 16), ignore_eos=True)))
+    calls = _count_graph_runs(graphs.verifier.runner.graphs)
+    got = graphs.generate_many(requests)
+    assert any(hit and rows > 1 for _, rows, hit in calls)
+    for i in range(len(penalties)):
+        assert got[2 * i].tokens == got[2 * i + 1].tokens, penalties[i]
+    assert got[0].tokens != got[-1].tokens
+    if dtype == torch.float32:
+        eager = _engine(tiny_pair, dtype, cuda_graphs=False)
+        assert [g.tokens for g in got] == [w.tokens for w in eager.generate_many(requests)]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
 def test_greedy_equals_ar_on_gpu_triton_attention(tiny_pair):
     """attention="triton" in the captured graphs (float32): batched tree decoding == AR with "sdpa"."""
     engine = _engine(tiny_pair, torch.float32)

@@ -7,16 +7,22 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class SamplingParams(_message.Message):
-    __slots__ = ("temperature", "top_k", "top_p", "seed")
+    __slots__ = ("temperature", "top_k", "top_p", "seed", "presence_penalty", "frequency_penalty", "repetition_penalty")
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
+    PRESENCE_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    FREQUENCY_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    REPETITION_PENALTY_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_k: int
     top_p: float
     seed: int
-    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
+    presence_penalty: float
+    frequency_penalty: float
+    repetition_penalty: float
+    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ...) -> None: ...
 
 class TokenIds(_message.Message):
     __slots__ = ("ids",)
@@ -205,7 +211,7 @@ class PackedInts(_message.Message):
     def __init__(self, data: _Optional[bytes] = ..., width: _Optional[int] = ...) -> None: ...
 
 class Open(_message.Message):
-    __slots__ = ("prompt_token_ids", "sampling", "traceparent", "feature_layer_ids", "logprobs", "more", "bias_token_ids", "bias_values", "bias_until")
+    __slots__ = ("prompt_token_ids", "sampling", "traceparent", "feature_layer_ids", "logprobs", "more", "bias_token_ids", "bias_values", "bias_until", "output_start")
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
@@ -215,6 +221,7 @@ class Open(_message.Message):
     BIAS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     BIAS_VALUES_FIELD_NUMBER: _ClassVar[int]
     BIAS_UNTIL_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_START_FIELD_NUMBER: _ClassVar[int]
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
     traceparent: str
@@ -224,7 +231,8 @@ class Open(_message.Message):
     bias_token_ids: _containers.RepeatedScalarFieldContainer[int]
     bias_values: _containers.RepeatedScalarFieldContainer[float]
     bias_until: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., traceparent: _Optional[str] = ..., feature_layer_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[int] = ..., more: _Optional[bool] = ..., bias_token_ids: _Optional[_Iterable[int]] = ..., bias_values: _Optional[_Iterable[float]] = ..., bias_until: _Optional[_Iterable[int]] = ...) -> None: ...
+    output_start: int
+    def __init__(self, prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., traceparent: _Optional[str] = ..., feature_layer_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[int] = ..., more: _Optional[bool] = ..., bias_token_ids: _Optional[_Iterable[int]] = ..., bias_values: _Optional[_Iterable[float]] = ..., bias_until: _Optional[_Iterable[int]] = ..., output_start: _Optional[int] = ...) -> None: ...
 
 class Extend(_message.Message):
     __slots__ = ("prompt_token_ids", "more", "traceparent")
@@ -365,7 +373,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("architecture", "vocab_size", "hidden_size", "num_layers", "dtype", "config_fingerprint", "feature_layer_ids", "max_seq_len", "max_sessions", "max_tree_nodes", "free_sessions", "feature_projection", "busy_s", "device_id", "verify_costs", "sampling", "deterministic", "feature_wire", "draining", "token_bias")
+    __slots__ = ("architecture", "vocab_size", "hidden_size", "num_layers", "dtype", "config_fingerprint", "feature_layer_ids", "max_seq_len", "max_sessions", "max_tree_nodes", "free_sessions", "feature_projection", "busy_s", "device_id", "verify_costs", "sampling", "deterministic", "feature_wire", "draining", "token_bias", "penalties")
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -386,6 +394,7 @@ class InfoResponse(_message.Message):
     FEATURE_WIRE_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
     TOKEN_BIAS_FIELD_NUMBER: _ClassVar[int]
+    PENALTIES_FIELD_NUMBER: _ClassVar[int]
     architecture: str
     vocab_size: int
     hidden_size: int
@@ -406,7 +415,8 @@ class InfoResponse(_message.Message):
     feature_wire: str
     draining: bool
     token_bias: bool
-    def __init__(self, architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., dtype: _Optional[str] = ..., config_fingerprint: _Optional[str] = ..., feature_layer_ids: _Optional[_Iterable[int]] = ..., max_seq_len: _Optional[int] = ..., max_sessions: _Optional[int] = ..., max_tree_nodes: _Optional[int] = ..., free_sessions: _Optional[int] = ..., feature_projection: _Optional[str] = ..., busy_s: _Optional[float] = ..., device_id: _Optional[str] = ..., verify_costs: _Optional[_Iterable[_Union[VerifyCost, _Mapping]]] = ..., sampling: _Optional[str] = ..., deterministic: _Optional[bool] = ..., feature_wire: _Optional[str] = ..., draining: _Optional[bool] = ..., token_bias: _Optional[bool] = ...) -> None: ...
+    penalties: bool
+    def __init__(self, architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., dtype: _Optional[str] = ..., config_fingerprint: _Optional[str] = ..., feature_layer_ids: _Optional[_Iterable[int]] = ..., max_seq_len: _Optional[int] = ..., max_sessions: _Optional[int] = ..., max_tree_nodes: _Optional[int] = ..., free_sessions: _Optional[int] = ..., feature_projection: _Optional[str] = ..., busy_s: _Optional[float] = ..., device_id: _Optional[str] = ..., verify_costs: _Optional[_Iterable[_Union[VerifyCost, _Mapping]]] = ..., sampling: _Optional[str] = ..., deterministic: _Optional[bool] = ..., feature_wire: _Optional[str] = ..., draining: _Optional[bool] = ..., token_bias: _Optional[bool] = ..., penalties: _Optional[bool] = ...) -> None: ...
 
 class VerifyCost(_message.Message):
     __slots__ = ("batch", "tokens", "seconds")
