@@ -116,6 +116,41 @@ def penalize(logits: Tensor, state: PenaltyState, slots: Tensor, tokens: Tensor,
     logits.scatter_(2, target, values)
 
 
+class TokenCounts:
+    """One session's token occurrences (the drafter's, where its block logits are): `generated`
+    its emitted tokens, `context` those and its prompt's (float32 [V])."""
+
+    def __init__(self, vocab_size: int, device: torch.device, prompt: Sequence[int]):
+        self.generated = torch.zeros(vocab_size, dtype=torch.float32, device=device)
+        self.context = torch.zeros(vocab_size, dtype=torch.float32, device=device)
+        self._add(self.context, prompt)
+        self.counted = 0  # emitted tokens counted so far
+
+    def catch_up(self, emitted: Sequence[int]) -> TokenCounts:
+        """Count the emitted tokens not counted yet; returns self."""
+        new = emitted[self.counted:]
+        if new:
+            self._add(self.generated, new)
+            self._add(self.context, new)
+            self.counted = len(emitted)
+        return self
+
+    @staticmethod
+    def _add(counts: Tensor, tokens: Sequence[int]) -> None:
+        index = to_device(list(tokens), counts.device, torch.int64)
+        counts.index_add_(0, index, torch.ones(index.shape, dtype=counts.dtype, device=counts.device))
+
+
+@torch.inference_mode()
+def penalize_block(logits: Tensor, rows: Sequence[tuple[int, TokenCounts, SamplingParams]]) -> None:
+    """The drafter's block logits [S, D, V] penalised in place, row i of each (i, counts, sampling)
+    with its session's counts at every depth (its tree's own tokens are not counted: this only
+    steers the proposals toward what the penalised target picks)."""
+    for i, counts, s in rows:
+        logits[i] = penalized(logits[i], counts.generated, counts.context > 0, torch.tensor(s.presence_penalty),
+                              torch.tensor(s.frequency_penalty), torch.tensor(s.repetition_penalty)).to(logits.dtype)
+
+
 def penalty_rows(sampling: Sequence[SamplingParams], device: torch.device) -> Tensor | None:
     """float32 [B, 3] of the rows' penalties, or None when no row has any."""
     if not any(s.penalized for s in sampling):

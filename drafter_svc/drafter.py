@@ -22,7 +22,8 @@ from common.devices import device_id
 from common.feature_projection import projection_fingerprint
 from common.layers import gemm_weights
 from common.logit_bias import bias_rows
-from common.protocol import StatusError, TokenBias, VerifiedRows
+from common.penalties import TokenCounts, penalize_block
+from common.protocol import SamplingParams, StatusError, TokenBias, VerifiedRows
 from common.staging import rows_of, to_device
 from common.tree import DeviceTree, DraftTree
 from drafter_svc.budget import BudgetChoice, BudgetPlanner
@@ -87,7 +88,8 @@ def build_trees(modes: Sequence[DraftMode], block_logits: torch.Tensor, roots: S
                 rooms: Sequence[int], planner: BudgetPlanner | None = None, batch: int = 0,
                 adaptive: Sequence[bool] | None = None, on_device: bool = False,
                 prior_gains: Sequence[np.ndarray | None] | None = None,
-                token_bias: Sequence[tuple[Sequence[TokenBias], int]] = ()) -> BuiltTrees:
+                token_bias: Sequence[tuple[Sequence[TokenBias], int]] = (),
+                penalties: Sequence[tuple[int, TokenCounts, SamplingParams]] = ()) -> BuiltTrees:
     """Each drafted session's tree under its mode, with at most `rooms[i]` nodes besides the root.
 
     block_logits [S, D, V], row i for session i. All DDTrees are built in one batched call,
@@ -101,8 +103,11 @@ def build_trees(modes: Sequence[DraftMode], block_logits: torch.Tensor, roots: S
     step's are on the device. Until some session has one, the trees are built on the host.
 
     `token_bias`: each session's token biases and the position of its depth-1 token, added to
-    its rows of block_logits (in place) so that its tree proposes what the biased target picks."""
+    its rows of block_logits (in place) so that its tree proposes what the biased target picks;
+    `penalties`: (row, counts, sampling) of the sessions with repetition penalties, likewise
+    (`common.penalties.penalize_block`)."""
     bias_rows(block_logits, [b for b, _ in token_bias], [p for _, p in token_bias])
+    penalize_block(block_logits, penalties)
     trees: list[DraftTree | DeviceTree | None] = [None] * len(modes)
     gains: list[np.ndarray | None] = [None] * len(modes)
     tree_rows, chain_rows = [], []

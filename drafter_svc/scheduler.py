@@ -65,6 +65,7 @@ from common.protocol import (BIAS_LIMIT, MAX_LOGPROBS, MAX_TOKEN_BIAS, CloseEntr
                              LinkLost, OpenEntry, Prefilled, SamplingParams, StatusError, StepResult, TokenBias,
                              TokenLogprob, TreeEntry, Verified)
 from common import metrics
+from common.penalties import TokenCounts
 from common.tracing import traceparent_of, tracer
 from common.tree import DeviceTree, DraftTree
 from drafter_svc.budget import BudgetChoice, BudgetPlanner
@@ -249,6 +250,7 @@ class _Session:
         self.max_seq_len = 0
         self.length = 0  # tokens committed on the verifier
         self.root = -1
+        self.counts: TokenCounts | None = None  # with repetition penalties: `token_counts`
         self.new_tokens: list[int] = []
         self.new_features = None
         self.rounds = 0
@@ -270,6 +272,13 @@ class _Session:
     def drafts(self) -> bool:
         mode = self.config.mode
         return mode.kind == "chain" or (mode.kind == "tree" and mode.budget > 0)
+
+    def token_counts(self, block: Tensor) -> TokenCounts:
+        """Its prompt's and emitted tokens' counts, on the device of the block logits [S, D, V] (the
+        repetition penalties its proposals take)."""
+        if self.counts is None:
+            self.counts = TokenCounts(block.shape[-1], block.device, self.prompt_ids)
+        return self.counts.catch_up(self.result.tokens)
 
     def open_prompt(self) -> list[int]:
         """What an open prefills: the prompt, and after a lost verifier the tokens emitted so far."""
@@ -870,7 +879,9 @@ class DraftScheduler:
                                     [rooms[i] for i in busy], self.planner, len(drafting),
                                     [self._adapts(s) for s in sessions], on_device=self._device_trees,
                                     prior_gains=[s.gains for s in sessions],
-                                    token_bias=[(s.token_bias, s.length + 1) for s in sessions])
+                                    token_bias=[(s.token_bias, s.length + 1) for s in sessions],
+                                    penalties=[(j, s.token_counts(block), s.config.sampling)
+                                               for j, s in enumerate(sessions) if s.config.sampling.penalized])
                 budget = built.choice
                 if budget is not None:
                     trace.get_current_span().set_attribute("tree.budget", budget.budget)
