@@ -204,6 +204,7 @@ def test_bad_token_biases_are_refused(engine):
 
 def test_refused_requests_leave_the_queue_as_it_was(engine):
     """Requests refused for their biases, many more than the queue holds, take no place in it."""
+    from drafter_svc.link import LocalLink
     from drafter_svc.scheduler import DraftScheduler
 
     scheduler = DraftScheduler(LocalLink(engine.verifier), engine.proposer, max_sessions=2, max_queue=3,
