@@ -131,7 +131,11 @@ REQUESTS = [(PROMPTS[0], GenerationConfig(24, mode=DraftMode("tree", 16))),
             (PROMPTS[1] + [7], GenerationConfig(24, sampling=SamplingParams(0.9, 30, 0.95, seed=5),
                                                 mode=DraftMode("tree", 8))),
             (PROMPTS[1], GenerationConfig(24, mode=DraftMode("tree", 8), logit_bias=((5, -100.0), (17, 4.0)),
-                                          stop_token_ids=(7, 9), min_tokens=12))]
+                                          stop_token_ids=(7, 9), min_tokens=12)),
+            (PROMPTS[0], GenerationConfig(24, SamplingParams(presence_penalty=1.5, frequency_penalty=0.5),
+                                          mode=DraftMode("tree", 16))),
+            (PROMPTS[1] + PROMPTS[1], GenerationConfig(24, SamplingParams(0.9, seed=3, repetition_penalty=1.8),
+                                                       mode=DraftMode("tree", 8)))]
 
 
 def _engine_worker(rank: int, world: int, init_file: str, target_dir: str, draft_dir: str, out_dir: str) -> None:
@@ -157,6 +161,9 @@ def _engine_worker(rank: int, world: int, init_file: str, target_dir: str, draft
                            f"{out_dir}/leader.pt")
             finally:
                 mirror.stop()
+        # The repetition penalties' token counts, which every rank keeps for itself.
+        torch.save({"generated": runner.penalties.generated, "context": runner.penalties.context},
+                   f"{out_dir}/counts{rank}.pt")
         # Both ranks past their last broadcast before either tears the group down. (Once, in a full
         # run, rank 0 aborted with "terminate called without an active exception", cause not
         # established; the barrier rules out a teardown while the other rank is still in a
@@ -174,6 +181,9 @@ def test_rank_zero_serves_and_rank_one_follows(tiny_pair, tmp_path):
     got = torch.load(tmp_path / "leader.pt", weights_only=True)
     assert [t.tolist() for t in got["tokens"]] == [o.tokens for o in want]
     assert int(got["costs"]) > 0 and int(torch.load(tmp_path / "followed.pt", weights_only=True)) > int(got["costs"])
+    counts = [torch.load(tmp_path / f"counts{rank}.pt", weights_only=True) for rank in range(WORLD)]
+    assert all(torch.equal(counts[0][k], c[k]) for c in counts[1:] for k in ("generated", "context"))
+    assert counts[0]["context"].sum() > 0
 
 
 def test_the_verifier_service_with_two_ranks(qwen3_pair):

@@ -184,6 +184,10 @@ class BatchInputs:
         # Where the forward writes the logits [B, T, V] (set by VerifyGraphs: a view of one buffer
         # all graphs share), so that they outlive the replay for the rows that ask for logprobs.
         self.logits_out: Tensor | None = None
+        # Whether some row has repetition penalties (`fill`); an eager step without runs none of
+        # their work. Captured steps always run it (`always_penalize`, set by VerifyGraphs).
+        self.penalized = False
+        self.always_penalize = False
 
     def fill(self, rows: Sequence[VerifyRow], masks: Tensor, scratch_slot: int) -> None:
         """Stage the rows (masks bool [len(rows), W, W] with W <= T: each tree's ancestor mask in
@@ -222,6 +226,7 @@ class BatchInputs:
                 f.bias[j, :n] = [e.value for e in r.token_bias]
         f.penalties[:] = NO_PENALTY
         penalized = [j for j, r in enumerate(rows) if r.sampling.penalized]
+        self.penalized = bool(penalized)
         if penalized:
             f.penalties[penalized] = penalty_values([rows[j].sampling for j in penalized])
         mask[:] = self._eye
@@ -311,6 +316,7 @@ def verify_step(model: TargetModel, cache: KVCache, inp: BatchInputs, length: in
     if mode == "forward":
         return out
     bias_tokens(out.logits, i.positions + 1, i.bias_ids, f.bias, i.bias_until)
+    penalties = penalties if inp.penalized or inp.always_penalize else None
     if penalties is not None:
         penalize(out.logits, penalties, i.slot, i.tokens, inp.tree_mask, f.penalties)
     result, features = accept_batch(mode, i.tokens, i.next_token, i.next_sibling, out.logits, out.features,
@@ -388,6 +394,7 @@ class VerifyGraphs:
         key = (batch, tokens)
         if key not in self._inputs:
             inp = BatchInputs(batch, tokens, self.device, pinned=self.capture)
+            inp.always_penalize = self.capture
             if self.capture:
                 inp.features_out = torch.empty(batch, tokens, self.model.feature_dim, device=self.device,
                                                dtype=self.cache.k.dtype)

@@ -34,6 +34,7 @@ import torch.multiprocessing as mp
 from torch import Tensor
 
 from common.config import TargetConfig
+from common.penalties import NO_PENALTY
 from verifier_svc.cuda_graphs import MODES, BatchInputs, verify_step
 from verifier_svc.target_model import TargetModel
 from verifier_svc.target_runner import TargetRunner, prefill_forward
@@ -171,6 +172,8 @@ def follow(runner: TargetRunner, control: dist.ProcessGroup | None = None) -> in
             inp = runner.graphs.inputs(b, t) if graphed else BatchInputs(b, t, dev, pinned=False)
             for tensor in inp.buffers:
                 dist.broadcast(_wire(tensor), 0)
+            # (rank 0's `fill` knew; an eager step here reads it from the received inputs)
+            inp.penalized = bool((inp.floats.penalties != inp.floats.penalties.new_tensor(NO_PENALTY)).any())
             if graphed and runner.graphs.capture:
                 runner.graphs.replay(mode, b, t, length)
             else:
