@@ -454,7 +454,8 @@ def print_table(res: dict) -> None:
     for r in res["verify"]:
         vals = (r["batch"], r["tokens"], r["eager_ms"], r["eager_forward_ms"], r["eager_sample_ms"], r["graph_ms"],
                 r["graph_sample_ms"], r.get("graph_penalized_ms"), r["graph_replay_ms"], r["graph_forward_replay_ms"],
-                r["floor_ms"], r["graph_over_floor"], r["eager_over_graph"], r["graph_ms_per_session"], r["greedy_same_as_eager"])
+                r["floor_ms"], r["graph_over_floor"], r["eager_over_graph"], r["graph_ms_per_session"],
+                r["greedy_same_as_eager"])
         print(" ".join(_cell(v) for v in vals))
     if res.get("attention"):
         print("\nattention, one layer, batch 1 (device ms):")

@@ -28,9 +28,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from common.protocol import (ALWAYS, MAX_LOGPROBS, MAX_TOKEN_BIAS, CloseEntry, Entry, Extended, ExtendEntry, OpenEntry,
-                             Prefilled, SamplingParams, StatusError, StepResult, TokenBias, TreeEntry, Verified,
-                             VerifiedRows)
+from common.protocol import (ALWAYS, MAX_LOGPROBS, MAX_TOKEN_BIAS, CloseEntry, Entry, Extended, ExtendEntry,
+                             OpenEntry, Prefilled, SamplingParams, StatusError, StepResult, TokenBias, TreeEntry,
+                             Verified, VerifiedRows)
 from common.logit_bias import bias_rows
 from common.staging import HostCopy, rows_of
 from common.tree import DeviceTree, DraftTree, TreeError, TreeLayout, ancestor_masks, walk_trees
