@@ -227,3 +227,25 @@ def test_the_draft_takes_the_penalties_too(monkeypatch):
             blind = engine.generate(prompt, config)
         assert steered.tokens == blind.tokens
         assert steered.rounds < 0.9 * blind.rounds, (sampling, steered.rounds, blind.rounds)
+
+
+def test_the_dense_kernel_equals_the_reference():
+    """`ddtree_kernels.penalties` (through Triton's interpreter here, on the device in
+    tests/gpu/test_penalties_gpu.py) against the reference's dense part: vocabularies over
+    several chunks, rows with and without penalties, logits strided as the graphs' buffer is."""
+    from common.penalties import penalize_dense
+    from ddtree_kernels.penalties import BLOCK, penalize_dense_triton
+
+    gen = torch.Generator().manual_seed(2)
+    for v in (5, BLOCK + 3):
+        state = PenaltyState(4, v, torch.device("cpu"))
+        state.generated.copy_(torch.randint(0, 3, state.generated.shape, generator=gen).float())
+        state.context.copy_(state.generated + torch.randint(0, 2, state.generated.shape, generator=gen).float())
+        slots = torch.tensor([2, 0, 3])
+        penalties = torch.tensor([[0.0, 0.0, 1.0], [0.5, -1.25, 1.7], [1.1, 0.3, 0.6]])
+        logits = (torch.randn(3, 2, v + 8, generator=gen) * 3)[:, :, :v]  # rows of a wider buffer
+        raw, expected = logits.clone(), logits.clone()
+        penalize_dense(expected, state, slots, penalties)
+        penalize_dense_triton(logits, state.generated, state.context, slots, penalties)
+        assert torch.equal(logits, expected)
+        assert torch.equal(logits[0], raw[0]) and not torch.equal(logits[1], raw[1])
