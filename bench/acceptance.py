@@ -2,7 +2,8 @@
 
     python bench/acceptance.py --target models/default/target --draft models/default/draft
         [--prompts 16] [--max-new-tokens 128] [--device cpu] [--temperatures 0,1]
-        [--budgets 4,8,16,32,64] [--projected] [--feature-wire model|fp8] [--out-json FILE] [--out-png FILE]
+        [--budgets 4,8,16,32,64] [--projected] [--feature-wire model|fp8] [--presence-penalty X]
+        [--frequency-penalty X] [--repetition-penalty X] [--out-json FILE] [--out-png FILE]
 
 Prompts are the beginnings (first `--prompt-tokens` tokens) of the held-out standard-library
 files that scripts/train_target.py wrote into TARGET/corpus.json (their first characters are
@@ -12,7 +13,8 @@ mode runs back to back (so background load hits all modes alike) with `LocalEngi
 temperature > 0 runs use seed `--seed + prompt index`. Reported per temperature and mode:
 mean acceptance length (tokens per round, bonus included, averaged over prompts), tokens/s
 (all tokens / all generation time), speed-up over AR, and at T=0 the fraction of prompts
-whose output equals AR's token for token.
+whose output equals AR's token for token. The repetition penalty flags apply to every run (the
+acceptance they cost shows against a run without them).
 
 `--feature-wire fp8`: the drafts read the target's features rounded as a verifier started with
 `--feature-wire fp8` sends them (`common.feature_wire`: packed, then unpacked by the drafter),
@@ -41,7 +43,8 @@ import torch  # noqa: E402
 
 from common.devices import parse_device  # noqa: E402
 from common.feature_wire import FORMATS, dequantize, pack_rows  # noqa: E402
-from bench.bench_timing import number_list
+from bench.bench_timing import number_list  # noqa: E402
+from common.cli import add_penalty_flags, penalty_options  # noqa: E402
 from common.protocol import SamplingParams  # noqa: E402
 from drafter_svc.drafter import DraftMode  # noqa: E402
 from drafter_svc.generate import LocalEngine  # noqa: E402
@@ -100,10 +103,13 @@ def mode_name(mode: DraftMode) -> str:
     return mode.kind if mode.kind != "tree" else f"tree{mode.budget}"
 
 
-def run(engine: LocalEngine, prompts, modes, temperature: float, max_new: int, seed: int, log) -> dict:
+def run(engine: LocalEngine, prompts, modes, temperature: float, max_new: int, seed: int, log,
+        penalties: dict[str, float] | None = None) -> dict:
+    """Every mode on every prompt at one temperature, with the repetition penalties `penalties`
+    (SamplingParams' names; none by default)."""
     per_mode = {mode_name(m): {"acc": [], "rounds": [], "tokens": 0, "elapsed": 0.0, "outputs": []} for m in modes}
     for i, (name, ids) in enumerate(prompts):
-        sampling = SamplingParams(temperature, 0, 1.0, seed + i if temperature > 0 else None)
+        sampling = SamplingParams(temperature, 0, 1.0, seed + i if temperature > 0 else None, **(penalties or {}))
         for mode in modes:
             res = engine.generate(ids, GenerationConfig(max_new, sampling, mode=mode))
             rec = per_mode[mode_name(mode)]
@@ -193,6 +199,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--feature-wire", choices=tuple(FORMATS), default="model",
                    help="the drafts read the features as a verifier with this --feature-wire sends them")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
+    add_penalty_flags(p)
     p.add_argument("--out-json", default=None, help="write the summary here (its folder is made)")
     p.add_argument("--out-png", default=None, help="plot mean acceptance per budget here")
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
@@ -241,10 +248,12 @@ def measure(a: argparse.Namespace, modes: list[DraftMode], budgets: list[int], t
     for mode in modes:
         engine.generate(prompts[0][1], GenerationConfig(8, SamplingParams(0.0), mode=mode))
     t0 = time.time()
-    results = {f"T={t:g}": run(engine, prompts, modes, t, a.max_new_tokens, a.seed, log) for t in temps}
+    penalties = penalty_options(a)
+    results = {f"T={t:g}": run(engine, prompts, modes, t, a.max_new_tokens, a.seed, log, penalties) for t in temps}
     print_table(results)
     return {"target": a.target, "draft": a.draft, "device": a.device, "dtype": a.dtype,
             "threads": torch.get_num_threads(), "projected": a.projected, "feature_wire": a.feature_wire,
+            "penalties": penalties,
             "prompts": [n for n, _ in prompts],
             "prompt_tokens": a.prompt_tokens, "max_new_tokens": a.max_new_tokens, "budgets": budgets,
             "wall_s": round(time.time() - t0, 1), "results": results}
