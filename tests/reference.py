@@ -179,11 +179,14 @@ def dflash_hidden_reference(draft, embed: Tensor, features: Tensor, block_ids: l
     return draft.norm(h)[0]
 
 
-def flaky_local_link(verifier, fail_at: tuple[int, ...]):
-    """An in-process link to `verifier` whose sends number `fail_at` (1-based) fail as a lost
-    verifier does (its sessions dropped, UNAVAILABLE); `sends` counts them."""
+def decode_with_flaky_link(engine, requests, fail_at: tuple[int, ...], **scheduler_options):
+    """Decode `requests` ((prompt, GenerationConfig) pairs) through a scheduler over an in-process
+    link to engine.verifier whose sends number `fail_at` (1-based) fail as a lost verifier does
+    (its sessions dropped, UNAVAILABLE), so that the sessions re-open; returns each request's
+    tokens and how many sends there were."""
     from common.protocol import StatusError
     from drafter_svc.link import LocalLink
+    from drafter_svc.scheduler import DraftScheduler
 
     class FlakyLink(LocalLink):
         sends = 0
@@ -195,4 +198,11 @@ def flaky_local_link(verifier, fail_at: tuple[int, ...]):
                 raise StatusError("UNAVAILABLE", "verifier went away")
             super().send(entries)
 
-    return FlakyLink(verifier)
+    scheduler = DraftScheduler(FlakyLink(engine.verifier), engine.proposer, max_sessions=len(requests),
+                               feature_layer_ids=engine.verifier.feature_layer_ids, recovery_timeout_s=30.0,
+                               **scheduler_options)
+    ends = [{} for _ in requests]
+    for end, (prompt, config) in zip(ends, requests):
+        scheduler.submit(prompt, config, lambda item, end=end: end.__setitem__("last", item))
+    scheduler.run_until_idle()
+    return [end["last"].tokens for end in ends], scheduler.link.sends

@@ -18,7 +18,7 @@ from common.wire import LinkLimits, decode_link_request, encode_link_request
 from drafter_svc.drafter import DraftMode
 from drafter_svc.generate import LocalEngine
 from drafter_svc.scheduler import GenerationConfig
-from tests.reference import flaky_local_link
+from tests.reference import decode_with_flaky_link
 from verifier_svc.tree_verifier import VerifierLimits
 
 PROMPT = [5, 17, 42, 99, 3, 17, 42]
@@ -172,20 +172,12 @@ def test_a_session_that_re_opens_keeps_its_counts(engine):
     """The link fails twice, a few rounds in (the verifier drops its sessions): each session re-opens
     with its prompt plus its tokens so far as the prompt, which count as generated from the
     prompt's end on (Open.output_start): the outputs are the undisturbed ones."""
-    from drafter_svc.scheduler import DraftScheduler
-
     requests = [(PROMPT, GenerationConfig(N, sampling, mode=DraftMode("tree", 4), ignore_eos=True))
                 for sampling in SETTINGS]
     expected = [r.tokens for r in engine.generate_many(requests)]
-    scheduler = DraftScheduler(flaky_local_link(engine.verifier, (7, 15)), engine.proposer,
-                               max_sessions=len(requests), feature_layer_ids=engine.verifier.feature_layer_ids,
-                               recovery_timeout_s=30.0)
-    ends = [{} for _ in requests]
-    for end, (prompt, config) in zip(ends, requests):
-        scheduler.submit(prompt, config, lambda item, end=end: end.__setitem__("last", item))
-    scheduler.run_until_idle()
-    assert scheduler.link.sends > 15
-    assert [end["last"].tokens for end in ends] == expected
+    tokens, sends = decode_with_flaky_link(engine, requests, (7, 15))
+    assert sends > 15
+    assert tokens == expected
 
 
 def test_the_link_carries_penalties_and_the_verifier_checks_them(engine):

@@ -17,7 +17,7 @@ from common.wire import LinkLimits, decode_link_request, encode_link_request
 from drafter_svc.drafter import DraftMode
 from drafter_svc.generate import LocalEngine
 from drafter_svc.scheduler import GenerationConfig
-from tests.reference import flaky_local_link
+from tests.reference import decode_with_flaky_link
 from common.logit_bias import bias_tokens
 from verifier_svc.tree_verifier import VerifierLimits
 
@@ -244,9 +244,6 @@ def test_a_session_that_re_opens_keeps_its_min_tokens(engine):
     """The link fails twice early on (the verifier drops its sessions): every session re-opens with
     its prompt plus its tokens so far, and the held-back ids stay held back up to the same token,
     not min_tokens past the re-open: the outputs are the undisturbed ones."""
-    from drafter_svc.link import LocalLink
-    from drafter_svc.scheduler import DraftScheduler
-
     ar = engine.generate(PROMPT, GenerationConfig(40, mode=DraftMode("ar", 0))).tokens
     eos = tuple(dict.fromkeys(ar[2:10]))  # several, so that some come after min_tokens
     requests = [(PROMPT + [i], GenerationConfig(40, mode=mode, min_tokens=m))
@@ -254,12 +251,6 @@ def test_a_session_that_re_opens_keeps_its_min_tokens(engine):
     with_eos = dataclasses.replace(engine, eos_token_ids=eos)
     undisturbed = with_eos.generate_many(requests)
     assert any(len(r.tokens) < 40 for r in undisturbed)  # some stop at the EOS once allowed
-    scheduler = DraftScheduler(flaky_local_link(engine.verifier, (3, 6)), engine.proposer, max_sessions=len(requests),
-                               feature_layer_ids=engine.verifier.feature_layer_ids, eos_token_ids=eos,
-                               recovery_timeout_s=30.0)
-    ends = [{} for _ in requests]
-    for end, (prompt, config) in zip(ends, requests):
-        scheduler.submit(prompt, config, lambda item, end=end: end.__setitem__("last", item))
-    scheduler.run_until_idle()
-    assert scheduler.link.sends > 6
-    assert [end["last"].tokens for end in ends] == [r.tokens for r in undisturbed]
+    tokens, sends = decode_with_flaky_link(engine, requests, (3, 6), eos_token_ids=eos)
+    assert sends > 6
+    assert tokens == [r.tokens for r in undisturbed]
