@@ -11,9 +11,12 @@
 
 Both services run as their own processes on loopback (free ports, ready once each prints its
 "listening on" line and answers SERVING on grpc.health.v1), and are stopped with SIGTERM
-(then killed) however the run ends. With `--delay-ms MS`, the drafters reach the verifier through
+(then killed) however the run ends. The two services share this host, so the replies' feature rows
+go through the verifier's shared-memory ring (`common/feature_ring.py`) unless `--no-feature-ring`.
+With `--delay-ms MS`, the drafters reach the verifier through
 `bench/delay_proxy.py`, a TCP proxy (its own process) that delays every chunk by MS in each
-direction: a link round trip gains 2 x MS, as between hosts (a userspace stand-in for netem). With
+direction: a link round trip gains 2 x MS, as between hosts (a userspace stand-in for netem), and
+the rows travel inline as they would between hosts. With
 `--colocate` there is no verifier service: each drafter runs with `--verifier local`, holding the
 target in its own process (`--local-verifier-flags`: the flags the service would get), rounds
 go in lockstep, and v-busy is not measured. Model setups (`--models`):
@@ -234,6 +237,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--delay-ms", type=float, default=0.0,
                    help="delay the drafter <-> verifier link this many ms each way, through bench/delay_proxy.py "
                         "(default 0: direct)")
+    p.add_argument("--no-feature-ring", action="store_true",
+                   help="the drafters take their feature rows inline through gRPC, as from another host, instead of "
+                        "through the verifier's shared-memory ring (always so with --delay-ms, which stands in for "
+                        "another host)")
     p.add_argument("--budgets", type=budget_list, default=None,
                    help="tree budgets to compare in each controlled-acceptance setting, e.g. 8,16,32,adaptive "
                         "(adaptive: the drafter with --adaptive-budget on, capped at the largest fixed one; the "
@@ -604,13 +611,13 @@ COMPILES, COMPILE_SECONDS = "ddtree_kernel_compiles_total", "ddtree_kernel_compi
 ROUNDS = "ddtree_drafter_rounds_total"  # verify rounds that emitted tokens, summed over the sessions
 TREES = "ddtree_drafter_step_batch_size"  # sessions with a tree in each message that carries trees
 BUDGET = "ddtree_drafter_tree_budget"  # the adaptive budget's choice per message (only with a planner)
-LINK_BYTES = "ddtree_drafter_link_bytes_total"  # the link's bytes, by direction (up, down); none in process
+LINK_BYTES = "ddtree_drafter_link_bytes_total"  # the link's bytes, by direction (up, down, ring); none in process
 
 
 def scrape(urls: list[str]) -> dict[str, float]:
     """The _sum and _count samples of the STEP_PARTS, TREES and BUDGET histograms at these /metrics URLs, the
-    drafters' rounds (ROUNDS), their link's bytes down (LINK_BYTES) and the kernel compiles while serving
-    (COMPILES, COMPILE_SECONDS), these four summed over the URLs."""
+    drafters' rounds (ROUNDS), their link's bytes down, the ring's rows included (LINK_BYTES), and the
+    kernel compiles while serving (COMPILES, COMPILE_SECONDS), these four summed over the URLs."""
     from prometheus_client.parser import text_string_to_metric_families
 
     wanted = {*STEP_PARTS.values(), TREES, BUDGET}
@@ -624,7 +631,8 @@ def scrape(urls: list[str]) -> dict[str, float]:
                     values[sample.name] = sample.value
                 elif sample.name in (COMPILES, COMPILE_SECONDS) and sample.labels.get("phase") == "serving":
                     values[sample.name] += sample.value
-                elif sample.name == ROUNDS or (sample.name == LINK_BYTES and sample.labels.get("direction") == "down"):
+                elif sample.name == ROUNDS or (sample.name == LINK_BYTES
+                                               and sample.labels.get("direction") in ("down", "ring")):
                     values[sample.name] += sample.value
     return values
 
@@ -821,7 +829,7 @@ def print_table(result: dict) -> None:
           "accept, KV compaction); link = gRPC and the codecs at both ends (rpc less the time the verifier held "
           "the message; no wire in process), link% = link / step; queue = rpc - vstep - link (waiting in the "
           "verifier behind other steps, hand-offs, a reply waiting for the drafter's read); down-KB = a reply's "
-          "bytes (target features included); other = step - draft - "
+          "bytes (target features included, through gRPC or the feature ring); other = step - draft - "
           "build - rpc (the drafter's scheduling and deliveries); rnd/s = the sessions' verify rounds a second; "
           "trees = the mean sessions with a tree in the messages that carry trees (tmsgs of them); budget = the "
           "adaptive budget's mean choice (drafted nodes a tree keeps at most); comp, comp-ms = "
@@ -942,6 +950,7 @@ def run_setup(name: str, a: argparse.Namespace, work: Path, result: dict, save: 
             argv += ["--bench-oracle", str(oracle)] if oracle else []
             argv += ["--pipelining", "off" if lockstep else "on"] if a.lockstep else []
             argv += ["--adaptive-budget", "on" if adaptive else "off"] if a.budgets is not None else []
+            argv += ["--no-feature-ring"] if a.no_feature_ring or a.delay_ms > 0 else []
             port = free_port()
             argv += ["--http-port", str(port)]  # its /metrics, for the step breakdown
             result["commands"]["drafters"].append(argv)

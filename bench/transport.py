@@ -122,7 +122,7 @@ def _verifier_process(port_out, rows: int, trace: bool, sessions: int, seq_len: 
     if stages_dir:
         _record_verifier(stages_dir)
     import verifier_svc.scheduler
-    from common.wire import encode_link_notice, encode_link_response
+    from common.wire import encode_link_notice, encode_link_response, feature_bytes
     from verifier_svc.server import VerifierConfig, load_verifier, serve
     from common.staging import HostCopy
     from verifier_svc.target_runner import PendingVerify, VerifiedBatch
@@ -165,6 +165,7 @@ def _verifier_process(port_out, rows: int, trace: bool, sessions: int, seq_len: 
             step, results, width, dtype, step_s, **kw))
     verifier_svc.scheduler.encode_link_notice = (
         lambda step, results, feature_dim, _: encode_link_notice(step, results, width, dtype))
+    verifier_svc.scheduler.feature_bytes = lambda results, feature_dim, _: feature_bytes(results, width, dtype)
 
     async def main():
         _, port = await serve(config, verifier)
@@ -338,11 +339,12 @@ def gpu_drafter_reader(feature_wire: str) -> FeatureReader:
 
 
 def time_link(port: int, tree: DraftTree, batch: int, rounds: int, trace: bool, gap_s: float, vocab: int,
-              seq_len: int, feature_wire: str = "model") -> dict:
-    """Open `batch` sessions in one message, then time `rounds` messages of one tree per session."""
+              seq_len: int, feature_wire: str = "model", feature_ring: bool = False) -> dict:
+    """Open `batch` sessions in one message, then time `rounds` messages of one tree per session
+    (the rows through the verifier's shared-memory ring with `feature_ring`)."""
     channel = open_channel(f"127.0.0.1:{port}")
     link = GrpcLink(verifier_stub(channel), vocab_size=vocab, feature_dim=FEATURE_DIM, max_seq_len=seq_len,
-                    features=gpu_drafter_reader(feature_wire))
+                    features=gpu_drafter_reader(feature_wire), feature_ring=feature_ring)
     tracer = otel_trace.get_tracer(__name__)
     sids = list(range(1, batch + 1))
     requests = {sid: tracer.start_span("generate") for sid in sids} if trace else {}
@@ -430,8 +432,15 @@ def main(argv=None) -> dict:
     p.add_argument("--feature-wire", choices=tuple(FORMATS), default="model",
                    help="feature rows as the verifier's --feature-wire sends them: model (bf16) or fp8 (packed, "
                    "half the bytes); default model")
+    p.add_argument("--feature-rings", default="off,on",
+                   help="off: the rows travel inline in the replies, as to a drafter on another host; on: through "
+                   "the verifier's shared-memory ring (common/feature_ring.py), as to one on its host; "
+                   "comma-separated (default off,on)")
     p.add_argument("--out-json", type=out_json, help="write the results here")
     a = p.parse_args(argv)
+    rings = [r.strip() for r in a.feature_rings.split(",") if r.strip()]
+    if not rings or any(r not in ("off", "on") for r in rings):
+        p.error("--feature-rings takes off, on or both")
     batches, feature_rows = number_list(a.batches, "--batches"), number_list(a.feature_rows, "--feature-rows")
     gaps = number_list(a.gaps_ms, "--gaps-ms", float)
     if a.nodes < 1 or a.rounds < 10:
@@ -458,18 +467,18 @@ def main(argv=None) -> dict:
                                 a.feature_wire)
             try:
                 with _recording_drafter(stages_dir) if stages_dir else contextlib.nullcontext():
-                    links = {(b, gap): time_link(port, tree, b, a.rounds, a.trace, gap / 1e3, vocab, seq_len,
-                                                 a.feature_wire)
-                             for b in batches for gap in gaps}
+                    links = {(b, gap, ring): time_link(port, tree, b, a.rounds, a.trace, gap / 1e3, vocab, seq_len,
+                                                       a.feature_wire, ring == "on")
+                             for b in batches for gap in gaps for ring in rings}
             finally:
                 proc.kill()
-            for (b, gap), link in links.items():
+            for (b, gap, ring), link in links.items():
                 window = link.pop("window_ns")
                 if stages_dir:
                     link["stages_ms"] = stage_medians(stages_dir, *window)
                 echo = time_echo(echo_port, link["request_bytes"], link["reply_bytes"], a.rounds, gap / 1e3)
                 overhead = link["median_ms"] - echo["median_ms"]
-                res["rows"].append({"batch": b, "feature_rows": rows, "gap_ms": gap,
+                res["rows"].append({"batch": b, "feature_rows": rows, "gap_ms": gap, "feature_ring": ring,
                                     "request_bytes": link["request_bytes"], "reply_bytes": link["reply_bytes"],
                                     "link": link, "echo": echo, "overhead_ms": overhead,
                                     "link_per_session_ms": link["median_ms"] / b,
@@ -486,23 +495,27 @@ def main(argv=None) -> dict:
 
 
 def print_table(res: dict) -> None:
-    print(f"\n{'B':>3} {'rows':>4} {'gap':>5} {'bytes up':>9} {'bytes down':>10} {'link':>8} {'link p90':>9} "
+    print(f"\n{'B':>3} {'rows':>4} {'gap':>5} {'ring':>4} {'bytes up':>9} {'bytes down':>10} {'link':>8} "
+          f"{'link p90':>9} "
           f"{'held':>7} {'wire':>7} {'echo':>8} {'echo p90':>9} {'ours':>8} {'link/B':>8} {'echo/B':>8} {'ours/B':>8}")
     for row in res["rows"]:
         link, echo = row["link"], row["echo"]
-        print(f"{row['batch']:3d} {row['feature_rows']:4d} {row['gap_ms']:5.1f} {row['request_bytes']:9d} "
+        print(f"{row['batch']:3d} {row['feature_rows']:4d} {row['gap_ms']:5.1f} {row['feature_ring']:>4} "
+              f"{row['request_bytes']:9d} "
               f"{row['reply_bytes']:10d} {link['median_ms']:8.3f} {link['p90_ms']:9.3f} {link['held_median_ms']:7.3f} "
               f"{link['wire_median_ms']:7.3f} {echo['median_ms']:8.3f} "
               f"{echo['p90_ms']:9.3f} {row['overhead_ms']:8.3f} {row['link_per_session_ms']:8.3f} "
               f"{row['echo_per_session_ms']:8.3f} {row['overhead_per_session_ms']:8.3f}")
     print("(ms per link message of B sessions' trees, and per session (/B); rows = feature rows per session; "
+          "ring = the rows through the verifier's shared-memory ring (bytes down then leave them out); "
           "ours = link - echo: servicer, worker hop, tree validation, codec; held = the verifier's hold of the "
           "message, its decoding to its reply's encoding (LinkResponse.held_seconds: the worker hop, tree "
           "validation, masks, the canned verify); wire = link - held: gRPC both ways, the drafter's encoding "
           "and decoding, the verifier's parse and its reply's way to the event loop's write)")
     staged = [row for row in res["rows"] if row["link"].get("stages_ms")]
     if staged:
-        cases = [f"B={row['batch']} r={row['feature_rows']} g={row['gap_ms']:g}" for row in staged]
+        cases = [f"B={row['batch']} r={row['feature_rows']} g={row['gap_ms']:g} {row['feature_ring']}"
+                 for row in staged]
         print(f"\n{'part of the way (median ms)':<28}" + "".join(f"{case:>18}" for case in cases))
         for stage, _, _ in STAGES:
             times = [row["link"]["stages_ms"].get(stage, float("nan")) for row in staged]

@@ -77,7 +77,8 @@ LINK = Histogram("ddtree_drafter_link_seconds",
                  buckets=_STAGE)
 LINK_BYTES = Counter("ddtree_drafter_link_bytes_total",
                      "Bytes of the link's messages as serialised: to the verifiers (direction=up) and of their "
-                     "replies (direction=down, target features included); not counted in process", ["direction"])
+                     "replies (direction=down, target features included unless they came through a "
+                     "shared-memory feature ring: direction=ring); not counted in process", ["direction"])
 STEP = Histogram("ddtree_drafter_step_seconds",
                  "One link message from the start of its drafting to its reply applied (tokens delivered): "
                  "a round of its sessions", buckets=_STAGE)

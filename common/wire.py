@@ -17,6 +17,7 @@ import grpc
 import numpy as np
 import torch
 
+from common.feature_ring import RingOffer, RingWriter
 from common.feature_wire import SCALE_BYTES, FeatureReader
 from common.protocol import (ALWAYS, MAX_LOGPROBS, MAX_TOKEN_BIAS, CloseEntry, Entry, Extended, ExtendEntry, OpenEntry,
                              Prefilled, SamplingParams, StatusError, StepResult, TokenBias, TokenLogprob, TreeEntry,
@@ -35,9 +36,8 @@ _DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
 _INT_DTYPES = {w: np.dtype(f"<i{w}") for w in (1, 2, 4, 8)}  # little-endian, by byte width
 
 
-def decode_tensor(msg: pb.Tensor, *, max_elements: int, data: bytes | memoryview | None = None) -> torch.Tensor:
-    """The tensor a message holds, a view of its data; `data` stands in for msg.data when given
-    (`parse_link_response`'s view of the features)."""
+def _tensor_kind(msg: pb.Tensor) -> tuple[torch.dtype, list[int], int, int]:
+    """A tensor message's (dtype, shape, elements, bytes per element), checked."""
     dtype = _DTYPES.get(msg.dtype)
     if dtype is None:
         raise WireError(f"unknown tensor dtype {msg.dtype!r}; expected one of {sorted(_DTYPES)}")
@@ -47,9 +47,21 @@ def decode_tensor(msg: pb.Tensor, *, max_elements: int, data: bytes | memoryview
     count = 1
     for d in shape:
         count *= d
+    return dtype, shape, count, torch.empty(0, dtype=dtype).element_size()
+
+
+def tensor_bytes(msg: pb.Tensor) -> int:
+    """The bytes of the tensor a message describes (its data may lie elsewhere: a feature ring)."""
+    _, _, count, itemsize = _tensor_kind(msg)
+    return count * itemsize
+
+
+def decode_tensor(msg: pb.Tensor, *, max_elements: int, data: bytes | memoryview | None = None) -> torch.Tensor:
+    """The tensor a message holds, a view of its data; `data` stands in for msg.data when given
+    (`parse_link_response`'s view of the features, or their rows in a feature ring)."""
+    dtype, shape, count, itemsize = _tensor_kind(msg)
     if count > max_elements:
         raise WireError(f"tensor of {count} elements exceeds the limit of {max_elements}")
-    itemsize = torch.empty(0, dtype=dtype).element_size()
     if data is None:
         data = msg.data  # each read of a bytes field makes a new bytes object: read it once
     if len(data) != count * itemsize:
@@ -208,18 +220,36 @@ class EncodedReply:
     results: tuple[tuple[int, str], ...]
 
 
+@dataclass(frozen=True)
+class RingPlace:
+    """Where a reply's feature rows go instead of into it: the link's ring, at a reserved position."""
+    ring: RingWriter
+    at: int
+
+
+def feature_bytes(results: Sequence[StepResult], feature_dim: int, dtype: torch.dtype) -> int:
+    """The bytes of the feature rows a reply to `results` carries."""
+    rows = sum(r.outcome.features.shape[0] for r in results if isinstance(r.outcome, (Prefilled, Verified, Extended)))
+    return rows * feature_dim * torch.empty(0, dtype=dtype).element_size()
+
+
 def encode_link_response(step: int, results: Sequence[StepResult], feature_dim: int,
                          dtype: torch.dtype, step_seconds: float = 0.0, notice: bool = False,
-                         held_seconds: float = 0.0) -> EncodedReply:
+                         held_seconds: float = 0.0, place: RingPlace | None = None,
+                         offer: RingOffer | None = None) -> EncodedReply:
     """Results in order, with the features of all of them in one tensor (rows in result order),
     the time of the verifier step that made them and how long the verifier held the message
-    (`LinkResponse.held_seconds`); serialised.
+    (`LinkResponse.held_seconds`); serialised. With `place`, the rows go to the link's ring
+    (`common.feature_ring`; `feature_bytes` reserved there) and the reply says where; `offer`
+    offers the link a ring.
 
     The features (megabytes per step) are copied once, into the serialised reply: the message
     is serialised without them and their field appended after it (protobuf's wire format allows
     a message's fields in any order), instead of copying them into the message and then into its
     serialisation."""
     msg = pb.LinkResponse(step=step, step_seconds=step_seconds, notice=notice, held_seconds=held_seconds)
+    if offer is not None:
+        msg.ring.CopyFrom(pb.FeatureRing(path=offer.path, capacity=offer.capacity, nonce=offer.nonce))
     rows = []
     for r in results:
         o = r.outcome
@@ -239,7 +269,16 @@ def encode_link_response(step: int, results: Sequence[StepResult], feature_dim: 
             rows.append(o.features)
         else:
             msg.results.add(session_id=r.session_id, error=pb.Error(code=status_code(o.status), message=o.message))
-    data = b"".join([msg.SerializeToString(), *_tensor_field(_FEATURES_FIELD, _stack_rows(rows, feature_dim, dtype))])
+    features = _stack_rows(rows, feature_dim, dtype)
+    if place is not None:
+        if features.numel() * features.element_size() != feature_bytes(results, feature_dim, dtype):
+            raise ValueError("a reply's feature rows differ from the bytes reserved for them")
+        place.ring.write(place.at, features)
+        msg.features_at = place.at
+        msg.features.CopyFrom(pb.Tensor(dtype=_DTYPE_NAMES[features.dtype], shape=list(features.shape)))
+        data = msg.SerializeToString()
+    else:
+        data = b"".join([msg.SerializeToString(), *_tensor_field(_FEATURES_FIELD, features)])
     return EncodedReply(data, tuple((r.session_id, r.WhichOneof("kind")) for r in msg.results))
 
 

@@ -113,6 +113,10 @@ def parse_args(argv=None) -> DrafterConfig:
              help="also print one line per span to stdout (name, ms, trace id prefix, key attributes)")
     p.switch("--no-cuda-graphs", env="DRAFTER_NO_CUDA_GRAPHS", default=not d.cuda_graphs,
              help="run the draft step eagerly on CUDA instead of replaying captured CUDA graphs")
+    p.switch("--feature-ring", env="DRAFTER_FEATURE_RING", default=d.feature_ring, negatable=True,
+             help="ask each verifier for a shared-memory ring for its replies' feature rows: on the verifier's "
+                  "host they then skip gRPC (elsewhere the ring cannot be mapped and they come inline); "
+                  "--no-feature-ring: always inline")
     p.flag("--pipelining", env="DRAFTER_PIPELINING", default=d.pipelining, choices=("auto", "on", "off"),
            help="on: with two or more sessions, keep --pipeline-groups link messages in flight (default two, "
                 "each with half of them), so drafting one group overlaps verifying the others and the round trip; "
@@ -189,7 +193,7 @@ def parse_args(argv=None) -> DrafterConfig:
                          trace_console=a.trace_console, cuda_graphs=not a.no_cuda_graphs,
                          max_message_mb=a.max_message_mb, max_prompt_bytes=a.max_prompt_bytes,
                          pipelining=a.pipelining, shared_gpu_pipeline_sessions=a.shared_gpu_pipeline_sessions,
-                         pipeline_groups=a.pipeline_groups,
+                         pipeline_groups=a.pipeline_groups, feature_ring=a.feature_ring,
                          adaptive_budget=a.adaptive_budget, bench_oracle=a.bench_oracle,
                          tls=tls, verifier_tls=verifier_tls, api_key=api_key, http_port=a.http_port,
                          served_model_name=a.served_model_name, log_level=a.log_level, log_format=a.log_format)

@@ -15,6 +15,7 @@ on it is lost); the next step opens a new stream. `LocalLink` is the in-process 
 from __future__ import annotations
 
 import collections
+import logging
 import math
 import queue
 import threading
@@ -24,17 +25,20 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import grpc
+import torch
 
 from common import metrics
 from common.config import DraftConfig, TargetConfig
+from common.feature_ring import RingError, RingOffer, RingReader
 from common.feature_wire import FORMATS, FeatureReader
 from common.protocol import (CloseEntry, Entry, Extended, ExtendEntry, OpenEntry, Prefilled, StatusError, StepResult,
                              TreeEntry, Verified, VerifiedRows)
 from common.rpc import CHANNEL_OPTIONS, pb, pb_grpc
 from common.tls import ChannelTls
 from common.tls import open_channel as open_tls_channel
-from common.wire import WireError, decode_link_response, encode_link_request, parse_link_response
+from common.wire import WireError, decode_link_response, encode_link_request, parse_link_response, tensor_bytes
 
+log = logging.getLogger(__name__)
 _END = object()
 # Takes a notice's results: Prefilled results, without their features, of the message being received.
 OnNotice = Callable[[list[StepResult]], None]
@@ -187,12 +191,18 @@ class GrpcLink(_Lockstep):
     """A verifier behind gRPC (implements `VerifierLink`); `stub` comes from `verifier_stub`."""
 
     def __init__(self, stub: pb_grpc.VerifierStub, *, vocab_size: int, feature_dim: int, max_seq_len: int,
-                 features: FeatureReader = FeatureReader()):
+                 features: FeatureReader = FeatureReader(), feature_ring: bool = True):
         """`features`: how the replies' feature rows are read (`common.feature_wire.feature_reader`:
-        packed or not, and brought to the draft's device)."""
+        packed or not, and brought to the draft's device). `feature_ring`: ask each stream's verifier
+        for a shared-memory ring for them (`common.feature_ring`; used where this host reaches it)."""
         self.stub = stub
         self.vocab_size, self.feature_dim, self.max_seq_len = vocab_size, feature_dim, max_seq_len
         self.features = features
+        # Rows read out of the ring are copied out before it is released: to the draft's device, or a copy.
+        self._ring_features = FeatureReader(features.packed, features.to_draft or torch.Tensor.clone)
+        self.feature_ring = feature_ring
+        self._ring: RingReader | None = None  # this stream's ring, mapped
+        self._ring_ask = self._ring_offered = self._ring_refuse = False
         self._requests: queue.SimpleQueue | None = None
         self._call = None
         self._replies = None
@@ -208,6 +218,7 @@ class GrpcLink(_Lockstep):
         self._requests = queue.SimpleQueue()
         self._call = self.stub.Link(iter(self._requests.get, _END))
         self._replies = queue.SimpleQueue()
+        self._ring, self._ring_ask, self._ring_offered, self._ring_refuse = None, self.feature_ring, False, False
         threading.Thread(target=_read_replies, args=(self._call, self._replies), name="verifier-link-reader",
                          daemon=True).start()
 
@@ -217,7 +228,9 @@ class GrpcLink(_Lockstep):
                 self._connect()
             sent = time.perf_counter()
             self._steps += 1
-            data = encode_link_request(self._steps, entries).SerializeToString()
+            message = encode_link_request(self._steps, entries)
+            self._ring_fields(message)
+            data = message.SerializeToString()
             self.bytes_sent += len(data)
             metrics.LINK_BYTES.labels("up").inc(len(data))
             self._unanswered.append((self._steps, entries, sent))
@@ -238,9 +251,21 @@ class GrpcLink(_Lockstep):
                 reply, feature_data = parse_link_response(data)  # ValueError (a WireError's base) when corrupt
                 if reply.step != step:
                     raise WireError(f"reply to step {reply.step}, expected {step}")
+                if reply.HasField("ring"):
+                    self._take_offer(reply.ring)
+                reader, ring_end = self.features, None
+                if reply.HasField("features_at"):  # the rows lie in the ring (RingError is a ValueError)
+                    if self._ring is None:
+                        raise WireError("features in a feature ring that is not mapped")
+                    nbytes = tensor_bytes(reply.features)
+                    feature_data = self._ring.rows(reply.features_at, nbytes)
+                    reader, ring_end = self._ring_features, reply.features_at + nbytes
                 results = decode_link_response(reply, vocab_size=self.vocab_size, feature_dim=self.feature_dim,
                                                max_feature_rows=(len(entries) + 1) * self.max_seq_len,
-                                               feature_data=feature_data, reader=self.features)
+                                               feature_data=feature_data, reader=reader)
+                if ring_end is not None:  # copied out: the next message releases them
+                    self._ring.done(ring_end)
+                    metrics.LINK_BYTES.labels("ring").inc(nbytes)
                 if not reply.notice:
                     check_results(entries, results)
                     break
@@ -257,6 +282,27 @@ class GrpcLink(_Lockstep):
         held = _seconds(reply.held_seconds)
         self.link_s = max(arrived - sent - held, 0.0) + time.perf_counter() - decoding if held else 0.0
         return results
+
+    def _ring_fields(self, message: pb.LinkRequest) -> None:
+        """The feature ring's fields of a message: the request for one (a new stream's first
+        message), then the rows read from it, or the refusal of one this host cannot map."""
+        if self._ring_ask:
+            message.feature_ring, self._ring_ask = True, False
+        if self._ring is not None:
+            message.ring_released = self._ring.read_to
+        elif self._ring_refuse:
+            message.ring_refused, self._ring_refuse = True, False
+
+    def _take_offer(self, offer: pb.FeatureRing) -> None:
+        """Map the ring the verifier offers (or refuse it, in the next message, where it cannot be)."""
+        if not self.feature_ring or self._ring_offered:
+            raise WireError("a feature ring offered unasked")
+        self._ring_offered = True
+        try:
+            self._ring = RingReader(RingOffer(offer.path, offer.capacity, offer.nonce))
+        except (OSError, RingError) as exc:
+            self._ring_refuse = True
+            log.info("the verifier's feature ring is not reachable from here (%s); its rows come inline", exc)
 
     def _next_reply(self) -> tuple[bytes, float]:
         """The next message on the stream and when it arrived; raises StatusError (and drops the

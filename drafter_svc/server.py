@@ -105,6 +105,9 @@ class DrafterConfig:
     pipelining: str = "auto"
     shared_gpu_pipeline_sessions: int = 64
     pipeline_groups: int = 2  # pipelined: link messages in flight, each with 1 / this of the sessions
+    # Ask each verifier for a shared-memory ring for its replies' feature rows (`common.feature_ring`):
+    # on the verifier's host they then skip gRPC; elsewhere the drafter refuses the ring.
+    feature_ring: bool = True
     # "auto"/"on": each step's DDTrees are cut to the budget that the verifier's cost table and
     # the observed acceptance promise the most tokens per second for (`drafter_svc.budget`;
     # a request's tree_budget is then a cap); "auto" falls back to the fixed budget when the
@@ -197,7 +200,8 @@ def _remote_link(cfg: DrafterConfig, torch_dtype, target_cfg, draft_cfg
     # Each reply's feature rows go to the draft's device in one copy (unpacked there under --feature-wire fp8).
     features = feature_reader(info.feature_wire, proposer.device, proposer.draft.fc.weight.dtype)
     link = ReplicaLink([Replica(a.address, GrpcLink(stub, vocab_size=info.vocab_size, feature_dim=proposer.feature_dim,
-                                                    max_seq_len=info.max_seq_len, features=features),
+                                                    max_seq_len=info.max_seq_len, features=features,
+                                                    feature_ring=cfg.feature_ring),
                                 functools.partial(stub.Info, pb.InfoRequest(), timeout=2.0),
                                 State.UP if i == first else State.REFUSED if i in refused else State.NEW,
                                 info.max_sessions if i == first else 0)

@@ -415,24 +415,49 @@ def test_features_sent_as_fp8_change_no_output(qwen3_pair, client, verifier_stub
     """A verifier that packs its feature rows as fp8 (--feature-wire fp8, InfoResponse.feature_wire)
     gives concurrent requests, greedy and keyed-seeded, whole prompts and chunked ones, the tokens of
     the verifier that sends them in the model's dtype, in a quarter of the bytes for the float32 rows
-    (the prompts' rows dominate); only the drafts read the rounded rows."""
+    (the prompts' rows dominate); only the drafts read the rounded rows. (Rows inline: no feature ring.)"""
     reqs = [request(PROMPTS[i % 3] * (1 + i), n=12, budget=(4, 8, 16, 0)[i], temperature=(0.0, 0.9)[i % 2],
                     top_k=20, seed=90 + i) for i in range(MAX_SESSIONS)]
     with ServerThread(lambda: serve_verifier(verifier_config(qwen3_pair, max_sessions=2))) as plain_verifier:
-        engine = drafter_engine(qwen3_pair, plain_verifier.port, prefill_chunk=8)
+        engine = drafter_engine(qwen3_pair, plain_verifier.port, prefill_chunk=8, feature_ring=False)
         with served(engine) as stub:
             alone = concurrently(stub, reqs)
         plain_bytes = engine.scheduler.link.bytes_received
     with ServerThread(lambda: serve_verifier(verifier_config(qwen3_pair, max_sessions=2, feature_wire="fp8"))) as fp8:
         with grpc.insecure_channel(f"127.0.0.1:{fp8.port}", options=CHANNEL_OPTIONS) as channel:
             assert pb_grpc.VerifierStub(channel).Info(pb.InfoRequest()).feature_wire == "fp8-e4m3-rowscale"
-        engine = drafter_engine(qwen3_pair, fp8.port, prefill_chunk=8)
+        engine = drafter_engine(qwen3_pair, fp8.port, prefill_chunk=8, feature_ring=False)
         with served(engine) as stub:
             together = concurrently(stub, reqs)
         fp8_bytes = engine.scheduler.link.bytes_received
     assert [tokens for tokens, _, _ in together] == [tokens for tokens, _, _ in alone]
     assert [final.finish_reason for _, _, final in together] == [final.finish_reason for _, _, final in alone]
     assert fp8_bytes < 0.35 * plain_bytes
+    wait_full(verifier_stub)
+
+
+def test_feature_rows_through_the_ring_change_no_output(qwen3_pair, client, verifier_stub, tmp_path):
+    """A drafter on the verifier's host takes its feature rows through the verifier's shared-memory
+    ring (common/feature_ring.py): concurrent requests, greedy and seeded, whole prompts and
+    chunked ones, get the tokens of a drafter that takes them inline, the link carries a small
+    part of the bytes, and the ring's file is gone from its directory."""
+    reqs = [request(PROMPTS[i % 3] * (1 + i), n=12, budget=(4, 8, 16, 0)[i], temperature=(0.0, 0.9)[i % 2],
+                    top_k=20, seed=110 + i) for i in range(MAX_SESSIONS)]
+    config = verifier_config(qwen3_pair, max_sessions=2, feature_ring_dir=str(tmp_path))
+    with ServerThread(lambda: serve_verifier(config)) as ring_verifier:
+        engine = drafter_engine(qwen3_pair, ring_verifier.port, prefill_chunk=8, feature_ring=False)
+        with served(engine) as stub:
+            alone = concurrently(stub, reqs)
+        inline_bytes = engine.scheduler.link.bytes_received
+        engine = drafter_engine(qwen3_pair, ring_verifier.port, prefill_chunk=8)
+        with served(engine) as stub:
+            together = concurrently(stub, reqs)
+            assert os.listdir(tmp_path) == []  # unlinked once the drafter mapped it
+        ring_bytes = engine.scheduler.link.bytes_received
+    assert [tokens for tokens, _, _ in together] == [tokens for tokens, _, _ in alone]
+    assert [list(f.stats.acceptance_lengths) for _, _, f in together] == \
+        [list(f.stats.acceptance_lengths) for _, _, f in alone]
+    assert ring_bytes < 0.2 * inline_bytes
     wait_full(verifier_stub)
 
 

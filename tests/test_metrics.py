@@ -125,11 +125,14 @@ def test_a_completion_moves_the_counters_by_its_usage(client, drafter, services)
     assert 0 < moved(before, after, "ddtree_drafter_link_seconds_sum") < moved(
         before, after, "ddtree_drafter_verify_rpc_seconds_sum")
     # The bytes both ways: the replies carry the target features of every emitted token but the
-    # prefill's last (a prompt row and a path row each, hidden-size float32 context rows here).
+    # prefill's last (a prompt row and a path row each, hidden-size float32 context rows here),
+    # the first reply's inline, the later ones' through the verifier's feature ring (one host).
     down = moved(before, after, "ddtree_drafter_link_bytes_total", direction="down")
+    ring = moved(before, after, "ddtree_drafter_link_bytes_total", direction="ring")
     assert moved(before, after, "ddtree_drafter_link_bytes_total", direction="up") > 0
     hidden = load_target_config(PAIR / "target").hidden_size
-    assert down > (out.usage.prompt_tokens + tokens - 1) * 4 * hidden
+    assert down + ring > (out.usage.prompt_tokens + tokens - 1) * 4 * hidden
+    assert ring >= (tokens - 1) * 4 * hidden
     assert value(after, "ddtree_drafter_active_sessions") == 0
     # The verifier verified every round's tree and ran the open; the closed session freed its slot.
     assert moved(verifier_before, verifier_after, "ddtree_verifier_step_batch_size_sum") == rounds

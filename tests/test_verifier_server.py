@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import os
 import queue
 import threading
 import time
@@ -31,6 +32,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from common import metrics
 from common.config import load_draft_config
+from common.feature_ring import RingOffer, RingReader
 from common.make_tiny import TinySizes
 from common.protocol import (
     CloseEntry,
@@ -51,8 +53,10 @@ from common.tree import DraftTree
 from common.wire import (
     MAX_SESSION_ID,
     decode_link_response,
+    decode_tensor,
     encode_link_request,
     pack_ints,
+    tensor_bytes,
 )
 from drafter_svc.ddtree import build_ddtree
 from tests.servers import ServerThread
@@ -1360,3 +1364,83 @@ def test_a_stalled_model_worker_turns_the_verifier_not_serving(config, caplog):
     said = [r.getMessage() for r in caplog.records]
     assert any(m.startswith("the model worker has made no progress for ") for m in said), said
     assert "the model worker makes progress again: serving" in said, said
+
+
+# -- the feature ring (common/feature_ring.py) -------------------------------------------------
+
+
+def _ring_rows(reader: RingReader, reply: pb.LinkResponse) -> torch.Tensor:
+    """A reply's rows read out of the ring it says they lie in."""
+    nbytes = tensor_bytes(reply.features)
+    rows = decode_tensor(reply.features, max_elements=nbytes, data=reader.rows(reply.features_at, nbytes)).clone()
+    reader.done(reply.features_at + nbytes)
+    return rows
+
+
+def test_a_feature_ring_carries_the_rows_a_reply_would(stub, layers):
+    """A link that asks gets a ring in its first reply (rows still inline); once it releases (it
+    mapped the ring) the rows go there, the file is unlinked, and they equal the rows a link
+    without a ring gets inline, step for step."""
+    trees = [small_tree, lambda r: chain(r, 6), root_only]
+    with LinkStream(stub) as ring_link, LinkStream(stub) as plain:
+        asking = encode_link_request(1, [opening(1, layers, PROMPTS[0])])
+        asking.feature_ring = True
+        first = ring_link.send(asking)
+        want = plain.send([opening(1, layers, PROMPTS[0])])
+        assert first.HasField("ring") and not first.HasField("features_at")
+        assert first.features.data == want.features.data
+        offer = RingOffer(first.ring.path, first.ring.capacity, first.ring.nonce)
+        assert offer.capacity == 64 << 20 and os.stat(offer.path).st_mode & 0o777 == 0o600
+        reader = RingReader(offer)
+        roots, plain_roots = first.results[0].prefilled.token, want.results[0].prefilled.token
+        for rnd in range(1, 13):
+            message = encode_link_request(rnd + 1, [TreeEntry(1, rnd, trees[rnd % 3](roots))])
+            message.ring_released = reader.read_to
+            got = ring_link.send(message)
+            assert not os.path.exists(offer.path)  # unlinked once the drafter answered
+            inline = plain.send([TreeEntry(1, rnd, trees[rnd % 3](plain_roots))])
+            assert got.HasField("features_at") and not got.features.data
+            assert torch.equal(_ring_rows(reader, got), decode_tensor(inline.features, max_elements=1 << 20))
+            assert list(got.results[0].verified.accepted_tokens) == list(inline.results[0].verified.accepted_tokens)
+            roots = got.results[0].verified.next_token
+            plain_roots = inline.results[0].verified.next_token
+        ring_link.send([CloseEntry(1)])
+        plain.send([CloseEntry(1)])
+        ring_link.end()
+        plain.end()
+
+
+def test_a_refused_ring_leaves_the_rows_inline_and_no_file(stub, layers):
+    with LinkStream(stub) as link:
+        asking = encode_link_request(1, [opening(1, layers)])
+        asking.feature_ring = True
+        first = link.send(asking)
+        refusing = encode_link_request(2, [TreeEntry(1, 1, small_tree(first.results[0].prefilled.token))])
+        refusing.ring_refused = True
+        got = link.send(refusing)
+        assert not os.path.exists(first.ring.path) and not got.HasField("features_at") and got.features.data
+        link.send([CloseEntry(1)])
+        link.end()
+
+
+@pytest.mark.parametrize("case", ["released without a ring", "released past the rows", "refused twice"])
+def test_bad_ring_fields_end_the_link(stub, layers, case):
+    """Ring fields that do not fit the link's ring end the link with INVALID_ARGUMENT (one line)."""
+    with LinkStream(stub) as link:
+        message = encode_link_request(1, [opening(1, layers)])
+        if case == "released without a ring":
+            message.ring_released = 0
+            link.post(message)
+        else:
+            message.feature_ring = True
+            link.send(message)
+            second = encode_link_request(2, [CloseEntry(1)])
+            if case == "released past the rows":
+                second.ring_released = 1 << 40
+            else:
+                second.ring_refused = True
+                link.send(second)
+                second = encode_link_request(3, [])
+                second.ring_refused = True
+            link.post(second)
+        link.expect_abort(grpc.StatusCode.INVALID_ARGUMENT, "ring")

@@ -80,6 +80,11 @@ def build_parser() -> argparse.ArgumentParser:
          type=float, env="VERIFIER_STALL_TIMEOUT_S")
     flag("--max-inflight", "max_inflight", "unanswered messages per drafter link before the verifier stops "
          "reading it (back-pressure)", type=int)
+    flag("--feature-ring-mb", "feature_ring_mb", "MiB of shared memory per drafter link for the replies' feature "
+         "rows, offered to drafters that ask: one on this host maps it and its rows no longer cross gRPC (others "
+         "refuse it and get them inline); 0 = none offered", type=int, env="VERIFIER_FEATURE_RING_MB")
+    flag("--feature-ring-dir", "feature_ring_dir", "directory of those rings' files (each unlinked once its "
+         "drafter has answered); empty = /dev/shm, or the temp directory without one", env="VERIFIER_FEATURE_RING_DIR")
     flag("--max-message-mb", "max_message_mb", "inbound message cap in MiB (larger messages get RESOURCE_EXHAUSTED); "
          "0 = what the largest link message at --max-sessions, --max-seq-len and --max-tree-nodes needs", type=int)
     flag("--graph-batches", "graph_batches", "batch buckets (sessions per step) of the captured verify CUDA graphs",
@@ -157,6 +162,7 @@ def parse_config(argv: list[str] | None = None) -> VerifierConfig:
         sampling=args.sampling, deterministic=args.deterministic, prefill_graphs=args.prefill_graphs,
         tensor_parallel=args.tensor_parallel,
         max_message_mb=args.max_message_mb,
+        feature_ring_mb=args.feature_ring_mb, feature_ring_dir=args.feature_ring_dir,
         measure_costs=args.measure_costs, feature_wire=args.feature_wire,
         metrics_port=args.metrics_port, log_level=args.log_level, log_format=args.log_format,
         tls=ServerTls(cert=args.tls_cert or "", key=args.tls_key or "", client_ca=args.tls_client_ca or ""),

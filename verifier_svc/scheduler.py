@@ -39,10 +39,11 @@ import torch
 from opentelemetry import trace
 
 from common import metrics
+from common.feature_ring import RingOffer, RingWriter
 from common.feature_wire import wire_rows
 from common.protocol import CloseEntry, Entry, ExtendEntry, OpenEntry, StatusError, StepResult, TreeEntry, Verified
 from common.tracing import context_from_traceparent, tracer
-from common.wire import EncodedReply, encode_link_notice, encode_link_response
+from common.wire import EncodedReply, RingPlace, encode_link_notice, encode_link_response, feature_bytes
 from verifier_svc.tree_verifier import SHUTTING_DOWN, PendingStep, TreeVerifier, VerifierError
 
 log = logging.getLogger(__name__)
@@ -61,6 +62,8 @@ class LinkStep:
     notice: asyncio.Future | None = None  # for a message that ends a prompt: the notice ahead of its reply, or None
     received_bytes: int = 0
     decoded: float = field(default_factory=time.perf_counter)  # its message decoded (LinkResponse.held_seconds)
+    ring: RingWriter | None = None  # the link's feature ring: the reply's rows go there when it has room
+    offer: RingOffer | None = None  # a ring offered in the reply
 
     @property
     def ends_prompts(self) -> bool:
@@ -473,26 +476,34 @@ class ModelWorker:
                     log.exception("encoding a link notice failed")
                     notice = None
                 _resolve(s.notice, result=notice)
-            answers.append((s, out))
+            answers.append((s, out, self._ring_place(s, out)))
         encode = functools.partial(self._encode_replies, answers, span, step_s)
         if run.pending.has_prompts:
             self._encoder.submit(encode)
         else:
             encode()
 
-    def _encode_replies(self, answers: list[tuple[LinkStep, list[StepResult]]], span: trace.Span,
+    def _ring_place(self, s: LinkStep, out: list[StepResult]) -> RingPlace | None:
+        """Where the reply's feature rows go in its link's ring, reserved here (the replies of a
+        link are reserved in their order, as the ring needs), or None: inline."""
+        nbytes = feature_bytes(out, self.feature_dim, self.dtype) if s.ring is not None else 0
+        at = s.ring.reserve(nbytes) if nbytes else None
+        return None if at is None else RingPlace(s.ring, at)
+
+    def _encode_replies(self, answers: list[tuple[LinkStep, list[StepResult], RingPlace | None]], span: trace.Span,
                         step_s: float) -> None:
         """Serialise each message's reply and hand it to its link; ends the step's span."""
         replies = []
         with trace.use_span(span, end_on_exit=True), _tracer.start_as_current_span("encode"):
-            for s, out in answers:
+            for s, out, place in answers:
                 try:
                     replies.append(encode_link_response(s.step, out, self.feature_dim, self.dtype, step_s,
-                                                        held_seconds=time.perf_counter() - s.decoded))
+                                                        held_seconds=time.perf_counter() - s.decoded, place=place,
+                                                        offer=s.offer))
                 except Exception:
                     log.exception("encoding a link response failed")
                     replies.append(VerifierError("INTERNAL", "internal error in the verifier; see its log"))
-        for (s, _), reply in zip(answers, replies):
+        for (s, _, _), reply in zip(answers, replies):
             if isinstance(reply, VerifierError):
                 _settle(s, error=reply)
             else:

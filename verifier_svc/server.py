@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import time
 from dataclasses import dataclass
 
@@ -30,6 +31,7 @@ from common import metrics
 from common.config import CheckpointError, load_target_config
 from common.devices import device_id, parse_device
 from common.feature_projection import FeatureProjection
+from common.feature_ring import RingError, RingOffer, RingWriter, default_dir
 from common.feature_wire import FORMATS, FP8, SCALE_BYTES
 from common.grpc_server import MIB, start_grpc_server
 from common.logs import memory_summary
@@ -85,6 +87,11 @@ class VerifierConfig:
     # Inbound message cap in MiB (larger ones get RESOURCE_EXHAUSTED); 0 = what the limits need
     # (`link_message_bytes`), rounded up to a whole MiB.
     max_message_mb: int = 0
+    # A shared-memory ring per link for the replies' feature rows, offered to drafters that ask
+    # (those on this host map it; `common.feature_ring`): its size in MiB, 0 = none offered; and
+    # where its file goes ("" = /dev/shm, or the temp dir without one).
+    feature_ring_mb: int = 64
+    feature_ring_dir: str = ""
     # "keyed": position-keyed sampling (a seeded output does not depend on the trees, the budget or
     # the batch; fused: 2.1 ms vs the coin walk's 1.7 ms at 32 x 17 nodes, H200); "coins": the
     # target-only coin walk (SGLang's tree_speculative_sampling_target_only semantics, fused).
@@ -126,6 +133,10 @@ class VerifierConfig:
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         self.graph_config().check()  # checked where graphs are off too: the same flags fail on every machine
+        if self.feature_ring_mb < 0:
+            raise ValueError(f"feature_ring_mb must be >= 0 (0 = no ring), got {self.feature_ring_mb}")
+        if self.feature_ring_mb and self.feature_ring_dir and not os.path.isdir(self.feature_ring_dir):
+            raise ValueError(f"feature_ring_dir {self.feature_ring_dir!r} is not a directory")
         if self.max_message_mb < 0:
             raise ValueError(f"max_message_mb must be >= 0 (0 = what the limits need), got {self.max_message_mb}")
         if 0 < self.max_message_mb < _whole_mib(self.link_message_bytes()):
@@ -265,6 +276,8 @@ class _Link:
         self.timers = SessionTimers(config.open_timeout_s, config.idle_timeout_s)  # its sessions, and their timeouts
         self.messages = 0
         self.cut = asyncio.Event()  # set on shutdown, once the drain is over: the link ends with UNAVAILABLE
+        self.ring: RingWriter | None = None  # the link's feature ring, once offered (`take_ring_fields`)
+        self._ring_offered = False
 
     async def run(self) -> str:
         """Serve the link until the drafter ends it; returns why. Raises VerifierError.
@@ -295,13 +308,14 @@ class _Link:
                 data, read = read.result(), None
                 if data is grpc.aio.EOF:
                     break
-                try:  # decode_link_request's WireError is a ValueError
+                try:  # decode_link_request's WireError and RingError are ValueErrors
                     message = decode_message(pb.LinkRequest, data)
                     items = decode_link_request(message, self.limits)
+                    offer = self.take_ring_fields(message)
                 except ValueError as exc:
                     raise VerifierError("INVALID_ARGUMENT", f"bad link message: {exc}") from None
                 items = self.timers.heard(items)
-                job = LinkStep(self.owner, message.step, items, received_bytes=len(data))
+                job = LinkStep(self.owner, message.step, items, received_bytes=len(data), ring=self.ring, offer=offer)
                 self.worker.submit(job)
                 await pending.put(job)
             await pending.put(None)
@@ -311,7 +325,38 @@ class _Link:
             cut.cancel()
             if read is not None:
                 read.cancel()
+            if self.ring is not None:
+                self.ring.close()
         return "the drafter ended the link"
+
+    def take_ring_fields(self, message: pb.LinkRequest) -> RingOffer | None:
+        """A message's feature-ring fields (`common.feature_ring`): the drafter's answer to the
+        offer and its release of rows read (ValueError when they do not fit the ring), or its
+        request for a ring, which returns the offer for the reply (None: none made)."""
+        ring = self.ring
+        if message.ring_refused:
+            if ring is None or ring.mapped:
+                raise RingError("ring_refused without a ring offered")
+            ring.close()
+            self.ring = None
+            log.info("link %d: the drafter could not map the feature ring; its rows travel inline", self.owner)
+        if message.HasField("ring_released"):
+            if ring is None or ring is not self.ring:
+                raise RingError("ring_released without a ring offered")
+            if not ring.mapped:
+                ring.answered(mapped=True)
+                log.info("link %d: feature rows go through a shared-memory ring of %d MiB", self.owner,
+                         ring.capacity >> 20)
+            ring.release(message.ring_released)
+        if not message.feature_ring or self._ring_offered or not self.config.feature_ring_mb:
+            return None
+        self._ring_offered = True
+        try:
+            self.ring = RingWriter(self.config.feature_ring_mb << 20, self.config.feature_ring_dir or default_dir())
+        except OSError as exc:
+            log.warning("link %d: no feature ring (%s); its rows travel inline", self.owner, exc)
+            return None
+        return self.ring.offer()
 
     async def _write(self, pending: asyncio.Queue) -> None:
         """Write each message's reply in order, after its notice (first tokens) when there is one."""

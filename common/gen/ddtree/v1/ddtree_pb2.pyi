@@ -273,18 +273,34 @@ class SessionEntry(_message.Message):
     def __init__(self, session_id: _Optional[int] = ..., open: _Optional[_Union[Open, _Mapping]] = ..., tree: _Optional[_Union[Tree, _Mapping]] = ..., close: _Optional[_Union[Close, _Mapping]] = ..., extend: _Optional[_Union[Extend, _Mapping]] = ...) -> None: ...
 
 class LinkRequest(_message.Message):
-    __slots__ = ("step", "entries", "tree_tokens", "tree_next_token", "tree_next_sibling")
+    __slots__ = ("step", "entries", "tree_tokens", "tree_next_token", "tree_next_sibling", "feature_ring", "ring_released", "ring_refused")
     STEP_FIELD_NUMBER: _ClassVar[int]
     ENTRIES_FIELD_NUMBER: _ClassVar[int]
     TREE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TREE_NEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
     TREE_NEXT_SIBLING_FIELD_NUMBER: _ClassVar[int]
+    FEATURE_RING_FIELD_NUMBER: _ClassVar[int]
+    RING_RELEASED_FIELD_NUMBER: _ClassVar[int]
+    RING_REFUSED_FIELD_NUMBER: _ClassVar[int]
     step: int
     entries: _containers.RepeatedCompositeFieldContainer[SessionEntry]
     tree_tokens: PackedInts
     tree_next_token: PackedInts
     tree_next_sibling: PackedInts
-    def __init__(self, step: _Optional[int] = ..., entries: _Optional[_Iterable[_Union[SessionEntry, _Mapping]]] = ..., tree_tokens: _Optional[_Union[PackedInts, _Mapping]] = ..., tree_next_token: _Optional[_Union[PackedInts, _Mapping]] = ..., tree_next_sibling: _Optional[_Union[PackedInts, _Mapping]] = ...) -> None: ...
+    feature_ring: bool
+    ring_released: int
+    ring_refused: bool
+    def __init__(self, step: _Optional[int] = ..., entries: _Optional[_Iterable[_Union[SessionEntry, _Mapping]]] = ..., tree_tokens: _Optional[_Union[PackedInts, _Mapping]] = ..., tree_next_token: _Optional[_Union[PackedInts, _Mapping]] = ..., tree_next_sibling: _Optional[_Union[PackedInts, _Mapping]] = ..., feature_ring: _Optional[bool] = ..., ring_released: _Optional[int] = ..., ring_refused: _Optional[bool] = ...) -> None: ...
+
+class FeatureRing(_message.Message):
+    __slots__ = ("path", "capacity", "nonce")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    NONCE_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    capacity: int
+    nonce: bytes
+    def __init__(self, path: _Optional[str] = ..., capacity: _Optional[int] = ..., nonce: _Optional[bytes] = ...) -> None: ...
 
 class Logprobs(_message.Message):
     __slots__ = ("logprobs", "top_counts", "top_token_ids", "top_logprobs")
@@ -353,20 +369,24 @@ class SessionResult(_message.Message):
     def __init__(self, session_id: _Optional[int] = ..., prefilled: _Optional[_Union[Prefilled, _Mapping]] = ..., verified: _Optional[_Union[Verified, _Mapping]] = ..., error: _Optional[_Union[Error, _Mapping]] = ..., extended: _Optional[_Union[Extended, _Mapping]] = ...) -> None: ...
 
 class LinkResponse(_message.Message):
-    __slots__ = ("step", "results", "features", "step_seconds", "notice", "held_seconds")
+    __slots__ = ("step", "results", "features", "step_seconds", "notice", "held_seconds", "ring", "features_at")
     STEP_FIELD_NUMBER: _ClassVar[int]
     RESULTS_FIELD_NUMBER: _ClassVar[int]
     FEATURES_FIELD_NUMBER: _ClassVar[int]
     STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
     NOTICE_FIELD_NUMBER: _ClassVar[int]
     HELD_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    RING_FIELD_NUMBER: _ClassVar[int]
+    FEATURES_AT_FIELD_NUMBER: _ClassVar[int]
     step: int
     results: _containers.RepeatedCompositeFieldContainer[SessionResult]
     features: Tensor
     step_seconds: float
     notice: bool
     held_seconds: float
-    def __init__(self, step: _Optional[int] = ..., results: _Optional[_Iterable[_Union[SessionResult, _Mapping]]] = ..., features: _Optional[_Union[Tensor, _Mapping]] = ..., step_seconds: _Optional[float] = ..., notice: _Optional[bool] = ..., held_seconds: _Optional[float] = ...) -> None: ...
+    ring: FeatureRing
+    features_at: int
+    def __init__(self, step: _Optional[int] = ..., results: _Optional[_Iterable[_Union[SessionResult, _Mapping]]] = ..., features: _Optional[_Union[Tensor, _Mapping]] = ..., step_seconds: _Optional[float] = ..., notice: _Optional[bool] = ..., held_seconds: _Optional[float] = ..., ring: _Optional[_Union[FeatureRing, _Mapping]] = ..., features_at: _Optional[int] = ...) -> None: ...
 
 class InfoRequest(_message.Message):
     __slots__ = ()
