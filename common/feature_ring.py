@@ -4,9 +4,9 @@ A reply's feature rows are most of its bytes (1.8 MB a step at 32 sessions, 8B d
 carrying them through gRPC is most of the link's time. Between two processes of one host they
 need not cross it: a drafter asks for a ring (`LinkRequest.feature_ring`), the verifier creates
 a file in shared memory for that link (`RingWriter`: in `--feature-ring-dir`, mode 0600, random
-name, a header holding a random nonce) and offers it in its reply (`LinkResponse.ring`); the
-drafter maps it read-only (`RingReader`) and from then on a reply carries only where its rows lie
-(`LinkResponse.features_at`). A drafter that cannot map it (another host or user, a container
+name, a header holding a random nonce, its memory allocated at once) and offers it in its reply
+(`LinkResponse.ring`); the drafter maps it read-only (`RingReader`) and from then on a reply
+carries only where its rows lie (`LinkResponse.features_at`). A drafter that cannot map it (another host or user, a container
 without the verifier's /dev/shm, a nonce that differs) refuses it and keeps getting its rows
 inline; so does every reply whose rows do not fit where the drafter has released them.
 
@@ -75,7 +75,10 @@ class RingWriter:
         self.path = os.path.join(os.path.abspath(directory), PREFIX + secrets.token_hex(16))
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
         try:
-            os.ftruncate(fd, HEADER + capacity)
+            # Allocated now, not page by page as rows arrive: a full tmpfs (a container's 64 MB
+            # /dev/shm) fails here (OSError: no ring, rows inline) instead of killing the process
+            # with SIGBUS at a later write.
+            os.posix_fallocate(fd, 0, HEADER + capacity)
             self._map = mmap.mmap(fd, HEADER + capacity)
         except BaseException:
             os.unlink(self.path)

@@ -1444,3 +1444,35 @@ def test_bad_ring_fields_end_the_link(stub, layers, case):
                 second.ring_refused = True
             link.post(second)
         link.expect_abort(grpc.StatusCode.INVALID_ARGUMENT, "ring")
+
+
+def test_no_ring_past_the_cap_or_without_room(stub, layers, monkeypatch, tmp_path):
+    """A link past MAX_FEATURE_RINGS, or one whose ring cannot be allocated (a full tmpfs), gets
+    no offer and no file is left: its rows travel inline."""
+    import verifier_svc.server as server_module
+
+    def ask(link: LinkStream) -> pb.LinkResponse:
+        message = encode_link_request(1, [opening(1, layers)])
+        message.feature_ring = True
+        return link.send(message)
+
+    monkeypatch.setattr(server_module, "MAX_FEATURE_RINGS", 1)
+    with LinkStream(stub) as first, LinkStream(stub) as second:
+        assert ask(first).HasField("ring")
+        reply = ask(second)
+        assert not reply.HasField("ring") and reply.features.data
+        for link in (first, second):
+            link.send([CloseEntry(1)])
+            link.end()
+    monkeypatch.setattr(server_module, "MAX_FEATURE_RINGS", 16)
+
+    def full(fd, offset, length):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+    with LinkStream(stub) as link:
+        assert not ask(link).HasField("ring")
+        link.send([CloseEntry(1)])
+        link.end()
+    assert (set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()) <= before

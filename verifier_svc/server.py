@@ -262,6 +262,11 @@ def startup_summary(verifier: TreeVerifier) -> str:
             f"{len(verifier.verify_costs)} verify costs measured, {features}, {memory_summary(runner.device)}")
 
 
+# Links that may hold a feature ring at once (each --feature-ring-mb of the host's shared memory,
+# allocated when offered); later links get their rows inline.
+MAX_FEATURE_RINGS = 16
+
+
 class _Link:
     """One `Link` RPC: reads messages, hands each to the worker, writes the replies in order.
 
@@ -270,8 +275,10 @@ class _Link:
     control holds the drafter back. The link's sessions are closed however it ends.
     """
 
-    def __init__(self, context: grpc.aio.ServicerContext, worker: ModelWorker, config: VerifierConfig, owner: int):
-        self.context, self.worker, self.config, self.owner = context, worker, config, owner
+    def __init__(self, context: grpc.aio.ServicerContext, worker: ModelWorker, config: VerifierConfig, owner: int,
+                 peers: set[_Link] = frozenset()):
+        """`peers`: the verifier's other links (their feature rings count against MAX_FEATURE_RINGS)."""
+        self.context, self.worker, self.config, self.owner, self.peers = context, worker, config, owner, peers
         self.limits = LinkLimits(max_entries=config.max_link_entries(), max_tree_nodes=config.max_tree_nodes)
         self.timers = SessionTimers(config.open_timeout_s, config.idle_timeout_s)  # its sessions, and their timeouts
         self.messages = 0
@@ -351,6 +358,10 @@ class _Link:
         if not message.feature_ring or self._ring_offered or not self.config.feature_ring_mb:
             return None
         self._ring_offered = True
+        if sum(link.ring is not None for link in self.peers) >= MAX_FEATURE_RINGS:
+            log.warning("link %d: no feature ring (%d links hold one already); its rows travel inline", self.owner,
+                        MAX_FEATURE_RINGS)
+            return None
         try:
             self.ring = RingWriter(self.config.feature_ring_mb << 20, self.config.feature_ring_dir or default_dir())
         except OSError as exc:
@@ -430,7 +441,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
     async def Link(self, request_iterator, context: grpc.aio.ServicerContext) -> None:
         """Serve one drafter link; its messages arrive as bytes (`add_raw_servicer`) and `_Link` parses them."""
         self._links += 1
-        link = _Link(context, self.worker, self.config, self._links)
+        link = _Link(context, self.worker, self.config, self._links, self.links)
         log.info("link %d opened by %s", link.owner, context.peer())
         reason = "?"
         self.links.add(link)
