@@ -12,7 +12,8 @@
 Both services run as their own processes on loopback (free ports, ready once each prints its
 "listening on" line and answers SERVING on grpc.health.v1), and are stopped with SIGTERM
 (then killed) however the run ends. The two services share this host, so the replies' feature rows
-go through the verifier's shared-memory ring (`common/feature_ring.py`) unless `--no-feature-ring`.
+go through the verifier's shared-memory ring (`common/feature_ring.py`) unless `--no-feature-ring`;
+`--ring-ab` runs each controlled-acceptance setting both ways (its inline twin named SETTING-inline).
 With `--delay-ms MS`, the drafters reach the verifier through
 `bench/delay_proxy.py`, a TCP proxy (its own process) that delays every chunk by MS in each
 direction: a link round trip gains 2 x MS, as between hosts (a userspace stand-in for netem), and
@@ -94,7 +95,7 @@ import tempfile
 import time
 import urllib.request
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import grpc
@@ -241,6 +242,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the drafters take their feature rows inline through gRPC, as from another host, instead of "
                         "through the verifier's shared-memory ring (always so with --delay-ms, which stands in for "
                         "another host)")
+    p.add_argument("--ring-ab", action="store_true",
+                   help="also run each controlled-acceptance setting with the drafter taking its rows inline "
+                        "(--no-feature-ring; its rows are named SETTING-inline), to compare with the ring's in one run")
     p.add_argument("--budgets", type=budget_list, default=None,
                    help="tree budgets to compare in each controlled-acceptance setting, e.g. 8,16,32,adaptive "
                         "(adaptive: the drafter with --adaptive-budget on, capped at the largest fixed one; the "
@@ -294,8 +298,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--max-sessions {a.max_sessions} is below the largest concurrency {max(a.concurrency)}")
     if a.delay_ms < 0:
         p.error("--delay-ms must be >= 0")
-    if a.colocate and (a.delay_ms or a.verifier_tp > 1 or a.lockstep):
-        p.error("--colocate has no link to delay, no verifier to shard and only lockstep rounds")
+    if a.colocate and (a.delay_ms or a.verifier_tp > 1 or a.lockstep or a.ring_ab or a.no_feature_ring):
+        p.error("--colocate has no link to delay or to carry rows, no verifier to shard and only lockstep rounds")
     if a.accept_probs is not None and not all(0 <= x <= 1 for x in a.accept_probs):
         p.error("--accept-probs must be in [0, 1]")
     return a
@@ -331,6 +335,7 @@ class Setting:
     lockstep: bool = False  # the drafter started with --pipelining off
     budget: int | None = None  # the requests' tree_budget (None: --tree-budget)
     adaptive: bool = False  # the drafter started with --adaptive-budget on (the budget is then a cap)
+    inline: bool = False  # the drafter started with --no-feature-ring (rows inline, as from another host)
 
 
 def oracle_settings(a: argparse.Namespace, block_size: int) -> list[Setting]:
@@ -349,12 +354,14 @@ def oracle_settings(a: argparse.Namespace, block_size: int) -> list[Setting]:
             settings.append(Setting(f"tau~{tau:g}", p, tau))
     if a.lockstep:
         settings = [x for s in settings for x in (s, Setting(s.name + "-ls", s.accept_prob, s.target_tau, lockstep=True))]
+    if a.ring_ab:
+        settings = [x for s in settings for x in (s, replace(s, name=s.name + "-inline", inline=True))]
     if a.budgets is None:
         return settings
     fixed = [b for b in a.budgets if b != "adaptive"]
     cap = max(fixed, default=a.tree_budget)
-    return [Setting(f"{s.name} " + ("adaptive" if b == "adaptive" else f"b{b}"), s.accept_prob, s.target_tau,
-                    s.lockstep, cap if b == "adaptive" else b, b == "adaptive")
+    return [replace(s, name=f"{s.name} " + ("adaptive" if b == "adaptive" else f"b{b}"),
+                                budget=cap if b == "adaptive" else b, adaptive=b == "adaptive")
             for s in settings for b in a.budgets]
 
 
@@ -943,14 +950,15 @@ def run_setup(name: str, a: argparse.Namespace, work: Path, result: dict, save: 
             services.append(link)
             link.start(a.startup_timeout)
 
-        def start_drafter(tag: str, oracle: Path | None, lockstep: bool = False, adaptive: bool = False) -> Service:
+        def start_drafter(tag: str, oracle: Path | None, lockstep: bool = False, adaptive: bool = False,
+                          inline: bool = False) -> Service:
             argv = setup.drafter_argv + (["--verifier", "local", "--local-verifier-flags",
                                           shlex.join(common_verifier_flags(a, service=False))] if a.colocate
                                          else ["--verifier", link.address])
             argv += ["--bench-oracle", str(oracle)] if oracle else []
             argv += ["--pipelining", "off" if lockstep else "on"] if a.lockstep else []
             argv += ["--adaptive-budget", "on" if adaptive else "off"] if a.budgets is not None else []
-            argv += ["--no-feature-ring"] if a.no_feature_ring or a.delay_ms > 0 else []
+            argv += ["--no-feature-ring"] if inline or a.no_feature_ring or a.delay_ms > 0 else []
             port = free_port()
             argv += ["--http-port", str(port)]  # its /metrics, for the step breakdown
             result["commands"]["drafters"].append(argv)
@@ -963,14 +971,14 @@ def run_setup(name: str, a: argparse.Namespace, work: Path, result: dict, save: 
         drafter = start_drafter("plain", None)
         ar_tokens: dict[tuple[int, ...], list[int]] = {}
         run_mode(drafter, verifier, "ar", None, a, prompts, None, ar_tokens, result, save)
-        started = None  # (accept_prob, lockstep, adaptive) of the oracle drafter running
+        started = None  # (accept_prob, lockstep, adaptive, inline) of the oracle drafter running
         for i, setting in enumerate(settings):
-            wanted = (setting.accept_prob, setting.lockstep, setting.adaptive)
+            wanted = (setting.accept_prob, setting.lockstep, setting.adaptive, setting.inline)
             if setting.accept_prob is not None and wanted != started:  # the oracle's runs need a drafter of their own
                 drafter.stop()
                 oracle = work / f"{name}-oracle-{i}.json"
                 write_oracle(oracle, setting.accept_prob, ar_tokens, a.seed)
-                drafter = start_drafter(f"oracle-{i}", oracle, setting.lockstep, setting.adaptive)
+                drafter = start_drafter(f"oracle-{i}", oracle, setting.lockstep, setting.adaptive, setting.inline)
                 started = wanted
             run_mode(drafter, verifier, "tree", setting, a, prompts, ar_tokens, None, result, save)
     finally:

@@ -68,10 +68,25 @@ def test_step_breakdown_splits_the_round_trip_into_step_link_and_queue():
 def test_colocate_takes_no_link_options(capsys):
     a = parse_args(["--models", "qwen3-8b", "--small", "--colocate", "--quick"])
     assert a.colocate
-    for extra in (["--delay-ms", "5"], ["--lockstep"], ["--verifier-tp", "2"]):
+    for extra in (["--delay-ms", "5"], ["--lockstep"], ["--verifier-tp", "2"], ["--ring-ab"], ["--no-feature-ring"]):
         with pytest.raises(SystemExit):
             parse_args(["--models", "qwen3-8b", "--small", "--colocate", "--quick", *extra])
         assert "--colocate" in capsys.readouterr().err
+
+
+def test_ring_ab_runs_each_setting_again_with_its_rows_inline():
+    """--ring-ab: each controlled-acceptance setting (and each budget of it) has an -inline twin, whose
+    drafter takes its rows inline (--no-feature-ring), beside the lockstep twins of --lockstep."""
+    from bench.serve import oracle_settings
+
+    a = parse_args(["--models", "qwen3-8b", "--small", "--quick", "--taus", "3,6", "--ring-ab", "--lockstep",
+                    "--budgets", "8,adaptive"])
+    settings = oracle_settings(a, block_size=8)
+    assert [s.name for s in settings[:4]] == ["tau~3 b8", "tau~3 adaptive", "tau~3-inline b8", "tau~3-inline adaptive"]
+    assert len(settings) == 16 and sum(s.inline for s in settings) == 8 and sum(s.lockstep for s in settings) == 8
+    assert all(s.adaptive == s.name.endswith("adaptive") for s in settings)
+    assert [(s.lockstep, s.inline) for s in settings[::2]] == [(False, False), (False, True), (True, False),
+                                                             (True, True)] * 2
 
 
 def test_repeated_runs_are_summarised_by_their_median():
