@@ -47,6 +47,20 @@ class PenaltyState:
         self.context.index_fill_(0, fresh, 0.0)
         self.take(slots, tokens, torch.ones_like(generated), generated)
 
+    def count_paths(self, slots: Tensor, tokens: Tensor, result: Tensor, penalties: Tensor) -> None:
+        """A verify step's accepted paths (result int64 [B, T + 2] = [accepted, bonus, path padded
+        with -1], the nodes' tokens [B, T]) join their slots' counts, for the rows with penalties
+        at least (the others' counts are never read). Static shapes: inside the verify graphs."""
+        b, t = tokens.shape
+        if tokens.is_cuda:
+            from ddtree_kernels.penalties import MAX_WIDTH, count_paths_triton
+            if t <= MAX_WIDTH:
+                count_paths_triton(self.generated, self.context, slots, penalties, tokens, result)
+                return
+        keep = torch.arange(t, device=tokens.device)[None] <= result[:, :1]
+        path = torch.gather(tokens, 1, result[:, 2:].clamp(min=0))
+        self.take(slots[:, None].expand(b, t), path, keep, keep)
+
     def take(self, slots: Tensor, tokens: Tensor, in_context: Tensor, generated: Tensor) -> None:
         """Add tokens to slots (int64, one slot per token, any one shape): to `context` where
         in_context, to `generated` where generated (bool). Static shapes: a verify step's accepted
@@ -96,8 +110,14 @@ def penalize(logits: Tensor, state: PenaltyState, slots: Tensor, tokens: Tensor,
     Node n's counts are its slot's plus its path's. For each pair (n, a) of a node and one of its
     path's nodes, the first such a with its token writes that token's value at n; every other
     pair writes the value of n's own token at n. Writers of one place thus write one value (in
-    any order), computed from the raw logit before the dense part changed it."""
+    any order), computed from the raw logit before the dense part changed it. On CUDA, trees of
+    up to `MAX_WIDTH` nodes take one launch (`ddtree_kernels.penalties.penalize_nodes_triton`)."""
     b, t, _ = logits.shape
+    if logits.is_cuda:
+        from ddtree_kernels.penalties import MAX_WIDTH, penalize_nodes_triton
+        if t <= MAX_WIDTH:
+            penalize_nodes_triton(logits, state.generated, state.context, slots, tokens, ancestors, penalties)
+            return
     seen = ancestors.float()  # [B, N, A]
     same = (tokens[:, :, None] == tokens[:, None, :]).float()  # [B, A, A']
     on_path = torch.bmm(seen, same.transpose(1, 2))  # [B, N, A]: n's path nodes with a's token

@@ -241,3 +241,41 @@ def test_the_dense_kernel_equals_the_reference():
         penalize_dense_triton(logits, state.generated, state.context, slots, penalties)
         assert torch.equal(logits, expected)
         assert torch.equal(logits[0], raw[0]) and not torch.equal(logits[1], raw[1])
+
+
+def test_the_node_kernels_equal_the_reference():
+    """`penalize_nodes_triton` and `count_paths_triton` (through Triton's interpreter here, on the
+    device in tests/gpu/test_penalties_gpu.py) against the reference's `penalize` and counting, on
+    random trees whose paths repeat tokens; rows without penalties are left alone (and uncounted).
+    float32 only: the interpreter rounds float32 to bfloat16 otherwise than the device does."""
+    dtype = torch.float32
+    from ddtree_kernels.penalties import count_paths_triton, penalize_nodes_triton
+
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(6):
+        b, t, v = int(torch.randint(1, 4, (1,), generator=gen)), int(torch.randint(1, 18, (1,), generator=gen)), 40
+        state = PenaltyState(b + 1, v, torch.device("cpu"))
+        state.generated.copy_(torch.randint(0, 3, state.generated.shape, generator=gen).float())
+        state.context.copy_(state.generated + torch.randint(0, 2, state.generated.shape, generator=gen).float())
+        slots = torch.randperm(b + 1, generator=gen)[:b]
+        tokens = torch.randint(0, 5, (b, t), generator=gen)
+        ancestors = torch.stack([random_tree(gen, t) for _ in range(b)])
+        penalties = torch.tensor([[0.0, 0.0, 1.0]] + [[0.75, -0.5, 1.3]] * (b - 1))
+        logits = (torch.randn(b, t, v, generator=gen) * 3).to(dtype)
+        expected = logits.clone()
+        penalize(expected, state, slots, tokens, ancestors, penalties)
+        penalize_nodes_triton(logits, state.generated, state.context, slots, tokens, ancestors, penalties)
+        assert torch.equal(logits, expected)
+        # An accepted path per row: the root, then a chain of some nodes (-1 past it).
+        result = torch.full((b, t + 2), -1, dtype=torch.int64)
+        result[:, 0] = torch.randint(0, t, (b,), generator=gen)
+        for row in range(b):
+            result[row, 2: 3 + int(result[row, 0])] = torch.randperm(t, generator=gen)[: int(result[row, 0]) + 1]
+        counted = PenaltyState(b + 1, v, torch.device("cpu"))
+        counted.generated.copy_(state.generated)
+        counted.context.copy_(state.context)
+        count_paths_triton(counted.generated, counted.context, slots, penalties, tokens, result)
+        state.count_paths(slots, tokens, result, penalties)
+        penalized_slots = slots[1:]
+        assert torch.equal(counted.generated[penalized_slots], state.generated[penalized_slots])
+        assert torch.equal(counted.context[penalized_slots], state.context[penalized_slots])

@@ -330,7 +330,7 @@ def verify_step(model: TargetModel, cache: KVCache, inp: BatchInputs, length: in
     dst = past + torch.where(keep, inp.arange[None], 0)
     cache.move(i.slot[:, None].expand(b, t), src, dst)
     if penalties is not None:  # the path's tokens (root and accepted) join the committed context
-        penalties.take(i.slot[:, None].expand(b, t), torch.gather(i.tokens, 1, path.clamp(min=0)), keep, keep)
+        penalties.count_paths(i.slot, i.tokens, result, f.penalties)
     if inp.features_out is not None:
         inp.features_out.copy_(features)
         features = inp.features_out

@@ -1,5 +1,6 @@
-"""The repetition penalties' device kernel (`ddtree_kernels.penalties`) against the CPU reference
-(`common.penalties`), bit for bit, on random trees, counts and penalties; skipped without CUDA."""
+"""The repetition penalties' device kernels (`ddtree_kernels.penalties`) against the CPU reference
+(`common.penalties`), bit for bit, on random trees, counts and penalties, trees wider than a node
+program takes among them (the torch path part); skipped without CUDA."""
 from __future__ import annotations
 
 import pytest
@@ -19,9 +20,9 @@ def test_penalize_on_the_device_equals_the_reference(dtype):
     and the paths' tokens overlapping."""
     gen = torch.Generator().manual_seed(1)
     dev = torch.device("cuda")
-    for v in (7, 1024, 3001, 151_936):
+    for v, widest in ((7, 17), (1024, 17), (3001, 140), (151_936, 17)):
         for _ in range(4):
-            b, t = int(torch.randint(1, 6, (1,), generator=gen)), int(torch.randint(1, 17, (1,), generator=gen))
+            b, t = int(torch.randint(1, 6, (1,), generator=gen)), int(torch.randint(1, widest, (1,), generator=gen))
             logits = (torch.randn(b, t, v, generator=gen) * 4).to(dtype)
             state = PenaltyState(b + 1, v, torch.device("cpu"))
             state.generated.copy_(torch.randint(0, 3, state.generated.shape, generator=gen).float())
@@ -41,3 +42,12 @@ def test_penalize_on_the_device_equals_the_reference(dtype):
             penalize(got, on_device, slots.to(dev), tokens.to(dev), ancestors.to(dev), penalties.to(dev))
             penalize(logits, state, slots, tokens, ancestors, penalties)
             assert torch.equal(got.cpu(), logits), (v, b, t)
+            result = torch.full((b, t + 2), -1, dtype=torch.int64)
+            result[:, 0] = torch.randint(0, t, (b,), generator=gen)
+            for row in range(b):
+                result[row, 2: 3 + int(result[row, 0])] = torch.randperm(t, generator=gen)[: int(result[row, 0]) + 1]
+            on_device.count_paths(slots.to(dev), tokens.to(dev), result.to(dev), penalties.to(dev))
+            state.count_paths(slots, tokens, result, penalties)
+            counted = slots[penalties[:, 0] != 0]  # the rows with penalties (row 0 has none)
+            assert torch.equal(on_device.generated.cpu()[counted], state.generated[counted])
+            assert torch.equal(on_device.context.cpu()[counted], state.context[counted])
