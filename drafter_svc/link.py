@@ -229,7 +229,7 @@ class GrpcLink(_Lockstep):
             sent = time.perf_counter()
             self._steps += 1
             message = encode_link_request(self._steps, entries)
-            self._ring_fields(message)
+            self._ring_fields(message, entries)
             data = message.SerializeToString()
             self.bytes_sent += len(data)
             metrics.LINK_BYTES.labels("up").inc(len(data))
@@ -283,10 +283,11 @@ class GrpcLink(_Lockstep):
         self.link_s = max(arrived - sent - held, 0.0) + time.perf_counter() - decoding if held else 0.0
         return results
 
-    def _ring_fields(self, message: pb.LinkRequest) -> None:
-        """The feature ring's fields of a message: the request for one (a new stream's first
-        message), then the rows read from it, or the refusal of one this host cannot map."""
-        if self._ring_ask:
+    def _ring_fields(self, message: pb.LinkRequest, entries: Sequence[Entry]) -> None:
+        """The feature ring's fields of a message: the request for one (with a stream's first open
+        of a session that takes features: plain decoding needs none), then the rows read from
+        it, or the refusal of one this host cannot map."""
+        if self._ring_ask and any(isinstance(e, OpenEntry) and e.feature_layer_ids for e in entries):
             message.feature_ring, self._ring_ask = True, False
         if self._ring is not None:
             message.ring_released = self._ring.read_to

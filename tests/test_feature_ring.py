@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from common.feature_ring import HEADER, PREFIX, RingError, RingOffer, RingReader, RingWriter
-from common.protocol import StatusError, StepResult, TreeEntry, Verified
+from common.protocol import OpenEntry, Prefilled, SamplingParams, StatusError, StepResult, TreeEntry, Verified
 from common.rpc import pb
 from common.wire import RingPlace, encode_link_response, feature_bytes
 from drafter_svc.link import GrpcLink
@@ -120,66 +120,84 @@ def _offer_reply(step: int, writer: RingWriter, results) -> bytes:
     return encode_link_response(step, results, WIDTH, torch.float32, offer=writer.offer()).data
 
 
+OPEN = [OpenEntry(1, [4, 5], SamplingParams(), "", (1,))]  # a session that takes features: the link asks for a ring
+
+
+def _opened(rows: torch.Tensor) -> list[StepResult]:
+    return [StepResult(1, Prefilled(11, rows, 64))]
+
+
 def test_the_link_maps_the_offer_reads_rows_from_the_ring_and_releases_them(tmp_path):
     writer = RingWriter(1 << 16, str(tmp_path))
-    rows = [features(3, i) for i in range(3)]
-    results = [[StepResult(1, Verified([4, 5], 6, r, i + 1))] for i, r in enumerate(rows)]
+    rows = [features(3, i) for i in range(2)]
+    results = [_opened(rows[0]), [StepResult(1, Verified([4, 5], 6, rows[1], 1))]]
     writer.mapped = True  # as the verifier sets it on the link's release, which the canned stub skips
     place = RingPlace(writer, writer.reserve(feature_bytes(results[1], WIDTH, torch.float32)))
     stub = _CannedStub([_offer_reply(1, writer, results[0]),
-                           encode_link_response(2, results[1], WIDTH, torch.float32, place=place)])
+                        encode_link_response(2, results[1], WIDTH, torch.float32, place=place)])
     link = GrpcLink(stub, vocab_size=VOCAB, feature_dim=WIDTH, max_seq_len=64)
-    link.send([TreeEntry(1, 1, chain([3, 4, 5]))])
+    link.send(OPEN)
     assert torch.equal(link.receive()[0].outcome.features, rows[0])  # inline, with the offer
-    link.send([TreeEntry(1, 2, chain([6, 4, 5]))])
+    link.send([TreeEntry(1, 1, chain([11, 4, 5]))])
     got = link.receive()[0].outcome.features
     assert torch.equal(got, rows[1])
     writer.write(place.at, torch.zeros(3, WIDTH))  # the rows were copied out: released, reusable
     assert torch.equal(got, rows[1])
-    link.send([TreeEntry(1, 3, chain([6, 4, 5]))])
+    link.send([TreeEntry(1, 2, chain([6, 4, 5]))])
     first, second, third = _sent(link)
     assert first.feature_ring and not first.HasField("ring_released")
     assert not second.feature_ring and second.ring_released == 0  # mapped, nothing read from it yet
     assert third.ring_released == place.at + 3 * WIDTH * 4
 
 
+def test_a_link_asks_for_a_ring_only_with_a_session_that_takes_features(tmp_path):
+    """Plain decoding's sessions take no features: their link asks for no ring until one does."""
+    link = GrpcLink(_CannedStub([]), vocab_size=VOCAB, feature_dim=WIDTH, max_seq_len=64)
+    link.send([OpenEntry(1, [4, 5], SamplingParams(), "", ())])
+    link.send([OpenEntry(2, [4, 5], SamplingParams(), "", (1,))])
+    link.send([OpenEntry(3, [4, 5], SamplingParams(), "", (1,))])
+    assert [m.feature_ring for m in _sent(link)] == [False, True, False]
+
+
 def test_a_link_that_cannot_map_the_offer_refuses_it(tmp_path):
     writer = RingWriter(1 << 16, str(tmp_path))
     os.unlink(writer.path)  # as from another host
-    result = [StepResult(1, Verified([4], 6, features(2, 0), 1))]
+    result = _opened(features(2, 0))
     stub = _CannedStub([_offer_reply(1, writer, result)])
     link = GrpcLink(stub, vocab_size=VOCAB, feature_dim=WIDTH, max_seq_len=64)
-    link.send([TreeEntry(1, 1, chain([3, 4]))])
+    link.send(OPEN)
     assert torch.equal(link.receive()[0].outcome.features, result[0].outcome.features)
-    link.send([TreeEntry(1, 2, chain([6, 4]))])
+    link.send([TreeEntry(1, 1, chain([11, 4]))])
     _, second = _sent(link)
     assert second.ring_refused and not second.HasField("ring_released")
 
 
-@pytest.mark.parametrize("case", ["rows in a ring not mapped", "an offer unasked", "rows past the ring"])
-def test_bad_ring_replies_end_the_link(tmp_path, case):
+@pytest.mark.parametrize("case, needle", [("rows in a ring not mapped", "not mapped"),
+                                          ("an offer unasked", "offered unasked"),
+                                          ("rows past the ring", "at ring position")])
+def test_bad_ring_replies_end_the_link(tmp_path, case, needle):
     """Rows said to lie in a ring the link has not mapped, an offer it did not ask for, or rows
     outside the ring end the link (INTERNAL): nothing of them reaches the draft."""
     writer = RingWriter(1 << 12, str(tmp_path))
     writer.mapped = True
-    result = [StepResult(1, Verified([4], 6, features(2, 0), 1))]
+    opened, verified = _opened(features(2, 0)), [StepResult(1, Verified([4], 6, features(2, 1), 1))]
 
-    def in_ring(step: int) -> bytes:
-        return encode_link_response(step, result, WIDTH, torch.float32,
+    def in_ring(step: int, results) -> bytes:
+        return encode_link_response(step, results, WIDTH, torch.float32,
                                     place=RingPlace(writer, writer.reserve(2 * WIDTH * 4))).data
 
     if case == "rows in a ring not mapped":
-        replies, asks = [in_ring(1)], True
+        replies, asks = [in_ring(1, opened)], True
     elif case == "an offer unasked":
-        replies, asks = [_offer_reply(1, writer, result)], False
+        replies, asks = [_offer_reply(1, writer, opened)], False
     else:
-        message = pb.LinkResponse.FromString(in_ring(2))
+        message = pb.LinkResponse.FromString(in_ring(2, verified))
         message.features_at = 3 * 4096 + 4090  # its 56 bytes would pass the ring's end
-        replies, asks = [_offer_reply(1, writer, result), message.SerializeToString()], True
+        replies, asks = [_offer_reply(1, writer, opened), message.SerializeToString()], True
     link = GrpcLink(_CannedStub(replies), vocab_size=VOCAB, feature_dim=WIDTH, max_seq_len=64, feature_ring=asks)
-    link.send([TreeEntry(1, 1, chain([3, 4]))])
-    with pytest.raises(StatusError) as info:
+    link.send(OPEN)
+    with pytest.raises(StatusError, match=needle) as info:
         link.receive()
-        link.send([TreeEntry(1, 2, chain([6, 4]))])
+        link.send([TreeEntry(1, 1, chain([11, 4]))])
         link.receive()
     assert info.value.status == "INTERNAL"
