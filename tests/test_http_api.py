@@ -447,7 +447,9 @@ def test_https_and_api_key_guard_the_http_api(tmp_path):
         with client("wrong") as wrong, pytest.raises(openai.AuthenticationError):
             wrong.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=2)
         with client("sesame-123") as right:
-            assert right.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=2).usage.completion_tokens == 2
+            # (greedy: OpenAI's default temperature 1 samples, and a first token of EOS ends at one)
+            out = right.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=2, temperature=0)
+            assert out.usage.completion_tokens == 2
         with pytest.raises((urllib.error.URLError, ConnectionError)):  # plain HTTP is not answered
             get(drafter, "/health")
         with urllib.request.urlopen(f"https://localhost:{drafter.server.http_port}/health", context=context) as r:
