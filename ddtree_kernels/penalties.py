@@ -41,15 +41,19 @@ def _penalized(x, count, seen, presence, frequency, repetition):
     return repeated - subtract
 
 
+@triton.jit
+def _row_penalties(penalties_ptr, b):
+    """Row b's (presence, frequency, repetition) from penalties float32 [B, 3]."""
+    return tl.load(penalties_ptr + b * 3), tl.load(penalties_ptr + b * 3 + 1), tl.load(penalties_ptr + b * 3 + 2)
+
+
 @triton.jit(**unspecialised(["T", "V", "STRIDE_B", "STRIDE_T", "STATE_STRIDE"],
                             ["logits_ptr", "generated_ptr", "context_ptr", "slots_ptr", "penalties_ptr"]))
 def _dense_kernel(logits_ptr, generated_ptr, context_ptr, slots_ptr, penalties_ptr, T, V, STRIDE_B, STRIDE_T,
                   STATE_STRIDE, BLOCK: tl.constexpr):
     b = tl.program_id(0)
-    presence = tl.load(penalties_ptr + b * 3)
-    frequency = tl.load(penalties_ptr + b * 3 + 1)
-    repetition = tl.load(penalties_ptr + b * 3 + 2)
-    if (presence != 0.0) | (frequency != 0.0) | (repetition != 1.0):
+    presence, frequency, repetition = _row_penalties(penalties_ptr, b)
+    if (presence != 0.0) | (frequency != 0.0) | (repetition != 1.0):  # else the row has none: leave at once
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         inside = cols < V
         slot = tl.load(slots_ptr + b).to(tl.int64)
@@ -72,10 +76,8 @@ def _nodes_kernel(logits_ptr, generated_ptr, context_ptr, slots_ptr, penalties_p
                   STRIDE_B, STRIDE_T, STATE_STRIDE, W: tl.constexpr, BLOCK: tl.constexpr):
     b = tl.program_id(0)
     n = tl.program_id(1)
-    presence = tl.load(penalties_ptr + b * 3)
-    frequency = tl.load(penalties_ptr + b * 3 + 1)
-    repetition = tl.load(penalties_ptr + b * 3 + 2)
-    if (presence != 0.0) | (frequency != 0.0) | (repetition != 1.0):
+    presence, frequency, repetition = _row_penalties(penalties_ptr, b)
+    if (presence != 0.0) | (frequency != 0.0) | (repetition != 1.0):  # else the row has none: leave at once
         state = tl.load(slots_ptr + b).to(tl.int64) * STATE_STRIDE
         a = tl.arange(0, W)
         inside = a < T
@@ -111,10 +113,8 @@ def _nodes_kernel(logits_ptr, generated_ptr, context_ptr, slots_ptr, penalties_p
 def _count_kernel(generated_ptr, context_ptr, slots_ptr, penalties_ptr, tokens_ptr, result_ptr, T, RESULT_STRIDE,
                   STATE_STRIDE, W: tl.constexpr):
     b = tl.program_id(0)
-    presence = tl.load(penalties_ptr + b * 3)
-    frequency = tl.load(penalties_ptr + b * 3 + 1)
-    repetition = tl.load(penalties_ptr + b * 3 + 2)
-    if (presence != 0.0) | (frequency != 0.0) | (repetition != 1.0):
+    presence, frequency, repetition = _row_penalties(penalties_ptr, b)
+    if (presence != 0.0) | (frequency != 0.0) | (repetition != 1.0):  # else the row has none: leave at once
         state = tl.load(slots_ptr + b).to(tl.int64) * STATE_STRIDE
         i = tl.arange(0, W)
         keep = (i < T) & (i <= tl.load(result_ptr + b * RESULT_STRIDE))
