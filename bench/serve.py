@@ -13,11 +13,13 @@ Both services run as their own processes on loopback (free ports, ready once eac
 "listening on" line and answers SERVING on grpc.health.v1), and are stopped with SIGTERM
 (then killed) however the run ends. The two services share this host, so the replies' feature rows
 go through the verifier's shared-memory ring (`common/feature_ring.py`) unless `--no-feature-ring`;
-`--ring-ab` runs each controlled-acceptance setting both ways (its inline twin named SETTING-inline).
+`--ring-ab` runs each controlled-acceptance setting both ways (its inline twin named SETTING-inline);
+so the link's messages go through the Unix socket the verifier offers (`common/socket_link.py`)
+unless `--no-unix-socket`, and `--socket-ab` runs each setting through gRPC too (SETTING-grpc).
 With `--delay-ms MS`, the drafters reach the verifier through
 `bench/delay_proxy.py`, a TCP proxy (its own process) that delays every chunk by MS in each
 direction: a link round trip gains 2 x MS, as between hosts (a userspace stand-in for netem), and
-the rows travel inline as they would between hosts. With
+the rows travel inline and the messages through gRPC, as they would between hosts. With
 `--colocate` there is no verifier service: each drafter runs with `--verifier local`, holding the
 target in its own process (`--local-verifier-flags`: the flags the service would get), rounds
 go in lockstep, and v-busy is not measured. Model setups (`--models`):
@@ -245,6 +247,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ring-ab", action="store_true",
                    help="also run each controlled-acceptance setting with the drafter taking its rows inline "
                         "(--no-feature-ring; its rows are named SETTING-inline), to compare with the ring's in one run")
+    p.add_argument("--no-unix-socket", action="store_true",
+                   help="the drafters' link messages go through the gRPC stream, as from another host, instead of "
+                        "through the Unix socket the verifier offers (always so with --delay-ms)")
+    p.add_argument("--socket-ab", action="store_true",
+                   help="also run each controlled-acceptance setting with the drafter's messages through gRPC "
+                        "(--no-unix-socket; its rows are named SETTING-grpc), to compare with the socket's in one run")
     p.add_argument("--budgets", type=budget_list, default=None,
                    help="tree budgets to compare in each controlled-acceptance setting, e.g. 8,16,32,adaptive "
                         "(adaptive: the drafter with --adaptive-budget on, capped at the largest fixed one; the "
@@ -298,7 +306,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--max-sessions {a.max_sessions} is below the largest concurrency {max(a.concurrency)}")
     if a.delay_ms < 0:
         p.error("--delay-ms must be >= 0")
-    if a.colocate and (a.delay_ms or a.verifier_tp > 1 or a.lockstep or a.ring_ab or a.no_feature_ring):
+    if a.colocate and (a.delay_ms or a.verifier_tp > 1 or a.lockstep or a.ring_ab or a.no_feature_ring
+                       or a.socket_ab or a.no_unix_socket):
         p.error("--colocate has no link to delay or to carry rows, no verifier to shard and only lockstep rounds")
     if a.accept_probs is not None and not all(0 <= x <= 1 for x in a.accept_probs):
         p.error("--accept-probs must be in [0, 1]")
@@ -336,6 +345,7 @@ class Setting:
     budget: int | None = None  # the requests' tree_budget (None: --tree-budget)
     adaptive: bool = False  # the drafter started with --adaptive-budget on (the budget is then a cap)
     inline: bool = False  # the drafter started with --no-feature-ring (rows inline, as from another host)
+    grpc: bool = False  # the drafter started with --no-unix-socket (messages through gRPC, as from another host)
 
 
 def oracle_settings(a: argparse.Namespace, block_size: int) -> list[Setting]:
@@ -356,6 +366,8 @@ def oracle_settings(a: argparse.Namespace, block_size: int) -> list[Setting]:
         settings = [x for s in settings for x in (s, Setting(s.name + "-ls", s.accept_prob, s.target_tau, lockstep=True))]
     if a.ring_ab:
         settings = [x for s in settings for x in (s, replace(s, name=s.name + "-inline", inline=True))]
+    if a.socket_ab:
+        settings = [x for s in settings for x in (s, replace(s, name=s.name + "-grpc", grpc=True))]
     if a.budgets is None:
         return settings
     fixed = [b for b in a.budgets if b != "adaptive"]
@@ -951,7 +963,7 @@ def run_setup(name: str, a: argparse.Namespace, work: Path, result: dict, save: 
             link.start(a.startup_timeout)
 
         def start_drafter(tag: str, oracle: Path | None, lockstep: bool = False, adaptive: bool = False,
-                          inline: bool = False) -> Service:
+                          inline: bool = False, grpc: bool = False) -> Service:
             argv = setup.drafter_argv + (["--verifier", "local", "--local-verifier-flags",
                                           shlex.join(common_verifier_flags(a, service=False))] if a.colocate
                                          else ["--verifier", link.address])
@@ -959,6 +971,7 @@ def run_setup(name: str, a: argparse.Namespace, work: Path, result: dict, save: 
             argv += ["--pipelining", "off" if lockstep else "on"] if a.lockstep else []
             argv += ["--adaptive-budget", "on" if adaptive else "off"] if a.budgets is not None else []
             argv += ["--no-feature-ring"] if inline or a.no_feature_ring or a.delay_ms > 0 else []
+            argv += ["--no-unix-socket"] if grpc or a.no_unix_socket or a.delay_ms > 0 else []
             port = free_port()
             argv += ["--http-port", str(port)]  # its /metrics, for the step breakdown
             result["commands"]["drafters"].append(argv)
@@ -971,14 +984,15 @@ def run_setup(name: str, a: argparse.Namespace, work: Path, result: dict, save: 
         drafter = start_drafter("plain", None)
         ar_tokens: dict[tuple[int, ...], list[int]] = {}
         run_mode(drafter, verifier, "ar", None, a, prompts, None, ar_tokens, result, save)
-        started = None  # (accept_prob, lockstep, adaptive, inline) of the oracle drafter running
+        started = None  # (accept_prob, lockstep, adaptive, inline, grpc) of the oracle drafter running
         for i, setting in enumerate(settings):
-            wanted = (setting.accept_prob, setting.lockstep, setting.adaptive, setting.inline)
+            wanted = (setting.accept_prob, setting.lockstep, setting.adaptive, setting.inline, setting.grpc)
             if setting.accept_prob is not None and wanted != started:  # the oracle's runs need a drafter of their own
                 drafter.stop()
                 oracle = work / f"{name}-oracle-{i}.json"
                 write_oracle(oracle, setting.accept_prob, ar_tokens, a.seed)
-                drafter = start_drafter(f"oracle-{i}", oracle, setting.lockstep, setting.adaptive, setting.inline)
+                drafter = start_drafter(f"oracle-{i}", oracle, setting.lockstep, setting.adaptive, setting.inline,
+                                        setting.grpc)
                 started = wanted
             run_mode(drafter, verifier, "tree", setting, a, prompts, ar_tokens, None, result, save)
     finally:

@@ -1,7 +1,8 @@
 """gRPC transport + codec cost of one link message, with the model taken out, per batch of sessions.
 
     PYTHONPATH=. python bench/transport.py [--batches 1,8,32] [--nodes 65] [--feature-rows 1,7]
-        [--rounds 300] [--gaps-ms 0,3] [--trace] [--stages] [--feature-wire model|fp8] [--out-json FILE]
+        [--rounds 300] [--gaps-ms 0,3] [--trace] [--stages] [--feature-wire model|fp8]
+        [--feature-rings off,on] [--unix-sockets off,on] [--out-json FILE]
 
 The verifier runs in a child process: the real servicer, link handler, model worker and
 `TreeVerifier` (link-message decode, tree walk and validation of every tree, ancestor masks,
@@ -36,6 +37,11 @@ that (the rows' copy out of the reply into staging memory, `gpu_drafter_reader`)
 (`common.feature_wire`: 4,100 bytes a row instead of 8,192); packing and unpacking run on the
 services' GPUs, so they are left out here as the forward is: the canned rows are packed once,
 and the drafter's host part adds the check of their scales.
+
+`--feature-rings` and `--unix-sockets` time each case every way given: the replies' rows inline
+or through the verifier's shared-memory ring (`common/feature_ring.py`), the messages through the
+gRPC stream or through the Unix socket the verifier offers (`common/socket_link.py`), as to a
+drafter on another host or on the verifier's.
 
 The per-message Python / gRPC cost should be paid once per step whatever B is; what grows
 with B is the bytes and the per-tree work. The table gives both: ms per message, and ms per
@@ -181,10 +187,12 @@ def _recording_drafter(stages_dir: str):
     functions are restored after."""
     import drafter_svc.link as link
     from bench.timeline import Recorder
+    from common import socket_link
 
     rec = Recorder(stages_dir, "drafter")
     wrapped = [(link, "encode_link_request", "d.encode"), (link, "parse_link_response", "d.parse"),
-               (link, "decode_link_response", "d.decode"), (link.GrpcLink, "send", "d.send")]
+               (link, "decode_link_response", "d.decode"), (link.GrpcLink, "send", "d.send"),
+               (socket_link, "send_frame", "d.write")]
     originals = [(owner, attr, getattr(owner, attr)) for owner, attr, _ in wrapped]
     originals.append((link.GrpcLink, "_next_reply", link.GrpcLink._next_reply))
     for owner, attr, name in wrapped:
@@ -208,8 +216,8 @@ def _recording_drafter(stages_dir: str):
 # A message's way, part by part (`stage_medians`): (name, (span, edge), (span, edge)), the part
 # running from the first point to the second; each span is the message's next one of that name.
 STAGES = (
-    ("drafter encode", ("d.send", 0), ("d.send", 1)),
-    ("way up", ("d.send", 1), ("v.parse", 0)),
+    ("drafter encode", ("d.send", 0), ("d.out", 0)),  # d.out: the bytes handed to gRPC's queue or the socket
+    ("way up", ("d.out", 0), ("v.parse", 0)),
     ("verifier parse + decode", ("v.parse", 0), ("v.decode", 1)),
     ("hand-off to the worker", ("v.decode", 1), ("v.begin", 0)),
     ("begin (checks, masks)", ("v.begin", 0), ("v.begin", 1)),
@@ -238,7 +246,9 @@ def stage_medians(stages_dir: str, start_ns: int, end_ns: int) -> dict[str, floa
     sends = spans.get("d.send", [])
     parts: dict[str, list[float]] = {name: [] for name, _, _ in STAGES}
     for send in sends[len(sends) // 10: -1]:  # the last one's reply may fall outside the window
-        points: dict[str, tuple[int, int]] = {"d.send": send}
+        # Where the bytes leave the drafter's code: the socket write's start, or (gRPC) the send's end.
+        out = next((w[0] for w in spans.get("d.write", []) if send[0] <= w[0] <= send[1]), send[1])
+        points: dict[str, tuple[int, int]] = {"d.send": send, "d.out": (out, out)}
         after = send[0]
         for name in ("v.parse", "v.decode", "v.begin", "v.finish", "v.encode", "d.read", "d.parse", "d.decode"):
             nxt = next((s for s in spans.get(name, []) if s[0] >= after), None)
@@ -339,12 +349,13 @@ def gpu_drafter_reader(feature_wire: str) -> FeatureReader:
 
 
 def time_link(port: int, tree: DraftTree, batch: int, rounds: int, trace: bool, gap_s: float, vocab: int,
-              seq_len: int, feature_wire: str = "model", feature_ring: bool = False) -> dict:
+              seq_len: int, feature_wire: str = "model", feature_ring: bool = False, unix_socket: bool = False) -> dict:
     """Open `batch` sessions in one message, then time `rounds` messages of one tree per session
-    (the rows through the verifier's shared-memory ring with `feature_ring`)."""
+    (the rows through the verifier's shared-memory ring with `feature_ring`, the messages through
+    a Unix socket with `unix_socket`)."""
     channel = open_channel(f"127.0.0.1:{port}")
     link = GrpcLink(verifier_stub(channel), vocab_size=vocab, feature_dim=FEATURE_DIM, max_seq_len=seq_len,
-                    features=gpu_drafter_reader(feature_wire), feature_ring=feature_ring)
+                    features=gpu_drafter_reader(feature_wire), feature_ring=feature_ring, unix_socket=unix_socket)
     tracer = otel_trace.get_tracer(__name__)
     sids = list(range(1, batch + 1))
     requests = {sid: tracer.start_span("generate") for sid in sids} if trace else {}
@@ -436,11 +447,13 @@ def main(argv=None) -> dict:
                    help="off: the rows travel inline in the replies, as to a drafter on another host; on: through "
                    "the verifier's shared-memory ring (common/feature_ring.py), as to one on its host; "
                    "comma-separated (default off,on)")
+    p.add_argument("--unix-sockets", default="off,on",
+                   help="off: the messages go through the gRPC stream, as to a drafter on another host; on: "
+                   "through the Unix socket the verifier offers (common/socket_link.py), as to one on its host; "
+                   "comma-separated (default off,on)")
     p.add_argument("--out-json", type=out_json, help="write the results here")
     a = p.parse_args(argv)
-    rings = [r.strip() for r in a.feature_rings.split(",") if r.strip()]
-    if not rings or any(r not in ("off", "on") for r in rings):
-        p.error("--feature-rings takes off, on or both")
+    rings, sockets = (_switches(p, a.feature_rings, "--feature-rings"), _switches(p, a.unix_sockets, "--unix-sockets"))
     batches, feature_rows = number_list(a.batches, "--batches"), number_list(a.feature_rows, "--feature-rows")
     gaps = number_list(a.gaps_ms, "--gaps-ms", float)
     if a.nodes < 1 or a.rounds < 10:
@@ -467,18 +480,19 @@ def main(argv=None) -> dict:
                                 a.feature_wire)
             try:
                 with _recording_drafter(stages_dir) if stages_dir else contextlib.nullcontext():
-                    links = {(b, gap, ring): time_link(port, tree, b, a.rounds, a.trace, gap / 1e3, vocab, seq_len,
-                                                       a.feature_wire, ring == "on")
-                             for b in batches for gap in gaps for ring in rings}
+                    links = {(b, gap, ring, sock): time_link(port, tree, b, a.rounds, a.trace, gap / 1e3, vocab,
+                                                             seq_len, a.feature_wire, ring == "on", sock == "on")
+                             for b in batches for gap in gaps for ring in rings for sock in sockets}
             finally:
                 proc.kill()
-            for (b, gap, ring), link in links.items():
+            for (b, gap, ring, sock), link in links.items():
                 window = link.pop("window_ns")
                 if stages_dir:
                     link["stages_ms"] = stage_medians(stages_dir, *window)
                 echo = time_echo(echo_port, link["request_bytes"], link["reply_bytes"], a.rounds, gap / 1e3)
                 overhead = link["median_ms"] - echo["median_ms"]
                 res["rows"].append({"batch": b, "feature_rows": rows, "gap_ms": gap, "feature_ring": ring,
+                                    "unix_socket": sock,
                                     "request_bytes": link["request_bytes"], "reply_bytes": link["reply_bytes"],
                                     "link": link, "echo": echo, "overhead_ms": overhead,
                                     "link_per_session_ms": link["median_ms"] / b,
@@ -494,13 +508,21 @@ def main(argv=None) -> dict:
     return res
 
 
+def _switches(p: argparse.ArgumentParser, text: str, flag: str) -> list[str]:
+    values = [v.strip() for v in text.split(",") if v.strip()]
+    if not values or any(v not in ("off", "on") for v in values):
+        p.error(f"{flag} takes off, on or both")
+    return values
+
+
 def print_table(res: dict) -> None:
-    print(f"\n{'B':>3} {'rows':>4} {'gap':>5} {'ring':>4} {'bytes up':>9} {'bytes down':>10} {'link':>8} "
+    print(f"\n{'B':>3} {'rows':>4} {'gap':>5} {'ring':>4} {'sock':>4} {'bytes up':>9} {'bytes down':>10} {'link':>8} "
           f"{'link p90':>9} "
           f"{'held':>7} {'wire':>7} {'echo':>8} {'echo p90':>9} {'ours':>8} {'link/B':>8} {'echo/B':>8} {'ours/B':>8}")
     for row in res["rows"]:
         link, echo = row["link"], row["echo"]
         print(f"{row['batch']:3d} {row['feature_rows']:4d} {row['gap_ms']:5.1f} {row['feature_ring']:>4} "
+              f"{row.get('unix_socket', 'off'):>4} "
               f"{row['request_bytes']:9d} "
               f"{row['reply_bytes']:10d} {link['median_ms']:8.3f} {link['p90_ms']:9.3f} {link['held_median_ms']:7.3f} "
               f"{link['wire_median_ms']:7.3f} {echo['median_ms']:8.3f} "
@@ -508,13 +530,14 @@ def print_table(res: dict) -> None:
               f"{row['echo_per_session_ms']:8.3f} {row['overhead_per_session_ms']:8.3f}")
     print("(ms per link message of B sessions' trees, and per session (/B); rows = feature rows per session; "
           "ring = the rows through the verifier's shared-memory ring (bytes down then leave them out); "
+          "sock = the messages through the Unix socket the verifier offers instead of gRPC; "
           "ours = link - echo: servicer, worker hop, tree validation, codec; held = the verifier's hold of the "
           "message, its decoding to its reply's encoding (LinkResponse.held_seconds: the worker hop, tree "
           "validation, masks, the canned verify); wire = link - held: gRPC both ways, the drafter's encoding "
           "and decoding, the verifier's parse and its reply's way to the event loop's write)")
     staged = [row for row in res["rows"] if row["link"].get("stages_ms")]
     if staged:
-        cases = [f"B={row['batch']} r={row['feature_rows']} g={row['gap_ms']:g} {row['feature_ring']}"
+        cases = [f"B={row['batch']} g={row['gap_ms']:g} {row['feature_ring']}/{row.get('unix_socket', 'off')}"
                  for row in staged]
         print(f"\n{'part of the way (median ms)':<28}" + "".join(f"{case:>18}" for case in cases))
         for stage, _, _ in STAGES:

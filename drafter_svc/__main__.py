@@ -117,6 +117,10 @@ def parse_args(argv=None) -> DrafterConfig:
              help="ask each verifier for a shared-memory ring for its replies' feature rows: on the verifier's "
                   "host they then skip gRPC (elsewhere the ring cannot be mapped and they come inline); "
                   "--no-feature-ring: always inline")
+    p.switch("--unix-socket", env="DRAFTER_UNIX_SOCKET", default=d.unix_socket, negatable=True,
+             help="ask each verifier, as each link begins, for a Unix socket for the link's messages: on the "
+                  "verifier's host they then skip gRPC (elsewhere the socket cannot be reached and they keep the "
+                  "gRPC stream); --no-unix-socket: always gRPC")
     p.flag("--pipelining", env="DRAFTER_PIPELINING", default=d.pipelining, choices=("auto", "on", "off"),
            help="on: with two or more sessions, keep --pipeline-groups link messages in flight (default two, "
                 "each with half of them), so drafting one group overlaps verifying the others and the round trip; "
@@ -193,7 +197,7 @@ def parse_args(argv=None) -> DrafterConfig:
                          trace_console=a.trace_console, cuda_graphs=not a.no_cuda_graphs,
                          max_message_mb=a.max_message_mb, max_prompt_bytes=a.max_prompt_bytes,
                          pipelining=a.pipelining, shared_gpu_pipeline_sessions=a.shared_gpu_pipeline_sessions,
-                         pipeline_groups=a.pipeline_groups, feature_ring=a.feature_ring,
+                         pipeline_groups=a.pipeline_groups, feature_ring=a.feature_ring, unix_socket=a.unix_socket,
                          adaptive_budget=a.adaptive_budget, bench_oracle=a.bench_oracle,
                          tls=tls, verifier_tls=verifier_tls, api_key=api_key, http_port=a.http_port,
                          served_model_name=a.served_model_name, log_level=a.log_level, log_format=a.log_format)

@@ -15,9 +15,12 @@ on it is lost); the next step opens a new stream. `LocalLink` is the in-process 
 from __future__ import annotations
 
 import collections
+import contextlib
+import functools
 import logging
 import math
 import queue
+import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -29,11 +32,12 @@ import torch
 
 from common import metrics
 from common.config import DraftConfig, TargetConfig
+from common import socket_link
 from common.feature_ring import RingError, RingOffer, RingReader
 from common.feature_wire import FORMATS, FeatureReader
 from common.protocol import (CloseEntry, Entry, Extended, ExtendEntry, OpenEntry, Prefilled, StatusError, StepResult,
                              TreeEntry, Verified, VerifiedRows)
-from common.rpc import CHANNEL_OPTIONS, pb, pb_grpc
+from common.rpc import CHANNEL_OPTIONS, decode_message, pb, pb_grpc
 from common.tls import ChannelTls
 from common.tls import open_channel as open_tls_channel
 from common.wire import WireError, decode_link_response, encode_link_request, parse_link_response, tensor_bytes
@@ -55,6 +59,8 @@ FLOW_OPTIONS = [("grpc.http2.lookahead_bytes", 8 << 20), ("grpc.http2.bdp_probe"
 # (a long prefill) is waited for again.
 STALL_PROBE_S = 5.0
 PROBE_TIMEOUT_S = 2.0
+# After the verifier closes a socket link, how long its stream gets to say why (the status it ended the link with).
+SOCKET_END_WAIT_S = 2.0
 LINK_METHOD = "/ddtree.v1.Verifier/Link"
 
 
@@ -191,16 +197,21 @@ class GrpcLink(_Lockstep):
     """A verifier behind gRPC (implements `VerifierLink`); `stub` comes from `verifier_stub`."""
 
     def __init__(self, stub: pb_grpc.VerifierStub, *, vocab_size: int, feature_dim: int, max_seq_len: int,
-                 features: FeatureReader = FeatureReader(), feature_ring: bool = True):
+                 features: FeatureReader = FeatureReader(), feature_ring: bool = True, unix_socket: bool = False):
         """`features`: how the replies' feature rows are read (`common.feature_wire.feature_reader`:
         packed or not, and brought to the draft's device). `feature_ring`: ask each stream's verifier
-        for a shared-memory ring for them (`common.feature_ring`; used where this host reaches it)."""
+        for a shared-memory ring for them (`common.feature_ring`; used where this host reaches it).
+        `unix_socket`: ask each stream's verifier, in a hello, for a Unix socket for the messages
+        (`common.socket_link`; used where this host reaches it)."""
         self.stub = stub
         self.vocab_size, self.feature_dim, self.max_seq_len = vocab_size, feature_dim, max_seq_len
         self.features = features
         # Rows read out of the ring are copied out before it is released: to the draft's device, or a copy.
         self._ring_features = FeatureReader(features.packed, features.to_draft or torch.Tensor.clone)
         self.feature_ring = feature_ring
+        self.unix_socket = unix_socket
+        self._socket = None  # this stream's socket link (connected), once taken
+        self._early: collections.deque[tuple[bytes, float]] = collections.deque()  # replies read while sending
         self._ring: RingReader | None = None  # this stream's ring, mapped
         self._ring_ask = self._ring_offered = self._ring_refuse = False
         self._requests: queue.SimpleQueue | None = None
@@ -221,6 +232,38 @@ class GrpcLink(_Lockstep):
         self._ring, self._ring_ask, self._ring_offered, self._ring_refuse = None, self.feature_ring, False, False
         threading.Thread(target=_read_replies, args=(self._call, self._replies), name="verifier-link-reader",
                          daemon=True).start()
+        if self.unix_socket:
+            self._hello()
+
+    def _hello(self) -> None:
+        """The stream's first message: ask for a socket link (`common.socket_link`), and take the one
+        offered where this host reaches it. Raises StatusError when the stream fails meanwhile."""
+        self._requests.put(pb.LinkRequest(step=0, unix_socket=True).SerializeToString())
+        try:
+            item = self._replies.get(timeout=STALL_PROBE_S)
+        except queue.Empty:
+            item = StatusError("UNAVAILABLE", f"the verifier did not answer the link's hello in {STALL_PROBE_S:g} s")
+        try:
+            if isinstance(item, StatusError):
+                raise item
+            reply = decode_message(pb.LinkResponse, item[0])
+            if reply.step != 0 or reply.results:
+                raise StatusError("INTERNAL", f"bad reply from the verifier: step {reply.step} with "
+                                              f"{len(reply.results)} results answers the link's hello")
+        except (ValueError, StatusError) as exc:
+            self._drop()
+            raise exc if isinstance(exc, StatusError) else StatusError("INTERNAL", f"bad reply from the verifier: "
+                                                                                   f"{exc}") from None
+        if not reply.HasField("unix_socket"):
+            return
+        offer = socket_link.SocketOffer(reply.unix_socket.path, reply.unix_socket.nonce)
+        try:
+            self._socket = socket_link.connect(offer, PROBE_TIMEOUT_S)
+        except (OSError, socket_link.SocketLinkError) as exc:  # another host, user or container: the stream it is
+            log.info("the verifier's Unix socket is not reachable from here (%s); the link's messages go through "
+                     "gRPC", exc)
+            return
+        self._socket.settimeout(STALL_PROBE_S)
 
     def send(self, entries: Sequence[Entry]) -> None:
         with self._lock:
@@ -234,7 +277,14 @@ class GrpcLink(_Lockstep):
             self.bytes_sent += len(data)
             metrics.LINK_BYTES.labels("up").inc(len(data))
             self._unanswered.append((self._steps, entries, sent))
-            self._requests.put(data)
+            if self._socket is None:
+                self._requests.put(data)
+                return
+            try:
+                socket_link.send_frame(self._socket, data, functools.partial(self._waiting, self._socket))
+            except (OSError, socket_link.SocketLinkError) as exc:
+                self._drop()
+                raise StatusError("UNAVAILABLE", f"verifier link lost: {exc}") from None
 
     def receive(self, on_notice: OnNotice | None = None) -> list[StepResult]:
         with self._lock:
@@ -311,16 +361,17 @@ class GrpcLink(_Lockstep):
         with self._lock:
             if self._call is None:  # closed meanwhile
                 raise StatusError("UNAVAILABLE", "verifier link lost")
-            replies = self._replies
-        while True:
+            replies, sock = self._replies, self._socket
+        while sock is None:
             try:
                 item = replies.get(timeout=STALL_PROBE_S)
                 break
             except queue.Empty:
                 if not self.probe():
-                    item = StatusError("UNAVAILABLE", f"the verifier does not answer: no reply for "
-                                                      f"{STALL_PROBE_S:g} s, and Info got {self.probe_error}")
+                    item = self._stalled()
                     break
+        else:
+            item = self._socket_reply(sock, replies)
         if isinstance(item, StatusError):
             with self._lock:
                 closed = self._call is None or self._replies is not replies  # closed (or reconnected) meanwhile
@@ -331,6 +382,47 @@ class GrpcLink(_Lockstep):
         self.bytes_received += len(data)
         metrics.LINK_BYTES.labels("down").inc(len(data))
         return data, arrived
+
+    def _stalled(self) -> StatusError:
+        return StatusError("UNAVAILABLE", f"the verifier does not answer: no reply for {STALL_PROBE_S:g} s, and "
+                                          f"Info got {self.probe_error}")
+
+    def _waiting(self, sock: socket.socket, waited: float) -> None:
+        """While a message waits to go out through the socket: the replies that have come are read
+        and kept (a verifier whose replies wait for this drafter stops reading), and past each
+        STALL_PROBE_S the verifier is asked whether it lives (TimeoutError when not)."""
+        while socket_link.readable(sock):
+            data = socket_link.recv_frame(sock)
+            if data is None:
+                raise socket_link.SocketLinkError("the verifier closed the link")
+            self._early.append((data, time.perf_counter()))
+        if waited % STALL_PROBE_S < socket_link.WAIT_POLL_S <= waited and not self.probe():
+            raise TimeoutError(f"the verifier does not read: nothing taken for {waited:.0f} s, and Info got "
+                               f"{self.probe_error}")
+
+    def _socket_reply(self, sock: socket.socket, replies: queue.SimpleQueue) -> tuple[bytes, float] | StatusError:
+        """The next reply through the socket link, read on this thread, and when it came; or why the
+        link ended: the status on the stream, when the verifier closed the socket."""
+        if self._early:
+            return self._early.popleft()
+        while True:
+            try:
+                data = socket_link.recv_frame(sock)
+                break
+            except TimeoutError:
+                if not self.probe():
+                    return self._stalled()
+            except (OSError, socket_link.SocketLinkError) as exc:
+                return StatusError("UNAVAILABLE", f"verifier link lost: {exc}")
+        if data is not None:
+            return data, time.perf_counter()
+        try:  # closed: the stream says why
+            item = replies.get(timeout=SOCKET_END_WAIT_S)
+        except queue.Empty:
+            return StatusError("UNAVAILABLE", "verifier closed the link")
+        return item if isinstance(item, StatusError) else StatusError(
+            "INTERNAL", "bad reply from the verifier: a message through the stream after the link moved to its "
+                        "Unix socket")
 
     def probe(self) -> bool:
         """Whether the verifier answers Info (why not: `probe_error`)."""
@@ -346,7 +438,13 @@ class GrpcLink(_Lockstep):
     def _drop(self) -> None:
         """Cancel the stream; messages still unanswered are lost (a receive raises UNAVAILABLE)."""
         call, self._call = self._call, None
+        sock, self._socket = self._socket, None
         self._unanswered.clear()
+        self._early.clear()
+        if sock is not None:  # a read blocked on it wakes with its end
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+            sock.close()
         if call is not None:
             call.cancel()
 

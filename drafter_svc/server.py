@@ -108,6 +108,9 @@ class DrafterConfig:
     # Ask each verifier for a shared-memory ring for its replies' feature rows (`common.feature_ring`):
     # on the verifier's host they then skip gRPC; elsewhere the drafter refuses the ring.
     feature_ring: bool = True
+    # Ask each verifier, as each link begins, for a Unix socket for its messages (`common.socket_link`):
+    # on the verifier's host they then skip gRPC; elsewhere the drafter cannot connect and keeps gRPC.
+    unix_socket: bool = True
     # "auto"/"on": each step's DDTrees are cut to the budget that the verifier's cost table and
     # the observed acceptance promise the most tokens per second for (`drafter_svc.budget`;
     # a request's tree_budget is then a cap); "auto" falls back to the fixed budget when the
@@ -201,7 +204,7 @@ def _remote_link(cfg: DrafterConfig, torch_dtype, target_cfg, draft_cfg
     features = feature_reader(info.feature_wire, proposer.device, proposer.draft.fc.weight.dtype)
     link = ReplicaLink([Replica(a.address, GrpcLink(stub, vocab_size=info.vocab_size, feature_dim=proposer.feature_dim,
                                                     max_seq_len=info.max_seq_len, features=features,
-                                                    feature_ring=cfg.feature_ring),
+                                                    feature_ring=cfg.feature_ring, unix_socket=cfg.unix_socket),
                                 functools.partial(stub.Info, pb.InfoRequest(), timeout=2.0),
                                 State.UP if i == first else State.REFUSED if i in refused else State.NEW,
                                 info.max_sessions if i == first else 0)

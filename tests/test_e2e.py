@@ -461,6 +461,30 @@ def test_feature_rows_through_the_ring_change_no_output(qwen3_pair, client, veri
     wait_full(verifier_stub)
 
 
+def test_messages_through_the_unix_socket_change_no_output(qwen3_pair, client, verifier_stub, tmp_path):
+    """A drafter on the verifier's host sends its link's messages through the Unix socket the
+    verifier offers (common/socket_link.py): concurrent requests, greedy and seeded, whole prompts
+    and chunked ones, get the tokens and acceptance of a drafter whose messages go through gRPC,
+    and the socket's directory is gone once connected."""
+    reqs = [request(PROMPTS[i % 3] * (1 + i), n=12, budget=(4, 8, 16, 0)[i], temperature=(0.0, 0.9)[i % 2],
+                    top_k=20, seed=120 + i) for i in range(MAX_SESSIONS)]
+    config = verifier_config(qwen3_pair, max_sessions=2, unix_socket_dir=str(tmp_path))
+    with ServerThread(lambda: serve_verifier(config)) as socket_verifier:
+        runs = []
+        for unix_socket in (False, True):
+            engine = drafter_engine(qwen3_pair, socket_verifier.port, prefill_chunk=8, unix_socket=unix_socket)
+            with served(engine) as stub:
+                runs.append(concurrently(stub, reqs))
+                assert os.listdir(tmp_path) == []
+                link = engine.scheduler.link.replicas[0].link
+                assert (link._socket is not None) == unix_socket
+    grpc_out, socket_out = runs
+    assert [tokens for tokens, _, _ in socket_out] == [tokens for tokens, _, _ in grpc_out]
+    assert [list(f.stats.acceptance_lengths) for _, _, f in socket_out] == \
+        [list(f.stats.acceptance_lengths) for _, _, f in grpc_out]
+    wait_full(verifier_stub)
+
+
 def test_info_reports_device_projection_and_busy_time(client, verifier_stub, qwen3_pair):
     from common.feature_projection import FeatureProjection
 

@@ -15,6 +15,8 @@ import dataclasses
 import logging
 import os
 import queue
+import socket
+import stat
 import threading
 import time
 from collections.abc import Sequence
@@ -58,7 +60,10 @@ from common.wire import (
     pack_ints,
     tensor_bytes,
 )
+from common.socket_link import SocketOffer, recv_frame, send_frame
+from common.socket_link import connect as socket_connect
 from drafter_svc.ddtree import build_ddtree
+from drafter_svc.link import GrpcLink, verifier_stub
 from tests.servers import ServerThread
 from verifier_svc.scheduler import LinkStep
 from verifier_svc.server import VerifierConfig, VerifierServer, load_verifier, serve
@@ -1476,3 +1481,122 @@ def test_no_ring_past_the_cap_or_without_room(stub, layers, monkeypatch, tmp_pat
         link.send([CloseEntry(1)])
         link.end()
     assert (set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()) <= before
+
+
+# -- the Unix socket (common/socket_link.py) ----------------------------------------------------
+
+
+def _socket_link(server, unix_socket: bool) -> GrpcLink:
+    """A drafter's link to the shared server, through its Unix socket or through gRPC."""
+    return GrpcLink(verifier_stub(_connect(server.port)), vocab_size=VOCAB, feature_dim=FEATURE_DIM,
+                    max_seq_len=MAX_SEQ_LEN, feature_ring=False, unix_socket=unix_socket)
+
+
+def test_a_unix_socket_carries_the_link_as_the_stream_does(server, stub, layers):
+    """A link that asks takes the socket offered (its file and directory removed once connected),
+    and its sessions, greedy and seeded, opened in one message and verified over rounds of
+    different trees, get the results a link through gRPC gets, step for step."""
+    before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+    over_socket, over_grpc = _socket_link(server, True), _socket_link(server, False)
+    samplings = SAMPLINGS["mixed"][:2]
+    steps = []
+    for link in (over_socket, over_grpc):
+        opened = link.step([opening(i + 1, layers, PROMPTS[i], samplings[i]) for i in range(2)])
+        roots = [r.outcome.token for r in opened]
+        rounds = [opened]
+        for rnd in range(1, 7):
+            trees = [(small_tree, lambda r: chain(r, 5), root_only)[(rnd + i) % 3](roots[i]) for i in range(2)]
+            results = link.step([TreeEntry(i + 1, rnd, trees[i]) for i in range(2)])
+            roots = [r.outcome.next_token for r in results]
+            rounds.append(results)
+        link.step([CloseEntry(1), CloseEntry(2)])
+        steps.append(rounds)
+    assert over_socket._socket is not None and over_grpc._socket is None
+    for got, want in zip(*steps):
+        assert [r.session_id for r in got] == [r.session_id for r in want]
+        assert_same([outcome(r) for r in got], [outcome(r) for r in want], exact=True)
+    assert (set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()) <= before
+    for link in (over_socket, over_grpc):
+        link.close()
+
+
+def test_the_verifier_s_error_reaches_a_drafter_on_the_socket(server, stub, layers):
+    """A message that breaks the link's rules ends it: the drafter, reading the socket, gets the
+    verifier's status from the stream (not just a closed socket)."""
+    link = _socket_link(server, True)
+    link.send([opening(MAX_SESSION_ID + 1, layers)])
+    with pytest.raises(StatusError) as info:
+        link.receive()
+    assert info.value.status == "INVALID_ARGUMENT" and "session id" in info.value.message
+    link.close()
+
+
+@pytest.mark.parametrize("case", ["second message", "with entries", "at step 2"])
+def test_a_hello_comes_first_and_alone(stub, layers, case):
+    with LinkStream(stub) as link:
+        hello = pb.LinkRequest(unix_socket=True)
+        if case == "second message":
+            link.send([opening(1, layers)])
+            link.send([CloseEntry(1)])
+        elif case == "with entries":
+            hello = encode_link_request(0, [opening(1, layers)])
+            hello.unix_socket = True
+        else:
+            hello.step = 2
+        link.post(hello)
+        link.expect_abort(grpc.StatusCode.INVALID_ARGUMENT, "hello")
+
+
+def _offer(link: LinkStream) -> pb.UnixSocket:
+    reply = link.send(pb.LinkRequest(unix_socket=True))
+    assert reply.HasField("unix_socket") and not reply.results
+    assert stat.S_IMODE(os.stat(os.path.dirname(reply.unix_socket.path)).st_mode) == 0o700
+    return reply.unix_socket
+
+
+def test_an_offer_not_taken_is_withdrawn(stub, layers):
+    """A drafter that goes on through the stream (it could not reach the socket) keeps the link
+    there, and the socket's directory is gone."""
+    with LinkStream(stub) as link:
+        offer = _offer(link)
+        link.steps = 0
+        opened = link.step([opening(1, layers)])
+        assert isinstance(opened[0].outcome, Prefilled)
+        assert not os.path.exists(os.path.dirname(offer.path))
+        link.send([CloseEntry(1)])
+        link.end()
+
+
+def test_a_connection_without_the_nonce_ends_the_link(stub):
+    with LinkStream(stub) as link:
+        offer = _offer(link)
+        raw = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        raw.connect(offer.path)
+        send_frame(raw, bytes(16))
+        link.expect_abort(grpc.StatusCode.PERMISSION_DENIED, "nonce")
+        raw.close()
+
+
+def test_a_message_through_the_stream_after_the_switch_ends_the_link(stub, layers):
+    with LinkStream(stub) as link:
+        offer = _offer(link)
+        sock = socket_connect(SocketOffer(offer.path, offer.nonce), 2.0)
+        send_frame(sock, encode_link_request(1, [opening(1, layers)]).SerializeToString())
+        reply = pb.LinkResponse.FromString(bytes(recv_frame(sock)))  # the link has moved to the socket
+        if reply.notice:  # first tokens ahead of the reply
+            reply = pb.LinkResponse.FromString(bytes(recv_frame(sock)))
+        assert reply.step == 1 and not reply.notice and reply.results[0].WhichOneof("kind") == "prefilled"
+        link.post(encode_link_request(2, [CloseEntry(1)]))
+        link.expect_abort(grpc.StatusCode.INVALID_ARGUMENT, "Unix socket")
+        assert recv_frame(sock) is None  # the verifier closed its end
+        sock.close()
+
+
+def test_no_socket_offered_when_off(config, tracing, layers):
+    with ServerThread(lambda: serve(dataclasses.replace(config, unix_socket=False))) as running:
+        with _connect(running.port) as channel, LinkStream(pb_grpc.VerifierStub(channel)) as link:
+            assert not link.send(pb.LinkRequest(unix_socket=True)).HasField("unix_socket")
+            link.steps = 0
+            assert isinstance(link.step([opening(1, layers)])[0].outcome, Prefilled)
+            link.send([CloseEntry(1)])
+            link.end()

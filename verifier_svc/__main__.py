@@ -85,6 +85,12 @@ def build_parser() -> argparse.ArgumentParser:
          "refuse it and get them inline); 0 = none offered", type=int, env="VERIFIER_FEATURE_RING_MB")
     flag("--feature-ring-dir", "feature_ring_dir", "directory of those rings' files (each unlinked once its "
          "drafter has answered); empty = /dev/shm, or the temp directory without one", env="VERIFIER_FEATURE_RING_DIR")
+    p.switch("--unix-socket", env="VERIFIER_UNIX_SOCKET", default=_DEFAULTS["unix_socket"], negatable=True,
+             help="offer each drafter that asks a Unix socket for its link's messages: one on this host connects "
+                  "and they no longer cross gRPC (others keep the gRPC stream); --no-unix-socket: none offered")
+    flag("--unix-socket-dir", "unix_socket_dir", "directory under which each offered socket gets a directory of its "
+         "own, mode 0700 (removed once the drafter has connected); empty = /dev/shm, or the temp directory "
+         "without one", env="VERIFIER_UNIX_SOCKET_DIR")
     flag("--max-message-mb", "max_message_mb", "inbound message cap in MiB (larger messages get RESOURCE_EXHAUSTED); "
          "0 = what the largest link message at --max-sessions, --max-seq-len and --max-tree-nodes needs", type=int)
     flag("--graph-batches", "graph_batches", "batch buckets (sessions per step) of the captured verify CUDA graphs",
@@ -163,6 +169,7 @@ def parse_config(argv: list[str] | None = None) -> VerifierConfig:
         tensor_parallel=args.tensor_parallel,
         max_message_mb=args.max_message_mb,
         feature_ring_mb=args.feature_ring_mb, feature_ring_dir=args.feature_ring_dir,
+        unix_socket=args.unix_socket, unix_socket_dir=args.unix_socket_dir,
         measure_costs=args.measure_costs, feature_wire=args.feature_wire,
         metrics_port=args.metrics_port, log_level=args.log_level, log_format=args.log_format,
         tls=ServerTls(cert=args.tls_cert or "", key=args.tls_key or "", client_ca=args.tls_client_ca or ""),

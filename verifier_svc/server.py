@@ -34,6 +34,8 @@ from common.feature_projection import FeatureProjection
 from common.feature_ring import RingError, RingOffer, RingWriter, default_dir
 from common.feature_wire import FORMATS, FP8, SCALE_BYTES
 from common.grpc_server import MIB, start_grpc_server
+from common.socket_link import SocketLinkError, SocketListener, SocketStream
+from common.socket_link import default_dir as default_socket_dir
 from common.logs import memory_summary
 from common.rpc import VERIFIER_SERVICE, decode_message, pb, pb_grpc
 from common.tls import ServerTls
@@ -92,6 +94,11 @@ class VerifierConfig:
     # where its file goes ("" = /dev/shm, or the temp dir without one).
     feature_ring_mb: int = 64
     feature_ring_dir: str = ""
+    # A Unix socket per link for its messages, offered to drafters that ask in a hello (those on
+    # this host connect; `common.socket_link`), in a directory of its own under `unix_socket_dir`
+    # ("" = /dev/shm, or the temp dir without one).
+    unix_socket: bool = True
+    unix_socket_dir: str = ""
     # "keyed": position-keyed sampling (a seeded output does not depend on the trees, the budget or
     # the batch; fused: 2.1 ms vs the coin walk's 1.7 ms at 32 x 17 nodes, H200); "coins": the
     # target-only coin walk (SGLang's tree_speculative_sampling_target_only semantics, fused).
@@ -137,6 +144,8 @@ class VerifierConfig:
             raise ValueError(f"feature_ring_mb must be >= 0 (0 = no ring), got {self.feature_ring_mb}")
         if self.feature_ring_mb and self.feature_ring_dir and not os.path.isdir(self.feature_ring_dir):
             raise ValueError(f"feature_ring_dir {self.feature_ring_dir!r} is not a directory")
+        if self.unix_socket and self.unix_socket_dir and not os.path.isdir(self.unix_socket_dir):
+            raise ValueError(f"unix_socket_dir {self.unix_socket_dir!r} is not a directory")
         if self.max_message_mb < 0:
             raise ValueError(f"max_message_mb must be >= 0 (0 = what the limits need), got {self.max_message_mb}")
         if 0 < self.max_message_mb < _whole_mib(self.link_message_bytes()):
@@ -267,12 +276,19 @@ def startup_summary(verifier: TreeVerifier) -> str:
 MAX_FEATURE_RINGS = 16
 
 
+# A drafter offered a socket link connects within this long, or the offer is withdrawn (its socket removed).
+SOCKET_ACCEPT_S = 30.0
+
+
 class _Link:
     """One `Link` RPC: reads messages, hands each to the worker, writes the replies in order.
 
     A reader and a writer run concurrently, so a drafter may keep up to `max_inflight`
     messages unanswered (pipelining); past that the reader stops reading, and gRPC's flow
-    control holds the drafter back. The link's sessions are closed however it ends.
+    control holds the drafter back. The messages come through the stream, or, once a drafter
+    on this host has taken the socket link offered in reply to its hello, through that socket
+    (`common.socket_link`); the stream then only says when the drafter ends the link. The link's
+    sessions are closed however it ends.
     """
 
     def __init__(self, context: grpc.aio.ServicerContext, worker: ModelWorker, config: VerifierConfig, owner: int,
@@ -285,6 +301,9 @@ class _Link:
         self.cut = asyncio.Event()  # set on shutdown, once the drain is over: the link ends with UNAVAILABLE
         self.ring: RingWriter | None = None  # the link's feature ring, once offered (`take_ring_fields`)
         self._ring_offered = False
+        self.listener: SocketListener | None = None  # the socket link offered, until the drafter connects
+        self.socket: SocketStream | None = None  # the socket the messages come through, once connected
+        self.received = 0  # messages read
 
     async def run(self) -> str:
         """Serve the link until the drafter ends it; returns why. Raises VerifierError.
@@ -297,30 +316,53 @@ class _Link:
         pending: asyncio.Queue = asyncio.Queue(maxsize=self.config.max_inflight)
         writer = asyncio.create_task(self._write(pending))
         cut = asyncio.create_task(self.cut.wait())
-        read = None
+        read = None  # the next message, from the stream or the socket link
+        stream = None  # with the socket link: the stream's read, whose end ends the link
+        accept = None  # the socket link offered: the drafter's connection
         try:
             while True:
-                read = read or asyncio.ensure_future(self.context.read())
+                read = read or asyncio.ensure_future(self.socket.read() if self.socket else self.context.read())
                 timeout = self.timers.wait_s(time.monotonic())
-                done, _ = await asyncio.wait({read, writer, cut}, timeout=timeout,
-                                             return_when=asyncio.FIRST_COMPLETED)
+                waits = {read, writer, cut} | {f for f in (stream, accept) if f is not None}
+                done, _ = await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
                 if cut in done:
                     raise VerifierError("UNAVAILABLE", SHUTTING_DOWN)
                 if writer in done:
                     await writer  # raises the step's error
                     raise VerifierError("INTERNAL", "the link's writer ended early")
+                if stream in done:
+                    if stream.result() is grpc.aio.EOF:
+                        break
+                    raise VerifierError("INVALID_ARGUMENT", "a message through the stream after the link moved to "
+                                                            "its Unix socket")
+                if accept in done:
+                    local, accept = accept.result(), None
+                    if local is not None:  # from now on the stream's read only watches for its end
+                        self.socket, stream, read = local, read, None
+                    continue
                 if not done:
                     self._close_expired()
                     continue
-                data, read = read.result(), None
-                if data is grpc.aio.EOF:
+                try:
+                    data, read = read.result(), None
+                except SocketLinkError as exc:
+                    raise VerifierError("INVALID_ARGUMENT", f"bad link message: {exc}") from None
+                if data is None or data is grpc.aio.EOF:
                     break
+                self.received += 1
                 try:  # decode_link_request's WireError and RingError are ValueErrors
                     message = decode_message(pb.LinkRequest, data)
+                    if message.unix_socket:
+                        await self._hello(message)
+                        accept = asyncio.ensure_future(self._accept()) if self.listener is not None else None
+                        continue
                     items = decode_link_request(message, self.limits)
                     offer = self.take_ring_fields(message)
                 except ValueError as exc:
                     raise VerifierError("INVALID_ARGUMENT", f"bad link message: {exc}") from None
+                if accept is not None:  # the drafter went on through the stream: no socket link
+                    self._withdraw("the drafter sent through the stream, where its messages stay", accept)
+                    accept = None
                 items = self.timers.heard(items)
                 job = LinkStep(self.owner, message.step, items, received_bytes=len(data), ring=self.ring, offer=offer)
                 self.worker.submit(job)
@@ -328,13 +370,59 @@ class _Link:
             await pending.put(None)
             await writer
         finally:
-            writer.cancel()
-            cut.cancel()
-            if read is not None:
-                read.cancel()
+            for task in (writer, cut, read, stream):
+                if task is not None:
+                    task.cancel()
+            if accept is not None:
+                self._withdraw("the link ended", accept)
             if self.ring is not None:
                 self.ring.close()
+            if self.socket is not None:
+                self.socket.close()
         return "the drafter ended the link"
+
+    async def _hello(self, message: pb.LinkRequest) -> None:
+        """Answer a drafter's hello (`LinkRequest.unix_socket`: its first message, step 0, nothing
+        else in it) with a socket link's offer, or with nothing (none offered, or none could be made)."""
+        if self.received != 1 or message.step or message.ListFields() != [(pb.LinkRequest.DESCRIPTOR.fields_by_name[
+                "unix_socket"], True)]:
+            raise ValueError("unix_socket must come alone, in a hello: the stream's first message, at step 0")
+        reply = pb.LinkResponse(step=0)
+        if self.config.unix_socket:
+            try:
+                self.listener = SocketListener(self.config.unix_socket_dir or default_socket_dir(),
+                                              self.config.max_receive_bytes())
+                reply.unix_socket.path, reply.unix_socket.nonce = self.listener.path, self.listener.nonce
+            except OSError as exc:
+                log.warning("link %d: no socket link (%s); its messages go through the stream", self.owner, exc)
+        await self.context.write(reply.SerializeToString())
+
+    async def _accept(self) -> SocketStream | None:
+        """The drafter's connection to the socket link offered, or None when it does not come in
+        SOCKET_ACCEPT_S (the offer is withdrawn). VerifierError when the connection is not the
+        drafter's (its first frame not the nonce)."""
+        try:
+            local = await asyncio.wait_for(self.listener.accept(), SOCKET_ACCEPT_S)
+        except asyncio.TimeoutError:
+            self._withdraw(f"no connection in {SOCKET_ACCEPT_S:g} s; the messages stay on the stream")
+            return None
+        except SocketLinkError as exc:
+            raise VerifierError("PERMISSION_DENIED", str(exc)) from None
+        self.listener = None
+        log.info("link %d: its messages go through a Unix socket", self.owner)
+        return local
+
+    def _withdraw(self, why: str, accept: asyncio.Future | None = None) -> None:
+        """Withdraw the socket link offered (and stop `accept`, the wait for it; a connection it
+        made is closed): the messages keep coming through the stream."""
+        if accept is not None:
+            accept.cancel()
+            if accept.done() and not accept.cancelled() and accept.exception() is None and accept.result():
+                accept.result().close()
+        if self.listener is not None:
+            self.listener.close()
+            self.listener = None
+            log.info("link %d: the socket link offered is withdrawn: %s", self.owner, why)
 
     def take_ring_fields(self, message: pb.LinkRequest) -> RingOffer | None:
         """A message's feature-ring fields (`common.feature_ring`): the drafter's answer to the
@@ -373,11 +461,19 @@ class _Link:
         """Write each message's reply in order, after its notice (first tokens) when there is one."""
         while (job := await pending.get()) is not None:
             if job.notice is not None and (notice := await job.notice) is not None:
-                await self.context.write(notice)
+                await self._send(notice)
             reply = await job.future
             self.timers.answered(reply, time.monotonic())  # before the write: the next message may come at once
-            await self.context.write(reply.data)
+            await self._send(reply.data)
             self.messages += 1
+
+    async def _send(self, data: bytes) -> None:
+        """A reply or notice, by the way the messages come (the replies to a link's messages all
+        follow its switch to the socket link: the drafter sends nothing between hello and switch)."""
+        if self.socket is not None:
+            await self.socket.write(data)
+        else:
+            await self.context.write(data)
 
     def _close_expired(self) -> None:
         """Close the sessions whose timers ran out (one log line)."""

@@ -273,7 +273,7 @@ class SessionEntry(_message.Message):
     def __init__(self, session_id: _Optional[int] = ..., open: _Optional[_Union[Open, _Mapping]] = ..., tree: _Optional[_Union[Tree, _Mapping]] = ..., close: _Optional[_Union[Close, _Mapping]] = ..., extend: _Optional[_Union[Extend, _Mapping]] = ...) -> None: ...
 
 class LinkRequest(_message.Message):
-    __slots__ = ("step", "entries", "tree_tokens", "tree_next_token", "tree_next_sibling", "feature_ring", "ring_released", "ring_refused")
+    __slots__ = ("step", "entries", "tree_tokens", "tree_next_token", "tree_next_sibling", "feature_ring", "ring_released", "ring_refused", "unix_socket")
     STEP_FIELD_NUMBER: _ClassVar[int]
     ENTRIES_FIELD_NUMBER: _ClassVar[int]
     TREE_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -282,6 +282,7 @@ class LinkRequest(_message.Message):
     FEATURE_RING_FIELD_NUMBER: _ClassVar[int]
     RING_RELEASED_FIELD_NUMBER: _ClassVar[int]
     RING_REFUSED_FIELD_NUMBER: _ClassVar[int]
+    UNIX_SOCKET_FIELD_NUMBER: _ClassVar[int]
     step: int
     entries: _containers.RepeatedCompositeFieldContainer[SessionEntry]
     tree_tokens: PackedInts
@@ -290,7 +291,16 @@ class LinkRequest(_message.Message):
     feature_ring: bool
     ring_released: int
     ring_refused: bool
-    def __init__(self, step: _Optional[int] = ..., entries: _Optional[_Iterable[_Union[SessionEntry, _Mapping]]] = ..., tree_tokens: _Optional[_Union[PackedInts, _Mapping]] = ..., tree_next_token: _Optional[_Union[PackedInts, _Mapping]] = ..., tree_next_sibling: _Optional[_Union[PackedInts, _Mapping]] = ..., feature_ring: _Optional[bool] = ..., ring_released: _Optional[int] = ..., ring_refused: _Optional[bool] = ...) -> None: ...
+    unix_socket: bool
+    def __init__(self, step: _Optional[int] = ..., entries: _Optional[_Iterable[_Union[SessionEntry, _Mapping]]] = ..., tree_tokens: _Optional[_Union[PackedInts, _Mapping]] = ..., tree_next_token: _Optional[_Union[PackedInts, _Mapping]] = ..., tree_next_sibling: _Optional[_Union[PackedInts, _Mapping]] = ..., feature_ring: _Optional[bool] = ..., ring_released: _Optional[int] = ..., ring_refused: _Optional[bool] = ..., unix_socket: _Optional[bool] = ...) -> None: ...
+
+class UnixSocket(_message.Message):
+    __slots__ = ("path", "nonce")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    NONCE_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    nonce: bytes
+    def __init__(self, path: _Optional[str] = ..., nonce: _Optional[bytes] = ...) -> None: ...
 
 class FeatureRing(_message.Message):
     __slots__ = ("path", "capacity", "nonce")
@@ -369,7 +379,7 @@ class SessionResult(_message.Message):
     def __init__(self, session_id: _Optional[int] = ..., prefilled: _Optional[_Union[Prefilled, _Mapping]] = ..., verified: _Optional[_Union[Verified, _Mapping]] = ..., error: _Optional[_Union[Error, _Mapping]] = ..., extended: _Optional[_Union[Extended, _Mapping]] = ...) -> None: ...
 
 class LinkResponse(_message.Message):
-    __slots__ = ("step", "results", "features", "step_seconds", "notice", "held_seconds", "ring", "features_at")
+    __slots__ = ("step", "results", "features", "step_seconds", "notice", "held_seconds", "ring", "features_at", "unix_socket")
     STEP_FIELD_NUMBER: _ClassVar[int]
     RESULTS_FIELD_NUMBER: _ClassVar[int]
     FEATURES_FIELD_NUMBER: _ClassVar[int]
@@ -378,6 +388,7 @@ class LinkResponse(_message.Message):
     HELD_SECONDS_FIELD_NUMBER: _ClassVar[int]
     RING_FIELD_NUMBER: _ClassVar[int]
     FEATURES_AT_FIELD_NUMBER: _ClassVar[int]
+    UNIX_SOCKET_FIELD_NUMBER: _ClassVar[int]
     step: int
     results: _containers.RepeatedCompositeFieldContainer[SessionResult]
     features: Tensor
@@ -386,7 +397,8 @@ class LinkResponse(_message.Message):
     held_seconds: float
     ring: FeatureRing
     features_at: int
-    def __init__(self, step: _Optional[int] = ..., results: _Optional[_Iterable[_Union[SessionResult, _Mapping]]] = ..., features: _Optional[_Union[Tensor, _Mapping]] = ..., step_seconds: _Optional[float] = ..., notice: _Optional[bool] = ..., held_seconds: _Optional[float] = ..., ring: _Optional[_Union[FeatureRing, _Mapping]] = ..., features_at: _Optional[int] = ...) -> None: ...
+    unix_socket: UnixSocket
+    def __init__(self, step: _Optional[int] = ..., results: _Optional[_Iterable[_Union[SessionResult, _Mapping]]] = ..., features: _Optional[_Union[Tensor, _Mapping]] = ..., step_seconds: _Optional[float] = ..., notice: _Optional[bool] = ..., held_seconds: _Optional[float] = ..., ring: _Optional[_Union[FeatureRing, _Mapping]] = ..., features_at: _Optional[int] = ..., unix_socket: _Optional[_Union[UnixSocket, _Mapping]] = ...) -> None: ...
 
 class InfoRequest(_message.Message):
     __slots__ = ()
