@@ -17,9 +17,9 @@ how long; the device's busy fraction (each service's and their union) over a win
 run (by default its middle 40%, away from start-up and drain); the verifier's idle gaps between
 stretches of its device work; its steps from one verify to the next, those with prompt work
 (a prefill, prompt features into draft contexts) apart from the others, and for the others
-where the time between two verifies goes; over gRPC, where a link message's own time goes
-(encodes, decodes, the way up and the way down, and the verifier's hold); and an excerpt of
-the timeline.
+where the time between two verifies goes; where a link message's own time goes, through gRPC
+or the Unix socket (encodes, decodes, the way up and the way down, and the verifier's hold); and
+an excerpt of the timeline.
 Measurement only: the wrappers add a few microseconds per call.
 """
 from __future__ import annotations
@@ -398,7 +398,7 @@ def print_report(res: dict) -> None:
                                                             if name != "count"))
     link = res.get("link", {})
     if link.get("count"):
-        print(f"\na link message over gRPC, p50 ms ({link['count']} messages; the drafter read "
+        print(f"\na link message (gRPC or the Unix socket), p50 ms ({link['count']} messages; the drafter read "
               f"{link['read_late_share']:.0%} of the replies after they were encoded):")
         print("  " + ", ".join(f"{name} {link[name]:.3f}" for name in LINK_PARTS if link.get(name) is not None))
     print("\nexcerpt (ms from the window's middle; the drafter's rows indented)")
