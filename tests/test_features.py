@@ -9,7 +9,7 @@ import torch
 from common.config import CheckpointError, dflash_target_layer_ids, is_valid_layer_ids, load_draft_config
 from drafter_svc import train as T
 from verifier_svc.target_model import KVCache, TargetModel
-from verifier_svc.target_runner import TargetRunner
+from verifier_svc.target_runner import TargetRunner, paths_first
 
 PROMPT_LEN = 29
 
@@ -161,3 +161,19 @@ def test_draft_config_without_layer_ids_uses_dflash_rule(tmp_path, tiny_pair):
     (folder / "config.json").write_text(json.dumps({k: v for k, v in raw.items() if k != "num_target_layers"}))
     with pytest.raises(CheckpointError, match="target_layer_ids and num_target_layers are missing"):
         load_draft_config(folder)
+
+
+def test_paths_first_puts_the_rows_to_read_first_in_row_order():
+    """`paths_first` (the verify step's path rows moved ahead on the device, before its results
+    are read) against picking them row by row, on fresh random steps: rows that want no features
+    and paths of every length from the root alone to the whole width."""
+    gen = torch.Generator().manual_seed(11)
+    for _ in range(50):
+        b, w, f = (int(x) for x in torch.randint(1, 9, (3,), generator=gen))
+        features = torch.randn(b, w, f, generator=gen)
+        lengths = torch.randint(1, w + 1, (b,), generator=gen) * (torch.rand(b, generator=gen) < 0.8)
+        want = torch.cat([features[i, :n] for i, n in enumerate(lengths.tolist())])
+        got = paths_first(features, lengths)
+        assert got.shape == (b * w, f) and torch.equal(got[: int(lengths.sum())], want)
+        # the rest are the other rows, each once
+        assert sorted(map(tuple, got.tolist())) == sorted(map(tuple, features.reshape(b * w, f).tolist()))

@@ -57,6 +57,17 @@ def prefill_mask(cache_pos: Tensor, in_prompt: Tensor, length: int) -> Tensor:
     return (cache_pos[:, :, None] >= keys).logical_and_(keys >= lowest)  # one temporary of the mask's size
 
 
+def paths_first(features: Tensor, lengths: Tensor) -> Tensor:
+    """A verify step's features [B, W, F] (each row's path rows first: its root and accepted nodes)
+    as [B * W, F] with the first lengths[b] rows of each row b first, in row order (int64 [B] on
+    their device: the rows to read, 0 for a row whose features are not wanted), the others after:
+    the rows to read are then the first ones. On the device it needs no wait for the lengths. A copy."""
+    b, w, _ = features.shape
+    behind = torch.arange(w, device=features.device) >= lengths[:, None]  # [B, W]: a row past its path
+    order = torch.argsort(behind.flatten().to(torch.int32), stable=True)
+    return features.reshape(b * w, -1).index_select(0, order)
+
+
 @dataclass
 class VerifiedBatch:
     """The accepted paths of one verify step, row by row."""
@@ -324,24 +335,28 @@ class TargetRunner:
         result = result[: len(rows)]
         if self.features_on_device:  # a copy: a later step may replay the same graph before the finish
             return PendingVerify(list(rows), wanted, HostCopy(result), logits, features.clone(), result)
-        return PendingVerify(list(rows), wanted, HostCopy(result, self.features_for_host(features)), logits)
+        # To the host with the rows to read first (each wanted row's root and accepted nodes): read
+        # there without a copy.
+        lengths = (result[:, 0] + 1) * to_device(wanted, result.device, torch.int64)
+        features = self.features_for_host(paths_first(features, lengths))
+        return PendingVerify(list(rows), wanted, HostCopy(result, features), logits)
 
     def finish_verify(self, pending: PendingVerify) -> VerifiedBatch:
         """Wait for a launched step's results (one wait; a second, only when a row asks for
         logprobs, for theirs) and read them out per row."""
         rows = pending.rows
         copied = pending.copy.wait()
-        result, features = copied[0], pending.features if pending.features is not None else copied[1]
-        values = result.tolist()
+        values = copied[0].tolist()
         paths = [v[2: 3 + v[0]] for v in values]
         bonus = [v[1] for v in values]
         accepted = []
         for row, path in zip(rows, paths):
             tokens = row.tree.token_list()  # a list once: cheaper than a tensor index per node
             accepted.append([tokens[node] for node in path[1:]])
-        b, t, f = features.shape
-        index = [i * t + j for i, path in enumerate(paths) if pending.with_features[i] for j in range(len(path))]
-        picked = features.reshape(b * t, f).index_select(0, to_device(index, features.device, torch.int64))
+        lengths = [len(path) if wanted else 0 for path, wanted in zip(paths, pending.with_features)]
+        features = (copied[1] if pending.features is None  # the rows to read came first
+                    else paths_first(pending.features, to_device(lengths, pending.features.device, torch.int64)))
+        picked = features[: sum(lengths)]
         return VerifiedBatch(paths=paths, bonus=bonus, accepted=accepted, features=picked,
                              logprobs=self._path_logprobs(rows, accepted, bonus, pending.logits, paths))
 
