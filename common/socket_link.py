@@ -67,6 +67,7 @@ class SocketStream:
 
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, max_frame: int):
         self._reader, self._writer, self.max_frame = reader, writer, max_frame
+        self.gone = False  # a write found the drafter gone: its replies have no one to go to
 
     async def read(self) -> bytes | None:
         """The next frame's bytes; None when the drafter closed the socket between frames.
@@ -88,8 +89,14 @@ class SocketStream:
             raise SocketLinkError("a socket-link frame cut short") from None
 
     async def write(self, data: bytes) -> None:
-        self._writer.writelines((FRAME.pack(len(data)), data))
-        await self._writer.drain()
+        """Send one frame; nothing once the drafter has gone (its end, read next, ends the link)."""
+        if self.gone:
+            return
+        try:
+            self._writer.writelines((FRAME.pack(len(data)), data))
+            await self._writer.drain()
+        except ConnectionError:
+            self.gone = True
 
     def close(self) -> None:
         self._writer.close()

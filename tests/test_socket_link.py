@@ -131,6 +131,9 @@ def test_the_drafter_connects_with_the_nonce_and_frames_flow_both_ways(tmp_path)
         assert bytes(await asyncio.to_thread(recv_frame, sock)) == b"down" * 1000
         sock.close()
         assert await stream.read() is None  # the drafter's end
+        for _ in range(4):  # replies it no longer reads go nowhere, without an error
+            await stream.write(bytes(1 << 20))
+        assert stream.gone
         stream.close()
 
     asyncio.run(main())

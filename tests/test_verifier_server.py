@@ -1600,3 +1600,20 @@ def test_no_socket_offered_when_off(config, tracing, layers):
             assert isinstance(link.step([opening(1, layers)])[0].outcome, Prefilled)
             link.send([CloseEntry(1)])
             link.end()
+
+
+def test_a_drafter_that_leaves_with_replies_owed_ends_its_link_quietly(server, stub, layers, caplog):
+    """A drafter that closes its socket link before reading its replies: the verifier ends the
+    link as the drafter's doing (its sessions freed: `no_leaks`), with no warning or error logged."""
+    link = _socket_link(server, True)
+    link.step([opening(1, layers)])
+    for sid in (2, 3):
+        link.send([opening(sid, layers, PROMPTS[sid])])
+    with caplog.at_level(logging.INFO, logger="verifier_svc.server"):
+        link.close()
+        wait_free(stub)
+        deadline = time.monotonic() + 5
+        while not any("link" in r.getMessage() and "closed after" in r.getMessage() for r in caplog.records):
+            assert time.monotonic() < deadline, [r.getMessage() for r in caplog.records]
+            time.sleep(0.02)
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], [r.getMessage() for r in caplog.records]
