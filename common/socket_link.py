@@ -6,7 +6,7 @@ the way down, on the verifier gRPC's completion queue and the event loop, each a
 waits for the interpreter lock. Between two processes of one host they need not: a drafter
 asks for one in a hello, its stream's first message (`LinkRequest.unix_socket`, no
 entries); the verifier listens on a Unix socket in a directory of its own (`SocketListener`:
-mode 0700, in `--unix-socket-dir`) and offers its path and a random nonce in the hello's reply
+mode 0700, in `--unix-socket-dir`: /dev/shm by default, as the feature rings) and offers its path and a random nonce in the hello's reply
 (`LinkResponse.unix_socket`). The drafter connects, sends the nonce as its first frame, and from
 then on the link's messages, the same bytes as over gRPC, go through the socket as frames: a
 4-byte little-endian length, then the message. The drafter's scheduler thread writes its
@@ -44,12 +44,6 @@ WAIT_POLL_S = 0.05  # how often a send that the socket does not take looks aroun
 
 class SocketLinkError(ValueError):
     """A frame or an offer that does not hold together (from the other side: wire data)."""
-
-
-def default_dir() -> str:
-    """Where the sockets go by default: /dev/shm where there is one (shared with the feature rings,
-    and with a container that shares the host's IPC namespace), else the temp dir."""
-    return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 
 
 @dataclass(frozen=True)
@@ -130,7 +124,7 @@ class SocketListener:
         conn, _ = await loop.sock_accept(self._socket)
         self.close()
         reader, writer = await asyncio.open_unix_connection(sock=conn)
-        stream = SocketStream(reader, writer, self.max_frame)
+        stream = SocketStream(reader, writer, NONCE_BYTES)  # the first frame: the nonce, and no more
         try:
             nonce = await stream.read()
         except SocketLinkError:
@@ -138,6 +132,7 @@ class SocketListener:
         if nonce is None or not hmac.compare_digest(nonce, self.nonce):
             stream.close()
             raise SocketLinkError("the socket link's first frame is not the nonce offered")
+        stream.max_frame = self.max_frame
         return stream
 
     def close(self) -> None:

@@ -243,17 +243,16 @@ class GrpcLink(_Lockstep):
             item = self._replies.get(timeout=STALL_PROBE_S)
         except queue.Empty:
             item = StatusError("UNAVAILABLE", f"the verifier did not answer the link's hello in {STALL_PROBE_S:g} s")
-        try:
-            if isinstance(item, StatusError):
-                raise item
-            reply = decode_message(pb.LinkResponse, item[0])
-            if reply.step != 0 or reply.results:
-                raise StatusError("INTERNAL", f"bad reply from the verifier: step {reply.step} with "
-                                              f"{len(reply.results)} results answers the link's hello")
-        except (ValueError, StatusError) as exc:
+        if not isinstance(item, StatusError):
+            try:
+                reply = decode_message(pb.LinkResponse, item[0])
+                if reply.step != 0 or reply.results:
+                    raise ValueError(f"step {reply.step} with {len(reply.results)} results answers the link's hello")
+            except ValueError as exc:
+                item = StatusError("INTERNAL", f"bad reply from the verifier: {exc}")
+        if isinstance(item, StatusError):
             self._drop()
-            raise exc if isinstance(exc, StatusError) else StatusError("INTERNAL", f"bad reply from the verifier: "
-                                                                                   f"{exc}") from None
+            raise item
         if not reply.HasField("unix_socket"):
             return
         offer = socket_link.SocketOffer(reply.unix_socket.path, reply.unix_socket.nonce)

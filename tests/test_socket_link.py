@@ -139,7 +139,7 @@ def test_the_drafter_connects_with_the_nonce_and_frames_flow_both_ways(tmp_path)
     asyncio.run(main())
 
 
-@pytest.mark.parametrize("first", ["another nonce", "nothing"])
+@pytest.mark.parametrize("first", ["another nonce", "nothing", "a long frame"])
 def test_a_connection_without_the_nonce_is_refused(tmp_path, first):
     async def main():
         listener = _listen(tmp_path)
@@ -147,6 +147,8 @@ def test_a_connection_without_the_nonce_is_refused(tmp_path, first):
         raw.connect(listener.path)
         if first == "another nonce":
             send_frame(raw, bytes(NONCE_BYTES))
+        elif first == "a long frame":  # refused at its header: no megabyte is awaited
+            raw.sendall(FRAME.pack(1 << 20))
         else:
             raw.close()
         with pytest.raises(SocketLinkError, match="nonce"):
@@ -211,5 +213,7 @@ def test_the_drafter_connects_only_to_a_private_socket_of_its_user(tmp_path):
         connect(SocketOffer(str(folder / SOCKET_NAME), nonce), 1.0)
 
 
-def test_default_dir_exists():
-    assert os.path.isdir(socket_link.default_dir())
+def test_the_sockets_default_dir_exists():
+    from common.feature_ring import default_dir  # the sockets' default directory too
+
+    assert os.path.isdir(default_dir())

@@ -35,7 +35,6 @@ from common.feature_ring import RingError, RingOffer, RingWriter, default_dir
 from common.feature_wire import FORMATS, FP8, SCALE_BYTES
 from common.grpc_server import MIB, start_grpc_server
 from common.socket_link import SocketLinkError, SocketListener, SocketStream
-from common.socket_link import default_dir as default_socket_dir
 from common.logs import memory_summary
 from common.rpc import VERIFIER_SERVICE, decode_message, pb, pb_grpc
 from common.tls import ServerTls
@@ -390,7 +389,7 @@ class _Link:
         reply = pb.LinkResponse(step=0)
         if self.config.unix_socket:
             try:
-                self.listener = SocketListener(self.config.unix_socket_dir or default_socket_dir(),
+                self.listener = SocketListener(self.config.unix_socket_dir or default_dir(),
                                               self.config.max_receive_bytes())
                 reply.unix_socket.path, reply.unix_socket.nonce = self.listener.path, self.listener.nonce
             except OSError as exc:
