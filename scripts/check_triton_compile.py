@@ -53,6 +53,7 @@ def exercise(label) -> None:
     from ddtree_kernels import pdl
     from ddtree_kernels.ddtree_select import select_on_device
     from ddtree_kernels.fused_accept import tree_accept_triton
+    from ddtree_kernels.kv_move import move_kv_rows_triton
     from ddtree_kernels.layer_ops import add_rms_norm_triton, qk_norm_rope_store_triton, silu_mul_triton
     from ddtree_kernels.place_trees import place_trees
     from ddtree_kernels.skinny_gemm import SplitSum, skinny_config, skinny_linear, split_config, split_linear
@@ -129,6 +130,9 @@ def exercise(label) -> None:
                     for q_heads in (heads, 0):  # 0: keys and values only
                         qk_norm_rope_store_triton(qkv[..., (heads - q_heads) * d:], cos, cos, norm, norm, 1e-6,
                                                   q_heads, kv_heads, cache, cache, slots, positions)
+                label(f"move_kv_rows_triton {name} T={t}{tag}")
+                src = torch.zeros(1, t, dtype=i64)
+                move_kv_rows_triton(cache[None], cache[None], slots, src, src)
                 label(f"slot_attention_triton {name} T={t}{tag}")
                 q, mask = torch.zeros(1, heads, t, d, dtype=dtype), torch.ones(1, t, 256, dtype=torch.bool)
                 for splits in (1, None):

@@ -328,7 +328,7 @@ def verify_step(model: TargetModel, cache: KVCache, inp: BatchInputs, length: in
     keep = inp.arange[None] <= result[:, :1]
     src = past + torch.where(keep, path, 0)
     dst = past + torch.where(keep, inp.arange[None], 0)
-    cache.move(i.slot[:, None].expand(b, t), src, dst)
+    cache.move(i.slot, src, dst)
     if penalties is not None:  # the path's tokens (root and accepted) join the committed context
         penalties.count_paths(i.slot, i.tokens, result, f.penalties)
     if inp.features_out is not None:

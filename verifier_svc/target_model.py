@@ -24,6 +24,7 @@ from common.checkpoint import load_tensors
 from common.config import TargetConfig, load_target_config
 from common.layers import MLP, AttentionProjections, RMSNorm, RotaryEmbedding, embedding, linear, residual_linear
 from ddtree_kernels import batch_invariant
+from ddtree_kernels.kv_move import move_kv_rows
 from ddtree_kernels.layer_ops import add_rms_norm, project_store, silu_mul
 from ddtree_kernels.slot_attention import (slot_attention, slot_attention_ranges, slot_attention_reference,
                                     slot_attention_triton)
@@ -42,10 +43,9 @@ class KVCache:
         self.num_slots, self.max_seq_len = num_slots, max_seq_len
 
     def move(self, slots: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """Copy entries src -> dst of slot `slots`, all layers at once (index tensors of one
-        shape, e.g. [B, P]). Every source is read before any destination is written."""
-        self.k[:, slots, :, dst] = self.k[:, slots, :, src]
-        self.v[:, slots, :, dst] = self.v[:, slots, :, src]
+        """Copy entries src -> dst [B, P] of slot slots[b], all layers at once; every source of a
+        row is read before any of its destinations is written (`ddtree_kernels.kv_move`)."""
+        move_kv_rows(self.k, self.v, slots, src, dst)
 
 
 class DecoderLayer(nn.Module):

@@ -29,6 +29,7 @@ from common.penalties import PenaltyState, penalize_dense, penalty_rows
 from common.protocol import SamplingParams, TokenLogprob
 from common.staging import HostCopy, to_device
 from common.tree import DraftTree
+from ddtree_kernels.kv_move import warm_up as warm_up_kv_move
 from ddtree_kernels.penalties import warm_up as warm_up_penalties
 from ddtree_kernels.place_trees import warm_up as warm_up_place_trees
 from ddtree_kernels.skinny_gemm import warm_up as warm_up_gemms
@@ -125,6 +126,7 @@ class TargetRunner:
         # every attention and few-row GEMM variant now, not when an eager pass (a prompt chunk) first takes it
         warm_up_attention(self.cache.k[0], self.cache.v[0], model.cfg.num_heads)
         warm_up_gemms(gemm_weights(model))
+        warm_up_kv_move(self.cache.k, self.cache.v, max_tree_nodes)
         if p.device.type == "cuda":
             warm_up_penalties(p.device, model.lm_head.weight.dtype)
         graph_config = graph_config or GraphConfig(modes=("greedy", sampling))
