@@ -23,12 +23,19 @@ def compaction(gen: torch.Generator, past: torch.Tensor, t: int) -> tuple[torch.
     return torch.stack(src), torch.stack(dst)
 
 
-def permutations(gen: torch.Generator, b: int, p: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Distinct destinations whose sources are other columns' destinations: a row's reads and
-    writes overlap, so a kernel that wrote before every read had finished would differ."""
-    dst = torch.stack([torch.randperm(length, generator=gen)[:p] for _ in range(b)])
-    src = torch.stack([row[torch.randperm(p, generator=gen)] for row in dst])
-    return src, dst
+def shifts(gen: torch.Generator, b: int, p: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ascending destinations, each column's source at or after its own destination: sources that
+    are later columns' destinations (in the same block of columns and in later ones), so a kernel
+    that wrote a block before every read of it had finished, or that took the blocks out of
+    order, would differ."""
+    src, dst = [], []
+    for _ in range(b):
+        to = torch.randperm(length, generator=gen)[:p].sort()[0]
+        ahead = torch.randint(0, 4, (p,), generator=gen)  # how many destinations ahead the source lies
+        at = torch.minimum(torch.arange(p) + ahead, torch.tensor(p - 1))
+        src.append(torch.where(at == torch.arange(p), to + (to < length - 1), to[at]).clamp(max=length - 1))
+        dst.append(to)
+    return torch.stack(src), torch.stack(dst)
 
 
 def check_move_kv_rows(device: str, dtype: torch.dtype, layers: int, heads: int, d: int, b: int, t: int,
@@ -39,14 +46,14 @@ def check_move_kv_rows(device: str, dtype: torch.dtype, layers: int, heads: int,
     v = torch.randn(layers, num_slots, heads, length, d, generator=gen).to(device, dtype)
     slots = torch.randperm(num_slots, generator=gen)[:b]
     past = torch.randint(0, length - t + 1, (b,), generator=gen)
-    cases = (("compaction", compaction(gen, past, t)), ("permutation", permutations(gen, b, t, length)))
+    cases = (("compaction", compaction(gen, past, t)), ("shifts", shifts(gen, b, t, length)))
     for kind, (src, dst) in cases:
         want_k, want_v = k.clone(), v.clone()
         move_kv_rows_reference(want_k, want_v, slots.to(device), src.to(device), dst.to(device))
         got_k, got_v = k.clone(), v.clone()
         move_kv_rows_triton(got_k, got_v, slots.to(device), src.to(device), dst.to(device))
         assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
-        if kind == "permutation":
+        if kind == "shifts":
             assert not torch.equal(want_k, k)  # something moved
 
 
@@ -56,8 +63,9 @@ def test_move_kv_rows_matches_reference(seed, dtype):
     check_move_kv_rows("cpu", dtype, layers=2, heads=2, d=16, b=3, t=5, length=24, seed=seed)
 
 
-def test_move_kv_rows_odd_head_dim_and_wide_tree():
-    check_move_kv_rows("cpu", torch.float32, layers=1, heads=3, d=12, b=2, t=33, length=80, seed=5)
+@pytest.mark.parametrize("t", [1, 16, 17, 33, 130])
+def test_move_kv_rows_odd_head_dim_and_any_width(t):
+    check_move_kv_rows("cpu", torch.float32, layers=1, heads=3, d=12, b=2, t=t, length=t + 150, seed=t)
 
 
 def test_move_kv_rows_refuses_mismatched_shapes():
@@ -68,22 +76,3 @@ def test_move_kv_rows_refuses_mismatched_shapes():
     with pytest.raises(ValueError, match="contiguous"):
         move_kv_rows_triton(k, k.transpose(3, 4), torch.zeros(1, dtype=torch.long), torch.zeros(1, 1, dtype=torch.long),
                             torch.zeros(1, 1, dtype=torch.long))
-
-
-def test_move_kv_rows_past_the_tile_takes_the_reference(monkeypatch):
-    """A step wider than one tile is refused by the kernel and moved by the reference through the
-    dispatching wrapper, with the same result."""
-    from ddtree_kernels import kv_move
-
-    monkeypatch.setenv("DDTREE_KERNELS", "triton")
-    gen = torch.Generator().manual_seed(9)
-    k = torch.randn(1, 2, 1, 300, 4, generator=gen)
-    v = torch.randn(1, 2, 1, 300, 4, generator=gen)
-    slots = torch.tensor([1])
-    src, dst = permutations(gen, 1, kv_move.MAX_COLUMNS + 1, 300)
-    with pytest.raises(ValueError, match="at most"):
-        move_kv_rows_triton(k.clone(), v.clone(), slots, src, dst)
-    want_k, want_v = k.clone(), v.clone()
-    move_kv_rows_reference(want_k, want_v, slots, src, dst)
-    kv_move.move_kv_rows(k, v, slots, src, dst)
-    assert torch.equal(k, want_k) and torch.equal(v, want_v)

@@ -126,7 +126,7 @@ class TargetRunner:
         # every attention and few-row GEMM variant now, not when an eager pass (a prompt chunk) first takes it
         warm_up_attention(self.cache.k[0], self.cache.v[0], model.cfg.num_heads)
         warm_up_gemms(gemm_weights(model))
-        warm_up_kv_move(self.cache.k, self.cache.v, max_tree_nodes)
+        warm_up_kv_move(self.cache.k, self.cache.v)
         if p.device.type == "cuda":
             warm_up_penalties(p.device, model.lm_head.weight.dtype)
         graph_config = graph_config or GraphConfig(modes=("greedy", sampling))

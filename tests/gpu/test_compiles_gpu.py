@@ -137,18 +137,18 @@ def test_after_the_place_warm_up_no_tree_size_compiles(monkeypatch, caplog):
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 def test_after_the_kv_move_warm_up_no_step_width_compiles(monkeypatch, caplog):
-    """`kv_move.warm_up` (every verifier's start-up) compiles every tile: eager steps of 1 to 128
+    """`kv_move.warm_up` (every verifier's start-up) compiles the kernel: eager steps of 1 to 300
     columns then compact the cache without a compile, from slices of a packed buffer too."""
     from ddtree_kernels.kv_move import move_kv_rows, warm_up
 
     _watched_afresh(monkeypatch)
     k = torch.zeros(2, 3, 8, 256, 128, dtype=torch.bfloat16, device="cuda")
     v = torch.zeros_like(k)
-    warm_up(k, v, 128)
+    warm_up(k, v)
     compiles.serving()
     serving = compiled("serving")
     with caplog.at_level(logging.WARNING, logger="common.compiles"):
-        for width in (1, 2, 8, 16, 17, 31, 32, 33, 64, 65, 100, 128):
+        for width in (1, 2, 8, 16, 17, 31, 32, 33, 64, 65, 100, 128, 300):
             ints = torch.zeros(1 + 2 * width, dtype=torch.int64, device="cuda")
             ints[1 + width:] = torch.arange(width, device="cuda")
             move_kv_rows(k, v, ints[:1], ints[1: 1 + width][None], ints[1 + width:][None])
