@@ -49,7 +49,7 @@ from common.protocol import (
     TreeEntry,
     Verified,
 )
-from common.rpc import CHANNEL_OPTIONS, VERIFIER_SERVICE, pb, pb_grpc
+from common.rpc import CHANNEL_OPTIONS, VERIFIER_SERVICE, decode_message, pb, pb_grpc
 from common.tracing import current_traceparent, setup_tracing, tracer
 from common.tree import DraftTree
 from common.wire import (
@@ -1518,6 +1518,32 @@ def test_a_unix_socket_carries_the_link_as_the_stream_does(server, stub, layers)
     assert (set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()) <= before
     for link in (over_socket, over_grpc):
         link.close()
+
+
+def test_a_hello_to_a_verifier_without_the_socket_goes_on_through_the_stream(server, layers, monkeypatch):
+    """A verifier from before the socket link does not know `LinkRequest.unix_socket`: it reads the
+    hello as an empty message at step 0 and answers it with an empty reply. The drafter takes that
+    as no offer, and its link works through gRPC."""
+    from verifier_svc import server as server_module
+
+    def without_the_field(cls, data):
+        message = decode_message(cls, data)
+        if cls is pb.LinkRequest:
+            message.ClearField("unix_socket")
+        return message
+
+    monkeypatch.setattr(server_module, "decode_message", without_the_field)
+    link, direct = _socket_link(server, True), _socket_link(server, False)
+    got = []
+    for each in (link, direct):
+        opened = each.step([opening(1, layers, PROMPTS[0])])
+        results = each.step([TreeEntry(1, 1, chain(opened[0].outcome.token, 5))])
+        each.step([CloseEntry(1)])
+        got.append([outcome(r) for r in opened + results])
+    assert link._socket is None
+    assert_same(got[0], got[1], exact=True)
+    for each in (link, direct):
+        each.close()
 
 
 def test_the_verifier_s_error_reaches_a_drafter_on_the_socket(server, stub, layers):
