@@ -12,7 +12,8 @@ Within a row, no column's source may be an earlier column's destination (the com
 not: its destinations past + i ascend, and each source past + path[i] lies at or after its own),
 and destinations are distinct, except that entries with src == dst (which the kernel skips) may
 repeat another's destination when they carry the same value, as a step's rows past their
-accepted length do (each copies `past` onto itself).
+accepted length do (each copies `past` onto itself). The kernel skips an entry outside [0, length)
+(where the reference raises, or wraps a negative index): no step reaches past its slot's entries.
 
 PyTorch's index kernels do this as four launches (read K, write K, read V, write V) that gather
 and scatter every column, the no-op ones included: 0.5 ms of a 13 ms verify replay at 32 sessions
@@ -59,7 +60,8 @@ def _move_kv_rows_kernel(k_ptr, v_ptr, slots_ptr, src_ptr, dst_ptr, P, SLOTS, HE
         valid = cols < P
         src = tl.load(src_ptr + b * P + cols, mask=valid, other=0).to(tl.int32)
         dst = tl.load(dst_ptr + b * P + cols, mask=valid, other=0).to(tl.int32)
-        moving = (valid & (src != dst))[:, None] & (dims < D)[None, :]
+        inside = (src >= 0) & (src < LENGTH) & (dst >= 0) & (dst < LENGTH)  # never past the head's entries
+        moving = (valid & inside & (src != dst))[:, None] & (dims < D)[None, :]
         src_at = src[:, None] * D + dims[None, :]
         dst_at = dst[:, None] * D + dims[None, :]
         keys = tl.load(k_head + src_at, mask=moving)

@@ -76,3 +76,16 @@ def test_move_kv_rows_refuses_mismatched_shapes():
     with pytest.raises(ValueError, match="contiguous"):
         move_kv_rows_triton(k, k.transpose(3, 4), torch.zeros(1, dtype=torch.long), torch.zeros(1, 1, dtype=torch.long),
                             torch.zeros(1, 1, dtype=torch.long))
+
+
+def test_move_kv_rows_skips_entries_outside_the_cache():
+    """An index outside [0, length) never reaches memory: the kernel skips it, and moves the rest."""
+    gen = torch.Generator().manual_seed(11)
+    k, v = torch.randn(1, 2, 1, 8, 4, generator=gen), torch.randn(1, 2, 1, 8, 4, generator=gen)
+    slots = torch.tensor([1])
+    src, dst = torch.tensor([[3, 9, 5, -1]]), torch.tensor([[0, 1, 8, 2]])
+    got_k, got_v = k.clone(), v.clone()
+    move_kv_rows_triton(got_k, got_v, slots, src, dst)
+    want_k, want_v = k.clone(), v.clone()
+    move_kv_rows_reference(want_k, want_v, slots, src[:, :1], dst[:, :1])
+    assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
