@@ -83,8 +83,8 @@ def plain_decode(runner: TargetRunner, prompt: torch.Tensor, n: int) -> list[int
     one = torch.ones(1, 1, 1, dtype=torch.bool)
     while len(out) < n:
         tree = DraftTree.from_parents([out[-1]], [-1])
-        batch = runner.verify_batch([VerifyRow(0, past, tree, np.zeros(1, dtype=np.int64), GREEDY)], one,
-                                    with_features=[False])
+        batch = runner.verify_batch([VerifyRow(0, past, tree, np.zeros(1, dtype=np.int64), GREEDY,
+                                               wants_features=False)], one)
         out.append(batch.bonus[0])
         past += 1
     return out
@@ -106,8 +106,9 @@ def tree_decode(runner: TargetRunner, prompts: list[torch.Tensor], references: l
         trees = [oracle_tree(outs[i][-1], references[i][len(outs[i]):], budget, rng, vocab, accept_prob) for i in live]
         layouts = walk_trees(trees, vocab_size=vocab, max_nodes=1 << 12, max_depth=1 << 12)
         masks = ancestor_masks(layouts, max(t.num_nodes for t in trees))
-        rows = [VerifyRow(i, pasts[i], tree, lay.depths, GREEDY) for i, tree, lay in zip(live, trees, layouts)]
-        batch = runner.verify_batch(rows, masks, with_features=[False] * len(rows))
+        rows = [VerifyRow(i, pasts[i], tree, lay.depths, GREEDY, wants_features=False)
+                for i, tree, lay in zip(live, trees, layouts)]
+        batch = runner.verify_batch(rows, masks)
         for i, accepted, bonus in zip(live, batch.accepted, batch.bonus):
             outs[i] += accepted + [bonus]
             pasts[i] += 1 + len(accepted)

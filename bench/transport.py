@@ -151,7 +151,7 @@ def _verifier_process(port_out, rows: int, trace: bool, sessions: int, seq_len: 
         logits, _ = real_prefill(slots, prompts, pasts)
         return logits, [torch.zeros(p.shape[0], FEATURE_DIM, dtype=torch.bfloat16) for p in prompts]
 
-    def launch_verify(batch_rows, masks, with_features=None):
+    def launch_verify(batch_rows, masks):
         return PendingVerify(list(batch_rows), [True] * len(batch_rows), HostCopy(), features)
 
     def finish_verify(pending):

@@ -94,3 +94,19 @@ class HostCopy:
             self._done.synchronize()
         return self._out
 
+
+def stack_rows(rows: list[torch.Tensor], width: int, dtype: torch.dtype) -> torch.Tensor:
+    """torch.cat(rows) ([0, width] of `dtype` when all are empty), but without the copy when the
+    rows are back-to-back slices of one tensor (a verify step hands its rows out that way, and a
+    drafter's reply decoding too)."""
+    rows = [r for r in rows if r.shape[0]]
+    if not rows:
+        return torch.empty(0, width, dtype=dtype)
+    first = rows[0]
+    nbytes = first.element_size()
+    adjacent = all(r.is_contiguous() and r.dtype == first.dtype and r.untyped_storage().data_ptr()
+                   == first.untyped_storage().data_ptr() for r in rows) and all(
+        b.data_ptr() == a.data_ptr() + a.numel() * nbytes for a, b in zip(rows, rows[1:]))
+    if adjacent:
+        return first.as_strided((sum(r.shape[0] for r in rows), first.shape[1]), first.stride())
+    return torch.cat(rows)

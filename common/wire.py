@@ -23,6 +23,7 @@ from common.protocol import (ALWAYS, MAX_LOGPROBS, MAX_TOKEN_BIAS, CloseEntry, E
                              Prefilled, SamplingParams, StatusError, StepResult, TokenBias, TokenLogprob, TreeEntry,
                              Verified)
 from common.rpc import decode_message, pb
+from common.staging import stack_rows
 from common.tree import DraftTree
 
 
@@ -269,7 +270,7 @@ def encode_link_response(step: int, results: Sequence[StepResult], feature_dim: 
             rows.append(o.features)
         else:
             msg.results.add(session_id=r.session_id, error=pb.Error(code=status_code(o.status), message=o.message))
-    features = _stack_rows(rows, feature_dim, dtype)
+    features = stack_rows(rows, feature_dim, dtype)
     if place is not None:
         if features.numel() * features.element_size() != feature_bytes(results, feature_dim, dtype):
             raise ValueError("a reply's feature rows differ from the bytes reserved for them")
@@ -353,22 +354,6 @@ def _read_logprobs(result, tokens: list[int], vocab_size: int) -> list[TokenLogp
         out.append(TokenLogprob(token, value, tuple(zip(ids[at: at + count], tops[at: at + count]))))
         at += count
     return out
-
-
-def _stack_rows(rows: list[torch.Tensor], width: int, dtype: torch.dtype) -> torch.Tensor:
-    """torch.cat(rows), but without the copy when the rows are back-to-back slices of one
-    tensor (the verifier's step hands them out that way)."""
-    rows = [r for r in rows if r.shape[0]]
-    if not rows:
-        return torch.empty(0, width, dtype=dtype)
-    first = rows[0]
-    nbytes = first.element_size()
-    adjacent = all(r.is_contiguous() and r.dtype == first.dtype and r.untyped_storage().data_ptr()
-                   == first.untyped_storage().data_ptr() for r in rows) and all(
-        b.data_ptr() == a.data_ptr() + a.numel() * nbytes for a, b in zip(rows, rows[1:]))
-    if adjacent:
-        return first.as_strided((sum(r.shape[0] for r in rows), first.shape[1]), first.stride())
-    return torch.cat(rows)
 
 
 def decode_link_response(msg: pb.LinkResponse, *, vocab_size: int, feature_dim: int, max_feature_rows: int,

@@ -144,7 +144,7 @@ def _select_kernel(logq_ptr, tok_ptr, budget_ptr, root_ptr, out_ptr, score_ptr, 
              mask=(nodes >= count) & (nodes <= W))  # no node there
 
 
-def select_on_device(logq: Tensor, tokens: Tensor, roots: Tensor, budgets: Tensor
+def select_on_device(logq: Tensor, tokens: Tensor, roots: Tensor, budgets: Tensor, width: int | None = None
                      ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Best-first DDTree nodes of S sessions from their top-k candidates, on the candidates' device.
 
@@ -152,8 +152,10 @@ def select_on_device(logq: Tensor, tokens: Tensor, roots: Tensor, budgets: Tenso
     [S] int64 on the same device; K >= the largest budget or the vocabulary. Returns host
     tensors after one copy: tokens and parents [S, 1 + W] (W = the largest budget; columns past
     a session's count are unspecified), counts [S] (root included; -1: a NaN row) and scores
-    [S, W] float64 (NaN past count - 1)."""
-    width = int(budgets.max()) if budgets.numel() else 0
+    [S, W] float64 (NaN past count - 1). `width`: the largest budget, where the host knows it
+    (else it is read from the device, which waits for the work queued before)."""
+    if width is None:
+        width = int(budgets.max()) if budgets.numel() else 0
     out = select_rows(logq, tokens, roots, budgets, width).cpu()
     scores = out.view(torch.float64)[:, 3 + 2 * width:]
     return out[:, : 1 + width], out[:, 1 + width: 2 + 2 * width], out[:, 2 + 2 * width], scores

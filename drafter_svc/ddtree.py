@@ -310,9 +310,9 @@ def _to_host(values: Tensor, tokens: Tensor) -> tuple[np.ndarray, np.ndarray]:
 
 def _select_on_device(values: Tensor, tokens: Tensor, roots: np.ndarray, budget: np.ndarray) -> DDTreeSelection:
     """The selection by `ddtree_kernels.ddtree_select` next to the candidates: only the trees come back."""
-    device = values.device
-    selected, parents, num_nodes, scores = select_on_device(values, tokens, to_device(roots, device),
-                                                            to_device(budget, device))
+    given = to_device(np.stack((roots, budget)), values.device)  # one copy; nothing waits for the draft
+    selected, parents, num_nodes, scores = select_on_device(values, tokens, given[0], given[1],
+                                                            int(budget.max(initial=0)))
     if (num_nodes < 0).any():  # a row with a NaN has NaN log-probs
         raise ValueError(NAN_LOGITS)
     return DDTreeSelection(selected.numpy(), parents.numpy(), num_nodes.numpy(), scores.numpy())

@@ -36,12 +36,13 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from common.buckets import KV_ALIGN, auto_kv_buckets, round_up
 from common.protocol import VerifiedRows
-from common.staging import StagedInputs, to_device
+from common.staging import StagedInputs, stack_rows
 from drafter_svc.draft_model import DFlashDraftModel, DraftKVPool
 
 log = logging.getLogger(__name__)
@@ -94,9 +95,16 @@ class DraftInputs:
         self.mask_token_id = mask_token_id
         self.projected = projected  # the rows are context rows (the verifier applied fc + hidden_norm)
         self._staging = StagedInputs(device, pinned)
-        ints, self._host_ints = self._staging.buffer(batch * (block_size + 3), dtype=torch.int64)
+        scalars = batch * (block_size + 3)  # tokens, then past, new_length and slot
+        ints, host_ints = self._staging.buffer(scalars + batch * rows, dtype=torch.int64)
         self.tokens = ints[: batch * block_size].view(batch, block_size)
-        self.past, self.new_length, self.slot = ints[batch * block_size:].view(3, batch)
+        self.past, self.new_length, self.slot = ints[batch * block_size: scalars].view(3, batch)
+        # Where each new feature row goes among the B * R rows of `features` (`fill`): the step
+        # does not read it, the copy of rows already on the device does (staged with the rest).
+        self.row_index = ints[scalars:]
+        # `fill` writes the host twin through numpy views: a few microseconds an operation, where
+        # torch's small CPU operations cost several times that (on the drafter's critical path).
+        self._host_ints = host_ints.numpy()
         self.features, self._host_features = self._staging.buffer(batch, rows, feature_dim, dtype=dtype)
         # Where a graph leaves its logits: one buffer per batch bucket that the graphs of every KV
         # length share, rather than one output per graph (set by DraftGraphs).
@@ -111,38 +119,43 @@ class DraftInputs:
         b, t = self.B, self.T
         self._staging.begin()
         ints = self._host_ints
-        tokens = ints[: b * t].view(b, t)
-        past, new_length, slot = ints[b * t:].view(3, b)
-        tokens.fill_(self.mask_token_id)
+        tokens = ints[: b * t].reshape(b, t)
+        past, new_length, slot = ints[b * t: b * (t + 3)].reshape(3, b)
+        tokens.fill(self.mask_token_id)
         tokens[:, 0] = 0
-        past.zero_()
-        new_length.zero_()
-        slot.fill_(scratch_slot)
+        past.fill(0)
+        new_length.fill(0)
+        slot.fill(scratch_slot)
         # Rows past a session's k new ones keep whatever finite values an earlier step left: their
         # K/V land where the block's K/V overwrite them, so they need no zeroing.
         n, on_device = len(rows), ()  # on_device: the device buffers written in place (not from a twin)
-        if n:  # the scalar fields in one copy each, the feature rows in one
-            past[:n] = torch.tensor([row.past for row in rows])
-            slot[:n] = torch.tensor([row.slot for row in rows])
+        placed = None  # (rows, how many) on the device, copied into `features` behind the staged values
+        if n:
+            past[:n] = [row.past for row in rows]
+            slot[:n] = [row.slot for row in rows]
         if n and verified is not None:  # roots, lengths and rows: from the verify, after the commit
             on_device = (self.features,)
         elif n:
             counts = [row.features.shape[0] for row in rows]
-            tokens[:n, 0] = torch.tensor([row.root for row in rows])
-            new_length[:n] = past[:n] + torch.tensor(counts)
+            tokens[:n, 0] = [row.root for row in rows]
+            new_length[:n] = past[:n] + counts
             if max(counts) > self.R:
                 raise ValueError(f"{max(counts)} new feature rows for a session, the step takes {self.R}")
             if any(counts):
-                new = torch.cat([row.features for row in rows])
-                index = [i * self.R + j for i, k in enumerate(counts) for j in range(k)]
-                if new.is_cuda and new.device == self.features.device:  # an in-process verifier's rows
-                    self.features.view(-1, self.features.shape[-1]).index_copy_(
-                        0, to_device(index, new.device, torch.int64), new.to(self.features.dtype))
+                total, width = sum(counts), self.features.shape[-1]
+                index = ints[b * (t + 3): b * (t + 3) + total]  # row i's k rows go to i * R .. i * R + k - 1
+                starts = np.arange(n) * self.R - (np.cumsum(counts) - counts)
+                index[:] = np.arange(total) + np.repeat(starts, counts)
+                new = stack_rows([row.features for row in rows], width, self.features.dtype)
+                if new.device == self.features.device:  # on the draft's device already (on a GPU: no host trip)
+                    placed = (new.to(self.features.dtype), total)
                     on_device = (self.features,)
-                else:
+                else:  # on the host, for a draft on a GPU: into the staged twin
                     feats = self._host_features
-                    feats.view(-1, feats.shape[-1]).index_copy_(0, torch.tensor(index), new.cpu().to(feats.dtype))
+                    feats.view(-1, width).index_copy_(0, torch.from_numpy(index), new.cpu().to(feats.dtype))
         self._staging.commit(skip=on_device)
+        if placed is not None:  # behind the copy of the index
+            self.features.view(-1, self.features.shape[-1]).index_copy_(0, self.row_index[: placed[1]], placed[0])
         if n and verified is not None:
             self._take_verified(n, verified)
 

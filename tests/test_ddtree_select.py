@@ -46,8 +46,13 @@ def test_device_selection_equals_the_host_selection(kernel_env, kind, seed):
     roots = [rng.randrange(vocab) for _ in range(sessions)]
     host = host_selection(kernel_env, logits, roots, budgets)
     values, tokens = top_logprobs_reference(logits, min(max(budgets), vocab))
-    got, parents, num_nodes, scores = select_on_device(values, tokens, torch.tensor(roots, device=DEVICE),
-                                                       torch.tensor(budgets, device=DEVICE))
+    given = torch.tensor(roots, device=DEVICE), torch.tensor(budgets, device=DEVICE)
+    got, parents, num_nodes, scores = select_on_device(values, tokens, *given)
+    told = select_on_device(values, tokens, *given, width=max(budgets))  # the width from the host: no wait
+    assert torch.equal(told[2], num_nodes)
+    for s, n in enumerate(num_nodes.tolist()):  # (columns past a tree's count are unspecified)
+        assert told[0][s, :n].tolist() == got[s, :n].tolist() and told[1][s, :n].tolist() == parents[s, :n].tolist()
+        assert torch.equal(told[3][s, : n - 1].view(torch.int64), scores[s, : n - 1].view(torch.int64))
     assert num_nodes.tolist() == host.num_nodes.tolist()
     for s, n in enumerate(num_nodes.tolist()):
         assert got[s, :n].tolist() == host.tokens[s, :n].tolist(), s

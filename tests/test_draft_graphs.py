@@ -413,6 +413,29 @@ def test_masked_columns_and_padding_rows_are_ignored(qwen3_pair):
         assert torch.equal(got[key], want[key]), key
 
 
+@pytest.mark.parametrize("adjacent", [True, False], ids=["one-tensor", "apart"])
+def test_fill_puts_each_sessions_rows_first_in_its_batch_row(adjacent):
+    """`DraftInputs.fill`: session i's k new feature rows land in rows 0 .. k - 1 of its batch row
+    (the rest keep what was there), from a reply's rows handed out as back-to-back slices of one
+    tensor or as separate tensors; roots, pasts, new lengths and slots as given, padding after."""
+    counts, width, batch, room = [2, 0, 5, 1], 8, 5, 6
+    inp = DraftInputs(batch, room, 16, width, mask_token_id=7, dtype=torch.float32, device=torch.device("cpu"),
+                      pinned=False)
+    inp.features.fill_(-1.0)
+    flat = torch.randn(sum(counts), width)
+    parts = list(flat.split(counts)) if adjacent else [c.clone() for c in flat.split(counts)]
+    rows = [DraftRow(slot=3 + i, past=10 * i, root=100 + i, features=f) for i, f in enumerate(parts)]
+    inp.fill(rows, scratch_slot=0)
+    for i, (k, f) in enumerate(zip(counts, parts)):
+        assert torch.equal(inp.features[i, :k], f)
+        assert bool((inp.features[i, k:] == -1.0).all())
+    assert bool((inp.features[len(rows):] == -1.0).all())
+    assert inp.tokens[:, 0].tolist() == [100, 101, 102, 103, 0] and bool((inp.tokens[:, 1:] == 7).all())
+    assert inp.past.tolist() == [0, 10, 20, 30, 0] and inp.new_length.tolist() == [2, 10, 25, 31, 0]
+    assert inp.slot.tolist() == [3, 4, 5, 6, 0]
+    assert inp.row_index[: sum(counts)].tolist() == [0, 1, 12, 13, 14, 15, 16, 18]
+
+
 # ---------------------------------------------------------------------------------------
 # End to end: greedy generation through the static-shape draft path.
 # ---------------------------------------------------------------------------------------

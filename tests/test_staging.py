@@ -37,3 +37,19 @@ def test_host_copy_of_host_tensors_is_ready_at_once():
     a = torch.arange(5)
     copy = HostCopy(a)
     assert copy.ready() and copy.wait()[0] is a
+
+
+def test_stack_rows_views_back_to_back_slices_and_copies_the_rest():
+    from common.staging import stack_rows
+
+    x = torch.randn(9, 4)
+    parts = [x[0:2], x[2:2], x[2:7], x[7:9]]  # back to back, one of them empty
+    stacked = stack_rows(parts, 4, x.dtype)
+    assert torch.equal(stacked, x) and stacked.data_ptr() == x.data_ptr()  # a view, no copy
+    apart = [x[0:2], x[5:7]]  # a gap between them
+    out = stack_rows(apart, 4, x.dtype)
+    assert torch.equal(out, torch.cat(apart)) and out.data_ptr() != x.data_ptr()
+    swapped = [x[4:6], x[0:4]]  # out of order
+    assert torch.equal(stack_rows(swapped, 4, x.dtype), torch.cat(swapped))
+    empty = stack_rows([x[:0]], 4, torch.bfloat16)
+    assert empty.shape == (0, 4) and empty.dtype == torch.bfloat16

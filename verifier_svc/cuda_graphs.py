@@ -124,6 +124,7 @@ class VerifyRow:
     seed: int = 0  # the session's sampling seed (position-keyed sampling)
     logprobs: int | None = None  # the emitted tokens' logprobs and the top N are wanted (None: not)
     token_bias: tuple[TokenBias, ...] = ()  # logit_bias, and min_tokens' stop ids at -inf
+    wants_features: bool = True  # the path rows' features are read (plain decoding reads none)
 
 
 _FIELD_ALIGN = 16  # bytes: each field starts on such a boundary, as Triton's kernels are compiled for
@@ -160,7 +161,7 @@ class BatchInputs:
     def __init__(self, batch: int, tokens: int, device: torch.device, pinned: bool):
         b, t = self.B, self.T = batch, tokens
         ints = [("tokens", (b, t)), ("positions", (b, t)), ("next_token", (b, t)), ("next_sibling", (b, t)),
-                ("past", (b,)), ("slot", (b,)), ("top_k", (b,)), ("seed", (b,)),
+                ("past", (b,)), ("slot", (b,)), ("top_k", (b,)), ("seed", (b,)), ("wants_features", (b,)),
                 ("bias_ids", (b, MAX_TOKEN_BIAS)), ("bias_until", (b, MAX_TOKEN_BIAS))]
         floats = [("coins", (b, t)), ("final_coin", (b,)), ("temperature", (b,)), ("top_p", (b,)),
                   ("greedy", (b,)), ("bias", (b, MAX_TOKEN_BIAS)), ("penalties", (b, 3))]
@@ -206,9 +207,10 @@ class BatchInputs:
         past = np.array([r.past for r in rows])
         for field, value in ((i.tokens, 0), (i.next_token, -1), (i.next_sibling, -1), (i.past, 0), (i.top_k, 0),
                              (i.seed, 0), (i.slot, scratch_slot), (i.positions, 0), (i.bias_ids, 0),
-                             (i.bias_until, 0)):
+                             (i.bias_until, 0), (i.wants_features, 0)):
             field.fill(value)
         i.positions[:b] = past[:, None]
+        i.wants_features[:b] = [r.wants_features for r in rows]
         if on_host:
             trees = [rows[j].tree for j in on_host]
             i.tokens[row_of, col_of] = torch.cat([t.tokens for t in trees]).numpy()
@@ -301,7 +303,9 @@ def verify_step(model: TargetModel, cache: KVCache, inp: BatchInputs, length: in
 
     "forward": ForwardOutput of all B x T rows. "greedy" / "keyed" / "sample": (result int64 [B, T + 2] =
     [accepted, bonus, path padded with -1] per row, features of the path rows [B, T, F], logits
-    [B, T, V] of every node), with each row's accepted K/V already compacted to [past, past + 1 + accepted).
+    [B, T, V] of every node, rows_first int64 [B * T]: the order of the features' B * T rows that
+    puts the path rows of the rows that want them first, in row order; `paths_first`), with each
+    row's accepted K/V already compacted to [past, past + 1 + accepted).
     """
     b, t = inp.B, inp.T
     i, f = inp.ints, inp.floats
@@ -334,7 +338,16 @@ def verify_step(model: TargetModel, cache: KVCache, inp: BatchInputs, length: in
     if inp.features_out is not None:
         inp.features_out.copy_(features)
         features = inp.features_out
-    return result, features, out.logits
+    return result, features, out.logits, rows_first_order((result[:, 0] + 1) * i.wants_features, t)
+
+
+def rows_first_order(lengths: Tensor, width: int) -> Tensor:
+    """The order of B * width rows (row b's `width` rows after row b - 1's) that puts the first
+    lengths[b] rows of every row b first, in row order, and the others after: int64 [B * width]
+    on the lengths' device (lengths: int64 [B] there). No wait for the lengths: a step computes
+    it on the device, so the host reads each session's path rows as one block without a copy."""
+    behind = torch.arange(width, device=lengths.device) >= lengths[:, None]  # [B, W]: a row past its path
+    return torch.argsort(behind.flatten().to(torch.int32), stable=True)
 
 
 class VerifyGraphs:

@@ -37,7 +37,7 @@ from ddtree_kernels.slot_attention import warm_up as warm_up_attention
 from ddtree_kernels.tree_sampling import kernel_backend
 from verifier_svc.accept import emitted_logprobs
 from verifier_svc.cuda_graphs import (SAMPLING, BatchInputs, GraphConfig, VerifyGraphs, VerifyRow, cache_length,
-                                      verify_step)
+                                      rows_first_order, verify_step)
 from verifier_svc.target_model import ForwardOutput, KVCache, TargetModel
 
 
@@ -64,9 +64,7 @@ def paths_first(features: Tensor, lengths: Tensor) -> Tensor:
     their device: the rows to read, 0 for a row whose features are not wanted), the others after:
     the rows to read are then the first ones. On the device it needs no wait for the lengths. A copy."""
     b, w, _ = features.shape
-    behind = torch.arange(w, device=features.device) >= lengths[:, None]  # [B, W]: a row past its path
-    order = torch.argsort(behind.flatten().to(torch.int32), stable=True)
-    return features.reshape(b * w, -1).index_select(0, order)
+    return features.reshape(b * w, -1).index_select(0, rows_first_order(lengths, w))
 
 
 @dataclass
@@ -304,20 +302,18 @@ class TargetRunner:
         with torch.inference_mode():
             return verify_step(self.model, self.cache, inp, length, mode, self.penalties)
 
-    def verify_batch(self, rows: Sequence[VerifyRow], masks: Tensor,
-                     with_features: Sequence[bool] | None = None) -> VerifiedBatch:
+    def verify_batch(self, rows: Sequence[VerifyRow], masks: Tensor) -> VerifiedBatch:
         """Verify every row's tree (masks: bool [B, >= n, >= n], see `common.tree.ancestor_masks`),
         accept, and compact each row's accepted K/V to [past, past + len(path)): `launch_verify`
         then `finish_verify`."""
-        return self.finish_verify(self.launch_verify(rows, masks, with_features))
+        return self.finish_verify(self.launch_verify(rows, masks))
 
-    def launch_verify(self, rows: Sequence[VerifyRow], masks: Tensor,
-                      with_features: Sequence[bool] | None = None) -> PendingVerify:
+    def launch_verify(self, rows: Sequence[VerifyRow], masks: Tensor) -> PendingVerify:
         """Queue the verify step and the copies of its results to the host, without waiting for
         the device: the host can prepare the next step meanwhile (`verifier_svc.scheduler`).
 
-        The per-row results and the path rows' features come back together (the features kept
-        are those of the rows `with_features` marks, default all). The copies are queued right
+        The per-row results and the path rows' features come back together (the features of
+        the rows that want them: `VerifyRow.wants_features`). The copies are queued right
         behind the step, so a later step may reuse its graph's buffers; the logits are read after
         the wait, though, so a step with rows that ask for logprobs is `exclusive`.
         """
@@ -326,22 +322,22 @@ class TargetRunner:
         if outputs is None:
             inp, length = self._eager_inputs(rows, masks)
             outputs = self._run_eager(inp, length, mode)
-        result, features, logits = outputs
+        result, features, logits, order = outputs
         # No path is longer than the deepest tree (for trees on the device: than their bound).
         walked = [r.depths for r in rows if r.depths is not None]
         bounds = [r.tree.max_depth for r in rows if r.depths is None]
         deepest = max(bounds + ([int(np.concatenate(walked).max())] if walked else []))
         width = min(features.shape[1], 1 + deepest)
-        features = features[: len(rows), :width]
-        wanted = list(with_features) if with_features is not None else [True] * len(rows)
+        wanted = [r.wants_features for r in rows]
         result = result[: len(rows)]
         if self.features_on_device:  # a copy: a later step may replay the same graph before the finish
-            return PendingVerify(list(rows), wanted, HostCopy(result), logits, features.clone(), result)
-        # To the host with the rows to read first (each wanted row's root and accepted nodes): read
-        # there without a copy.
-        lengths = (result[:, 0] + 1) * to_device(wanted, result.device, torch.int64)
-        features = self.features_for_host(paths_first(features, lengths))
-        return PendingVerify(list(rows), wanted, HostCopy(result, features), logits)
+            return PendingVerify(list(rows), wanted, HostCopy(result), logits, features[: len(rows), :width].clone(),
+                                 result)
+        # To the host with the rows to read first (each wanted row's root and accepted nodes, in the
+        # order the step computed): read there without a copy. No row's path passes `width`, so
+        # they lie in the first len(rows) * width rows of that order.
+        first = features.reshape(-1, features.shape[-1]).index_select(0, order[: len(rows) * width])
+        return PendingVerify(list(rows), wanted, HostCopy(result, self.features_for_host(first)), logits)
 
     def finish_verify(self, pending: PendingVerify) -> VerifiedBatch:
         """Wait for a launched step's results (one wait; a second, only when a row asks for

@@ -506,13 +506,12 @@ class TreeVerifier:
                          else draw_coins(s.generator, e.tree.num_nodes))
                 depths = layouts[i].depths if layouts[i] is not _ON_DEVICE else None
                 rows.append(VerifyRow(s.slot, s.length, e.tree, depths, s.sampling, coins, s.seed, s.logprobs,
-                                      s.token_bias))
+                                      s.token_bias, s.features))
             walked = [layouts[i] for i in good]
             masks = (ancestor_masks(walked, max(r.tree.num_nodes for r in rows))
                      if any(layout is not _ON_DEVICE for layout in walked) else _ONE_NODE.expand(len(rows), 1, 1))
-            with_features = [self._sessions[items[i][0]].features for i in good]
             with stage("launch"):
-                launched = self.runner.launch_verify(rows, masks, with_features)
+                launched = self.runner.launch_verify(rows, masks)
         return _CheckedTrees([i for i, _, _ in trees], items, good, outcomes, launched)
 
     def _finish_verify(self, pending: _CheckedTrees, stage: Stage) -> list[Verified | VerifierError]:

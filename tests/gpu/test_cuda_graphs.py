@@ -529,12 +529,12 @@ def test_features_kept_on_the_device_equal_those_sent_to_the_host(qwen3_pair, pa
     drafts = [make_draft(model, s, rng, n, "oracle") for s, n in zip(sessions[:3], [9, 5, 14])]
     other = [make_draft(model, s, rng, n, "random") for s, n in zip(sessions[1:], [10, 6, 12])]  # the same buckets
     rows, masks = batch_of(drafts, vocab)
-    wanted = [True, False, True]
+    rows = [dataclasses.replace(r, wants_features=w) for r, w in zip(rows, [True, False, True])]
     start = snapshot(runner)
-    on_host = runner.verify_batch(rows, masks, wanted)
+    on_host = runner.verify_batch(rows, masks)
     restore(runner, start)
     runner.features_on_device = True
-    first = runner.launch_verify(rows, masks, wanted)
+    first = runner.launch_verify(rows, masks)
     runner.launch_verify(*batch_of(other, vocab))  # reuses the step buffers before `first` is read
     kept = runner.finish_verify(first)
     assert kept.features.device == model.embed_tokens.weight.device
