@@ -177,3 +177,37 @@ def test_paths_first_puts_the_rows_to_read_first_in_row_order():
         assert got.shape == (b * w, f) and torch.equal(got[: int(lengths.sum())], want)
         # the rest are the other rows, each once
         assert sorted(map(tuple, got.tolist())) == sorted(map(tuple, features.reshape(b * w, f).tolist()))
+
+
+@pytest.mark.parametrize("layers", [(), (0, 2)], ids=["no-feature-layers", "two-layers"])
+@pytest.mark.parametrize("static", [False, True], ids=["eager", "static"])
+def test_verify_hands_back_the_wanted_path_rows_whatever_the_feature_width(layers, static):
+    """A verify step's rows for the host come in the order the step computed (`rows_first_order`):
+    each wanted row's root and accepted nodes, in row order, none of the others; also for a target
+    without feature layers (plain decoding, bench/deterministic.py), whose rows have no values."""
+    import dataclasses
+
+    from bench.verify import make_batch, make_runner, qwen3_8b_config, random_target
+    from common.protocol import SamplingParams
+    from verifier_svc.cuda_graphs import GraphConfig
+
+    cfg = qwen3_8b_config(small=True)
+    model = random_target(cfg, layers, torch.device("cpu"), torch.float32, seed=1)
+    config = GraphConfig(tree_buckets=(15,), batch_buckets=(4,), kv_buckets=(64,), modes=("greedy",))
+
+    def prefilled() -> TargetRunner:
+        runner = make_runner(model, 4, 48, 16, config=config if static else None)
+        for slot in range(3):
+            prompt = torch.randint(cfg.vocab_size, (9 + slot,), generator=torch.Generator().manual_seed(slot))
+            runner.prefill([slot], [prompt])
+        return runner
+
+    rows, masks = make_batch(cfg, 3, 7, 0, SamplingParams())
+    rows = [dataclasses.replace(r, past=9 + r.slot, wants_features=w) for r, w in zip(rows, (True, False, True))]
+    reference = prefilled()
+    reference.features_on_device = True  # the step's [B, W, F] rows, picked at the finish
+    want = reference.verify_batch(rows, masks)
+    got = prefilled().verify_batch(rows, masks)  # the same step, its rows to the host
+    assert got.paths == want.paths and got.bonus == want.bonus
+    assert got.features.shape == (len(got.paths[0]) + len(got.paths[2]), model.feature_dim)
+    assert torch.equal(got.features, want.features.cpu())

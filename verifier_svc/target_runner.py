@@ -336,7 +336,7 @@ class TargetRunner:
         # To the host with the rows to read first (each wanted row's root and accepted nodes, in the
         # order the step computed): read there without a copy. No row's path passes `width`, so
         # they lie in the first len(rows) * width rows of that order.
-        first = features.reshape(-1, features.shape[-1]).index_select(0, order[: len(rows) * width])
+        first = features.flatten(0, 1).index_select(0, order[: len(rows) * width])
         return PendingVerify(list(rows), wanted, HostCopy(result, self.features_for_host(first)), logits)
 
     def finish_verify(self, pending: PendingVerify) -> VerifiedBatch:
