@@ -128,9 +128,10 @@ def encode_link_request(step: int, entries: Sequence[Entry]) -> pb.LinkRequest:
                 entry.open.logprobs = e.logprobs
             if e.output_start != ALWAYS:
                 entry.open.output_start = e.output_start
-        elif isinstance(e, TreeEntry):
-            msg.entries.add(session_id=e.session_id, tree=pb.Tree(round=e.round, num_nodes=e.tree.num_nodes,
-                                                                  traceparent=e.traceparent))
+        elif isinstance(e, TreeEntry):  # the fields set in place, as `encode_link_response` does
+            tree = msg.entries.add(session_id=e.session_id).tree
+            tree.SetInParent()
+            tree.round, tree.num_nodes, tree.traceparent = e.round, e.tree.num_nodes, e.traceparent
             trees.append(e.tree)
         elif isinstance(e, ExtendEntry):
             msg.entries.add(session_id=e.session_id, extend=pb.Extend(prompt_token_ids=e.prompt_ids, more=e.more,
@@ -254,16 +255,20 @@ def encode_link_response(step: int, results: Sequence[StepResult], feature_dim: 
     rows = []
     for r in results:
         o = r.outcome
+        # The fields set in place: a third faster than building each result's message and copying
+        # it in (32 results a step at 32 sessions).
         if isinstance(o, Prefilled):
-            result = msg.results.add(session_id=r.session_id, prefilled=pb.Prefilled(
-                token=o.token, max_seq_len=o.max_seq_len, feature_rows=o.features.shape[0]))
-            _write_logprobs(result.prefilled, o.logprobs)
+            p = msg.results.add(session_id=r.session_id).prefilled
+            p.SetInParent()
+            p.token, p.max_seq_len, p.feature_rows = o.token, o.max_seq_len, o.features.shape[0]
+            _write_logprobs(p, o.logprobs)
             rows.append(o.features)
         elif isinstance(o, Verified):
-            result = msg.results.add(session_id=r.session_id, verified=pb.Verified(
-                round=o.round, accepted_tokens=o.accepted_tokens, next_token=o.next_token,
-                feature_rows=o.features.shape[0]))
-            _write_logprobs(result.verified, o.logprobs)
+            v = msg.results.add(session_id=r.session_id).verified
+            v.SetInParent()
+            v.round, v.next_token, v.feature_rows = o.round, o.next_token, o.features.shape[0]
+            v.accepted_tokens.extend(o.accepted_tokens)
+            _write_logprobs(v, o.logprobs)
             rows.append(o.features)
         elif isinstance(o, Extended):
             msg.results.add(session_id=r.session_id, extended=pb.Extended(feature_rows=o.features.shape[0]))

@@ -60,6 +60,19 @@ def test_response_round_trip_keeps_each_sessions_rows():
     assert got[3].outcome.features.shape == (0, WIDTH)
 
 
+def test_results_and_trees_whose_fields_are_all_zero_keep_their_kind():
+    """A result or tree entry is written field by field: one whose every value is protobuf's
+    default (token 0, round 0, nothing accepted, no rows) still says what it is."""
+    results = [StepResult(0, Verified([], 0, features(0, 0), 0)), StepResult(0, Prefilled(0, features(0, 0), 0))]
+    reply = encode_link_response(0, results, WIDTH, torch.float32)
+    assert reply.results == ((0, "verified"), (0, "prefilled"))
+    got = decode_link_response(_response(results, step=0), vocab_size=VOCAB, feature_dim=WIDTH, max_feature_rows=1)
+    assert isinstance(got[0].outcome, Verified) and (got[0].outcome.next_token, got[0].outcome.round) == (0, 0)
+    assert isinstance(got[1].outcome, Prefilled) and got[1].outcome.token == 0
+    request = encode_link_request(0, [TreeEntry(0, 0, chain([0]))])
+    assert request.entries[0].WhichOneof("kind") == "tree" and request.entries[0].tree.num_nodes == 1
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_an_encoded_reply_is_the_message_with_its_features_appended(dtype):
     """The serialised reply (features appended by hand) parses as protobuf's own message would,
