@@ -105,6 +105,7 @@ class DraftInputs:
         # `fill` writes the host twin through numpy views: a few microseconds an operation, where
         # torch's small CPU operations cost several times that (on the drafter's critical path).
         self._host_ints = host_ints.numpy()
+        self._host_row_index = self._host_ints[scalars:]
         self.features, self._host_features = self._staging.buffer(batch, rows, feature_dim, dtype=dtype)
         # Where a graph leaves its logits: one buffer per batch bucket that the graphs of every KV
         # length share, rather than one output per graph (set by DraftGraphs).
@@ -129,7 +130,7 @@ class DraftInputs:
         # Rows past a session's k new ones keep whatever finite values an earlier step left: their
         # K/V land where the block's K/V overwrite them, so they need no zeroing.
         n, on_device = len(rows), ()  # on_device: the device buffers written in place (not from a twin)
-        placed = None  # (rows, how many) on the device, copied into `features` behind the staged values
+        placed = None  # rows on the device, copied into `features` behind the staged values (their index)
         if n:
             past[:n] = [row.past for row in rows]
             slot[:n] = [row.slot for row in rows]
@@ -143,19 +144,19 @@ class DraftInputs:
                 raise ValueError(f"{max(counts)} new feature rows for a session, the step takes {self.R}")
             if any(counts):
                 total, width = sum(counts), self.features.shape[-1]
-                index = ints[b * (t + 3): b * (t + 3) + total]  # row i's k rows go to i * R .. i * R + k - 1
+                index = self._host_row_index[:total]  # row i's k rows go to i * R .. i * R + k - 1
                 starts = np.arange(n) * self.R - (np.cumsum(counts) - counts)
                 index[:] = np.arange(total) + np.repeat(starts, counts)
                 new = stack_rows([row.features for row in rows], width, self.features.dtype)
                 if new.device == self.features.device:  # on the draft's device already (on a GPU: no host trip)
-                    placed = (new.to(self.features.dtype), total)
+                    placed = new.to(self.features.dtype)
                     on_device = (self.features,)
                 else:  # on the host, for a draft on a GPU: into the staged twin
                     feats = self._host_features
                     feats.view(-1, width).index_copy_(0, torch.from_numpy(index), new.cpu().to(feats.dtype))
         self._staging.commit(skip=on_device)
         if placed is not None:  # behind the copy of the index
-            self.features.view(-1, self.features.shape[-1]).index_copy_(0, self.row_index[: placed[1]], placed[0])
+            self.features.view(-1, self.features.shape[-1]).index_copy_(0, self.row_index[: placed.shape[0]], placed)
         if n and verified is not None:
             self._take_verified(n, verified)
 
