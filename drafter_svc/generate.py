@@ -8,6 +8,7 @@ or one JSON object with `--json`.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import sys
@@ -72,7 +73,8 @@ class LocalEngine:
         `pipelined`: group the sessions as the pipelined service does (in-process, nothing overlaps);
         `prefill_chunk`: prompt tokens per step, as the service's --prefill-chunk (0: no limit);
         `prefill_ahead`: as the service's --prefill-ahead."""
-        scheduler = DraftScheduler(LocalLink(self.verifier), self.proposer, max_sessions=self.verifier.limits.max_sessions,
+        link = LocalLink(self.verifier)
+        scheduler = DraftScheduler(link, self.proposer, max_sessions=self.verifier.limits.max_sessions,
                                    feature_layer_ids=self.verifier.feature_layer_ids,
                                    eos_token_ids=self.eos_token_ids, queue_timeout_s=3600.0, pipelined=pipelined,
                                    prefill_chunk=prefill_chunk, prefill_ahead=prefill_ahead)
@@ -80,7 +82,12 @@ class LocalEngine:
         for prompt_ids, config in requests:
             ends.append({})
             scheduler.submit(prompt_ids, config, functools.partial(_keep_end, ends[-1]))
-        scheduler.run_until_idle()
+        try:
+            scheduler.run_until_idle()
+        except BaseException:  # a bug: the verifier frees this run's sessions, and the next run starts clean
+            with contextlib.suppress(Exception):
+                link.close()
+            raise
         return [end["outcome"] for end in ends]
 
     def generate(self, prompt_ids: list[int], config: GenerationConfig) -> GenerationResult:

@@ -574,3 +574,26 @@ def test_drafting_ahead_of_a_reply_gives_the_trees_of_drafting_after_it(engine, 
     else:  # every session a reply verified was drafted ahead, but in the last rounds (no room left)
         assert sum(1 for picked, n in drafted if n and picked == n) >= len(verified) - 2 * len(PROMPTS), drafted
     assert engine.proposer.free_slots == engine.verifier.limits.max_sessions
+
+
+def test_a_run_that_fails_frees_its_sessions_for_the_next(engine, monkeypatch):
+    """A bug mid-run (a step that raises) reaches the caller, and the verifier frees the run's
+    sessions: the next run is served, and gives the same tokens as before."""
+    from drafter_svc.scheduler import DraftScheduler
+
+    want = greedy(engine, PROMPTS[2], DraftMode("tree", 4)).tokens
+    step, calls = DraftScheduler.step, []
+
+    def failing(self):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("a bug")
+        return step(self)
+
+    monkeypatch.setattr(DraftScheduler, "step", failing)
+    config = GenerationConfig(max_new_tokens=N, mode=DraftMode("tree", 4))
+    with pytest.raises(RuntimeError, match="a bug"):
+        engine.generate_many([(p, config) for p in PROMPTS])
+    monkeypatch.setattr(DraftScheduler, "step", step)
+    assert not engine.verifier._sessions
+    assert greedy(engine, PROMPTS[2], DraftMode("tree", 4)).tokens == want
