@@ -8,8 +8,9 @@ import torch
 
 from common.config import CheckpointError, dflash_target_layer_ids, is_valid_layer_ids, load_draft_config
 from drafter_svc import train as T
+from verifier_svc.cuda_graphs import rows_first_order
 from verifier_svc.target_model import KVCache, TargetModel
-from verifier_svc.target_runner import TargetRunner, paths_first
+from verifier_svc.target_runner import TargetRunner
 
 PROMPT_LEN = 29
 
@@ -163,17 +164,18 @@ def test_draft_config_without_layer_ids_uses_dflash_rule(tmp_path, tiny_pair):
         load_draft_config(folder)
 
 
-def test_paths_first_puts_the_rows_to_read_first_in_row_order():
-    """`paths_first` (the verify step's path rows moved ahead on the device, before its results
-    are read) against picking them row by row, on fresh random steps: rows that want no features
-    and paths of every length from the root alone to the whole width."""
+def test_rows_first_order_puts_the_rows_to_read_first_in_row_order():
+    """`rows_first_order` (the order in which a verify step hands its path rows over, computed on
+    the device before its results are read) against picking them row by row, on fresh random
+    steps: rows that want no features and paths of every length from the root alone to the whole
+    width."""
     gen = torch.Generator().manual_seed(11)
     for _ in range(50):
         b, w, f = (int(x) for x in torch.randint(1, 9, (3,), generator=gen))
         features = torch.randn(b, w, f, generator=gen)
         lengths = torch.randint(1, w + 1, (b,), generator=gen) * (torch.rand(b, generator=gen) < 0.8)
         want = torch.cat([features[i, :n] for i, n in enumerate(lengths.tolist())])
-        got = paths_first(features, lengths)
+        got = features.reshape(b * w, f).index_select(0, rows_first_order(lengths, w))
         assert got.shape == (b * w, f) and torch.equal(got[: int(lengths.sum())], want)
         # the rest are the other rows, each once
         assert sorted(map(tuple, got.tolist())) == sorted(map(tuple, features.reshape(b * w, f).tolist()))
@@ -205,7 +207,7 @@ def test_verify_hands_back_the_wanted_path_rows_whatever_the_feature_width(layer
     rows, masks = make_batch(cfg, 3, 7, 0, SamplingParams())
     rows = [dataclasses.replace(r, past=9 + r.slot, wants_features=w) for r, w in zip(rows, (True, False, True))]
     reference = prefilled()
-    reference.features_on_device = True  # the step's [B, W, F] rows, picked at the finish
+    reference.features_on_device = True  # the rows kept on the device, where a colocated draft reads them
     want = reference.verify_batch(rows, masks)
     got = prefilled().verify_batch(rows, masks)  # the same step, its rows to the host
     assert got.paths == want.paths and got.bonus == want.bonus

@@ -304,7 +304,7 @@ def verify_step(model: TargetModel, cache: KVCache, inp: BatchInputs, length: in
     "forward": ForwardOutput of all B x T rows. "greedy" / "keyed" / "sample": (result int64 [B, T + 2] =
     [accepted, bonus, path padded with -1] per row, features of the path rows [B, T, F], logits
     [B, T, V] of every node, rows_first int64 [B * T]: the order of the features' B * T rows that
-    puts the path rows of the rows that want them first, in row order; `paths_first`), with each
+    puts the path rows of the rows that want them first, in row order: `rows_first_order`), with each
     row's accepted K/V already compacted to [past, past + 1 + accepted).
     """
     b, t = inp.B, inp.T

@@ -37,7 +37,7 @@ from ddtree_kernels.slot_attention import warm_up as warm_up_attention
 from ddtree_kernels.tree_sampling import kernel_backend
 from verifier_svc.accept import emitted_logprobs
 from verifier_svc.cuda_graphs import (SAMPLING, BatchInputs, GraphConfig, VerifyGraphs, VerifyRow, cache_length,
-                                      rows_first_order, verify_step)
+                                      verify_step)
 from verifier_svc.target_model import ForwardOutput, KVCache, TargetModel
 
 
@@ -56,15 +56,6 @@ def prefill_mask(cache_pos: Tensor, in_prompt: Tensor, length: int) -> Tensor:
     keys = torch.arange(length, device=cache_pos.device)
     lowest = torch.where(in_prompt, 0, cache_pos)[:, :, None]  # the first key a column sees
     return (cache_pos[:, :, None] >= keys).logical_and_(keys >= lowest)  # one temporary of the mask's size
-
-
-def paths_first(features: Tensor, lengths: Tensor) -> Tensor:
-    """A verify step's features [B, W, F] (each row's path rows first: its root and accepted nodes)
-    as [B * W, F] with the first lengths[b] rows of each row b first, in row order (int64 [B] on
-    their device: the rows to read, 0 for a row whose features are not wanted), the others after:
-    the rows to read are then the first ones. On the device it needs no wait for the lengths. A copy."""
-    b, w, _ = features.shape
-    return features.reshape(b * w, -1).index_select(0, rows_first_order(lengths, w))
 
 
 @dataclass
@@ -86,7 +77,8 @@ class PendingVerify:
     with_features: list[bool]
     copy: HostCopy  # the per-row results, and the path rows' features unless `features` holds them
     logits: Tensor  # [B, T, V] of every node; under CUDA graphs a buffer that every step shares
-    features: Tensor | None = None  # [B, W, F], a copy on the device (`TargetRunner.features_on_device`)
+    first: Tensor | None = None  # [B * W, F] on the device, the rows to read first (`features_on_device`)
+    features: Tensor | None = None  # [B, W, F] there, each row's path rows first: a copy
     result: Tensor | None = None  # [B, T + 2] on the device, beside `features`: valid until the next step is launched
 
     @property
@@ -330,13 +322,13 @@ class TargetRunner:
         width = min(features.shape[1], 1 + deepest)
         wanted = [r.wants_features for r in rows]
         result = result[: len(rows)]
-        if self.features_on_device:  # a copy: a later step may replay the same graph before the finish
-            return PendingVerify(list(rows), wanted, HostCopy(result), logits, features[: len(rows), :width].clone(),
-                                 result)
-        # To the host with the rows to read first (each wanted row's root and accepted nodes, in the
-        # order the step computed): read there without a copy. No row's path passes `width`, so
-        # they lie in the first len(rows) * width rows of that order.
+        # The rows to read first (each wanted row's root and accepted nodes, in the order the step
+        # computed): no row's path passes `width`, so they lie in the first len(rows) * width rows
+        # of that order. A copy, so a later step may replay the same graph before the finish.
         first = features.flatten(0, 1).index_select(0, order[: len(rows) * width])
+        if self.features_on_device:  # also each row's rows, where a draft queued behind this step reads them
+            return PendingVerify(list(rows), wanted, HostCopy(result), logits, first,
+                                 features[: len(rows), :width].clone(), result)
         return PendingVerify(list(rows), wanted, HostCopy(result, self.features_for_host(first)), logits)
 
     def finish_verify(self, pending: PendingVerify) -> VerifiedBatch:
@@ -352,8 +344,7 @@ class TargetRunner:
             tokens = row.tree.token_list()  # a list once: cheaper than a tensor index per node
             accepted.append([tokens[node] for node in path[1:]])
         lengths = [len(path) if wanted else 0 for path, wanted in zip(paths, pending.with_features)]
-        features = (copied[1] if pending.features is None  # the rows to read came first
-                    else paths_first(pending.features, to_device(lengths, pending.features.device, torch.int64)))
+        features = copied[1] if pending.first is None else pending.first  # the rows to read come first
         picked = features[: sum(lengths)]
         return VerifiedBatch(paths=paths, bonus=bonus, accepted=accepted, features=picked,
                              logprobs=self._path_logprobs(rows, accepted, bonus, pending.logits, paths))
