@@ -48,7 +48,7 @@ from common.cli import add_penalty_flags, penalty_options  # noqa: E402
 from common.protocol import SamplingParams  # noqa: E402
 from drafter_svc.drafter import DraftMode  # noqa: E402
 from drafter_svc.generate import LocalEngine  # noqa: E402
-from drafter_svc.scheduler import GenerationConfig  # noqa: E402
+from drafter_svc.session import GenerationConfig  # noqa: E402
 from verifier_svc.target_model import TargetModel  # noqa: E402
 from verifier_svc.tree_verifier import VerifierLimits  # noqa: E402
 

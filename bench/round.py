@@ -57,7 +57,8 @@ from common.tracing import setup_tracing
 from drafter_svc.draft_graphs import DraftGraphConfig
 from drafter_svc.drafter import DFlashProposer, DraftMode
 from drafter_svc.link import GrpcLink, open_channel, verifier_stub
-from drafter_svc.scheduler import DraftScheduler, GenerationConfig, GenerationResult, RoundUpdate
+from drafter_svc.scheduler import DraftScheduler
+from drafter_svc.session import GenerationConfig, GenerationResult, RoundUpdate
 
 from bench.verify import draft_config, feature_layers, qwen3_8b_config, random_draft, random_projection, random_target
 

@@ -25,7 +25,8 @@ from common.feature_projection import FeatureProjection
 from common.protocol import SamplingParams, StatusError
 from drafter_svc.drafter import DFlashProposer, DraftMode
 from drafter_svc.link import LocalLink
-from drafter_svc.scheduler import DraftScheduler, GenerationConfig, GenerationResult
+from drafter_svc.scheduler import DraftScheduler
+from drafter_svc.session import GenerationConfig, GenerationResult
 from ddtree_kernels import batch_invariant
 from verifier_svc.target_model import TargetModel
 from verifier_svc.target_runner import TargetRunner

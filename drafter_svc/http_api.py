@@ -51,8 +51,8 @@ from common.auth import presents_key
 from common.grpc_server import MIB, bind_error_reason
 from common.protocol import BIAS_LIMIT, MAX_LOGPROBS, SEED_LIMIT, ContextTooLong, StatusError, TokenLogprob
 from common.rpc import pb
-from drafter_svc.scheduler import QueueFull
 from drafter_svc.server import Finished, GenerationService, InFlight, TextDelta
+from drafter_svc.session import QueueFull
 from drafter_svc.text_stream import TextStream, TokenBytes
 
 log = logging.getLogger("drafter_svc.http")

@@ -61,95 +61,19 @@ from dataclasses import dataclass, field
 from opentelemetry import trace
 from torch import Tensor
 
-from common.protocol import (BIAS_LIMIT, MAX_LOGPROBS, MAX_TOKEN_BIAS, CloseEntry, Entry, ExtendEntry, Extended,
-                             LinkLost, OpenEntry, Prefilled, SamplingParams, StatusError, StepResult, TokenBias,
-                             TokenLogprob, TreeEntry, Verified)
+from common.protocol import (MAX_TOKEN_BIAS, CloseEntry, Entry, ExtendEntry, Extended, LinkLost, OpenEntry, Prefilled,
+                             StatusError, StepResult, TreeEntry, Verified)
 from common import metrics
-from common.penalties import TokenCounts
 from common.tracing import traceparent_of, tracer
 from common.tree import DeviceTree, DraftTree
 from drafter_svc.budget import BudgetChoice, BudgetPlanner
-from drafter_svc.drafter import BlockProposer, DraftMode, build_trees, join_blocks
+from drafter_svc.drafter import BlockProposer, build_trees, join_blocks
 from drafter_svc.link import VerifierLink
+from drafter_svc.session import Delivery, GenerationConfig, QueueFull, RoundStats, RoundUpdate, Session
 
 log = logging.getLogger(__name__)
 _tracer = tracer("drafter_svc.scheduler")
 
-
-@dataclass(frozen=True)
-class GenerationConfig:
-    max_new_tokens: int = 64
-    sampling: SamplingParams = SamplingParams()
-    stop_token_ids: tuple[int, ...] = ()
-    mode: DraftMode = DraftMode()
-    logprobs: int | None = None  # None: none; N: each emitted token's logprob and the N most likely tokens
-    ignore_eos: bool = False  # the model's end-of-sequence tokens do not stop the generation
-    min_tokens: int = 0  # the first min_tokens tokens are never a stop token (taken out of the distribution)
-    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) added to the target's logits
-
-    def check(self) -> None:
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if not 0 <= self.min_tokens <= self.max_new_tokens:
-            raise ValueError(f"min_tokens must be in [0, the {self.max_new_tokens} tokens to generate], "
-                             f"got {self.min_tokens}")
-        for token, value in self.logit_bias:
-            if not abs(value) <= BIAS_LIMIT:
-                raise ValueError(f"logit_bias of token {token} must be in [-{BIAS_LIMIT:g}, {BIAS_LIMIT:g}], "
-                                 f"got {value}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
-        self.sampling.check()
-
-
-@dataclass
-class RoundUpdate:
-    """Tokens emitted by one step (the prefill's first token counts as round 0)."""
-    round: int
-    tokens: list[int]
-    tree_nodes: int = 0
-    logprobs: list[TokenLogprob] | None = None  # one per token, when the request asks for them
-
-
-@dataclass(frozen=True)
-class RoundStats:
-    """Where one verify round's time went, as the drafter saw its step (the step's sessions share it)."""
-    tokens: int       # emitted, bonus included
-    tree_nodes: int   # root included
-    draft_s: float    # the step's batched draft
-    build_s: float    # the step's batched tree build
-    verify_s: float   # the verifier's step (as it reported it)
-    network_s: float  # the link round trip minus the verifier's step
-
-
-@dataclass
-class GenerationResult:
-    tokens: list[int] = field(default_factory=list)
-    logprobs: list[TokenLogprob] | None = None  # one per token, when the request asks for them
-    acceptance_lengths: list[int] = field(default_factory=list)  # tokens emitted per round, bonus included
-    round_stats: list[RoundStats] = field(default_factory=list)  # one per verify round
-    finish_reason: str = ""
-    elapsed_s: float = 0.0
-    time_to_first_token_s: float = 0.0
-
-    @property
-    def rounds(self) -> int:
-        return len(self.acceptance_lengths)
-
-    @property
-    def mean_acceptance(self) -> float:
-        return sum(self.acceptance_lengths) / max(1, self.rounds)
-
-    @property
-    def tokens_per_s(self) -> float:
-        return len(self.tokens) / self.elapsed_s if self.elapsed_s > 0 else 0.0
-
-
-# What a session's callback receives: updates, then exactly one GenerationResult or StatusError.
-# A callback that returns True for an update ends the session after it ("stop": a stop string
-# matched); submitted with `watches_text`, its updates are delivered as they come, so that no
-# further round is drafted for it.
-Delivery = RoundUpdate | GenerationResult | StatusError
 
 # Benchmarks only (`drafter_svc.oracle`): given the drafted sessions' prompts, the tokens they
 # have emitted so far and the block's depths D, what edits the draft step's block logits
@@ -165,7 +89,7 @@ class _Drafted:
     budget: BudgetChoice | None = None
     draft_s: float = 0.0
     build_s: float = 0.0
-    drafted: list["_Session"] = field(default_factory=list)
+    drafted: list[Session] = field(default_factory=list)
 
 
 @dataclass
@@ -173,13 +97,13 @@ class _DraftAhead:
     """A draft step queued before a reply was applied: behind its verify, on an in-process
     verifier's device (`DraftScheduler._draft_behind`), or as soon as the reply came
     (`DraftScheduler._draft_ahead`). Its block logits [S, D, V], each session's row in it with
-    the epoch and round count it was drafted for (`_Session.epoch`, `_Session.rounds` once the
+    the epoch and round count it was drafted for (`Session.epoch`, `Session.rounds` once the
     reply is applied), and its seconds."""
     block: Tensor
     rows: dict[int, tuple[int, int, int]]  # session id -> (row, epoch, rounds)
     seconds: float
 
-    def row(self, s: "_Session") -> int | None:
+    def row(self, s: Session) -> int | None:
         """The session's row, if it was drafted for the session's current state."""
         found = self.rows.get(s.sid)
         return found[0] if found is not None and found[1:] == (s.epoch, s.rounds) else None
@@ -188,8 +112,8 @@ class _DraftAhead:
 @dataclass
 class _InFlight:
     """A link message awaiting its reply: the sessions it carries an entry for (with each one's
-    `_Session.epoch` then: a reply to an earlier admission is stale), and spans."""
-    sessions: list["_Session"]
+    `Session.epoch` then: a reply to an earlier admission is stale), and spans."""
+    sessions: list[Session]
     epochs: dict[int, int]
     rounds: dict[int, trace.Span]
     step_span: trace.Span
@@ -206,109 +130,6 @@ class _InFlight:
     def end(self) -> None:
         for span in (*self.rounds.values(), self.rpc_span, self.step_span):
             span.end()
-
-
-class QueueFull(StatusError):
-    """A request refused at once because the queue is full; `retry_after_s` hints when to try again."""
-
-    def __init__(self, waiting: int, retry_after_s: float):
-        self.retry_after_ms = max(1, round(retry_after_s * 1000))
-        self.retry_after_s = self.retry_after_ms / 1000
-        super().__init__("RESOURCE_EXHAUSTED", f"the drafter's queue is full ({waiting} requests wait for a "
-                                               f"session slot); retry in {self.retry_after_s:g} s")
-
-
-class _Session:
-    """One request as the scheduler tracks it."""
-
-    def __init__(self, sid: int, prompt_ids: list[int], config: GenerationConfig, stop_ids: frozenset[int],
-                 deliver: Callable[[Delivery], None], admission_deadline: float, watches_text: bool = False):
-        self.sid, self.prompt_ids, self.config, self.stop_ids = sid, prompt_ids, config, stop_ids
-        # What the verifier adds to its logits: logit_bias everywhere, and -inf for the stop ids before
-        # the context position min_tokens past the prompt (the same after a re-open, whose prompt
-        # holds the tokens so far). The draft's block logits take them too (`build_trees`).
-        held_back = sorted(stop_ids) if config.min_tokens else []
-        self.token_bias = (*(TokenBias(t, v) for t, v in config.logit_bias),
-                           *(TokenBias(t, float("-inf"), len(prompt_ids) + config.min_tokens) for t in held_back))
-        self.deliver = deliver
-        self.watches_text = watches_text  # its callback may end it (stop strings): no outbox
-        self.admission_deadline = admission_deadline
-        self.result = GenerationResult(logprobs=[] if config.logprobs is not None else None)
-        self.start = time.perf_counter()
-        self.arrived = time.monotonic()
-        self.queued = True  # counted in the queue bound until first admitted (or ended)
-        self.admitted = 0.0  # perf_counter when last admitted
-        self.open_on_verifier = False
-        self.in_flight = 0  # messages awaiting their reply that carry an entry of it
-        self.epoch = 0  # admissions so far: replies to messages sent before the last one are stale
-        # Set once the verifier link failed under it: until then it re-opens (prompt + tokens so far).
-        self.recovery_deadline: float | None = None
-        self.recovery_start = 0.0
-        self.lost_why = ""  # what the last loss of its verifier said
-        self.round_base = 0  # rounds before the last open: the verifier counts rounds from its open
-        self.draft_state: object | None = None
-        self.max_seq_len = 0
-        self.length = 0  # tokens committed on the verifier
-        self.root = -1
-        self.counts: TokenCounts | None = None  # with repetition penalties: `token_counts`
-        self.new_tokens: list[int] = []
-        self.new_features = None
-        self.rounds = 0
-        self.tree = None  # the tree in flight
-        self.gains = None  # its last DDTree's expected gains as selected: the adaptive budget's prior
-        self.undelivered = 0  # its updates waiting in the scheduler's outbox
-        # The prompt being prefilled since the last open (chunked prefill: `DraftScheduler.prefill_chunk`),
-        # how much of it has been sent and answered, and the sizes of its chunks in flight, oldest first.
-        self.chunk_prompt: list[int] = []
-        self.prompt_sent = 0
-        self.prompt_answered = 0
-        self.chunks_in_flight: collections.deque[int] = collections.deque()
-        self.prompt_done = False  # the verifier answered its last chunk (Prefilled): trees may go
-        self.first_token: int | None = None  # delivered from a notice, its Prefilled not yet received
-        self.span = _tracer.start_span("generate", attributes={
-            "prompt.tokens": len(prompt_ids), "mode": config.mode.kind, "tree.budget": config.mode.budget})
-
-    @property
-    def drafts(self) -> bool:
-        mode = self.config.mode
-        return mode.kind == "chain" or (mode.kind == "tree" and mode.budget > 0)
-
-    def token_counts(self, block: Tensor) -> TokenCounts:
-        """Its prompt's and emitted tokens' counts, on the device of the block logits [S, D, V] (the
-        repetition penalties its proposals take)."""
-        if self.counts is None:
-            self.counts = TokenCounts(block.shape[-1], block.device, self.prompt_ids)
-        return self.counts.catch_up(self.result.tokens)
-
-    def open_prompt(self) -> list[int]:
-        """What an open prefills: the prompt, and after a lost verifier the tokens emitted so far."""
-        return self.prompt_ids + self.result.tokens
-
-    def room(self, emitting: int = 0) -> int:
-        """Drafted nodes the next tree may hold (once `emitting` more tokens are emitted): the
-        verifier's capacity and the tokens still wanted."""
-        return min(self.max_seq_len - self.length - emitting - 1,
-                   self.config.max_new_tokens - len(self.result.tokens) - emitting - 1)
-
-    def emit(self, round: int, tokens: list[int], logprobs: list[TokenLogprob] | None,
-             tree_nodes: int = 0) -> RoundUpdate:
-        """Append tokens (and their logprobs) up to the first stop token or the length limit;
-        sets finish_reason. Returns the round's update."""
-        room = self.config.max_new_tokens - len(self.result.tokens)
-        out = []
-        for tok in tokens[:room]:
-            out.append(tok)
-            if tok in self.stop_ids:
-                self.result.finish_reason = "stop"
-                break
-        self.result.tokens.extend(out)
-        kept = None
-        if self.result.logprobs is not None and logprobs is not None:
-            kept = logprobs[: len(out)]
-            self.result.logprobs.extend(kept)
-        if not self.result.finish_reason and len(self.result.tokens) >= self.config.max_new_tokens:
-            self.result.finish_reason = "length"
-        return RoundUpdate(round, out, tree_nodes, kept)
 
 
 class DraftScheduler:
@@ -379,14 +200,14 @@ class DraftScheduler:
         self._mean_run_s = 0.0  # moving average of how long admitted sessions run (the retry hint)
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._ids = itertools.count(1)
-        self._waiting: collections.deque[_Session] = collections.deque()
-        self._running: dict[int, _Session] = {}  # open or opening on the verifier
+        self._waiting: collections.deque[Session] = collections.deque()
+        self._running: dict[int, Session] = {}  # open or opening on the verifier
         self._ending: list[int] = []  # ended sessions still open on the verifier: Close in the next step
         self._inflight: collections.deque[_InFlight] = collections.deque()  # oldest first
-        self._outbox: list[tuple[_Session, RoundUpdate]] = []  # updates waiting for the next message sent
-        self._growing: list[tuple[_Session, list[int], Tensor]] = []  # prompt chunks for `_grow_contexts`
+        self._outbox: list[tuple[Session, RoundUpdate]] = []  # updates waiting for the next message sent
+        self._growing: list[tuple[Session, list[int], Tensor]] = []  # prompt chunks for `_grow_contexts`
         self._ahead: list[_DraftAhead] = []  # the next step's draft steps, queued before it is built
-        self._started: list[_Session] = []  # sessions a reply's prompts just started (`_draft_started`)
+        self._started: list[Session] = []  # sessions a reply's prompts just started (`_draft_started`)
         # An in-process verifier's results on the device, and a proposer that drafts from them:
         # the next draft step goes right behind each verify (`_draft_behind`).
         self._verified_on_device = getattr(link, "verified_on_device", None)
@@ -421,7 +242,7 @@ class DraftScheduler:
                 raise QueueFull(max(waiting, 0), self.retry_after_s(max(waiting, 0)))
             self._queued += 1
         sid = next(self._ids)
-        session = _Session(sid, list(prompt_ids), config, stop_ids, deliver,
+        session = Session(sid, list(prompt_ids), config, stop_ids, deliver,
                            time.monotonic() + self.queue_timeout_s, watches_text)
         self._commands.put(("submit", session))
         return sid
@@ -435,7 +256,7 @@ class DraftScheduler:
         drain = self._mean_run_s * max(1, waiting) / self.max_sessions
         return max(0.1, min(drain, self.queue_timeout_s))
 
-    def _dequeued(self, s: _Session) -> None:
+    def _dequeued(self, s: Session) -> None:
         """`s` leaves the queue bound: admitted for the first time, or ended while waiting."""
         if s.queued:
             s.queued = False
@@ -626,7 +447,7 @@ class DraftScheduler:
         chunking, entries = self._prompt_chunks(ahead_only=True)
         return bool(entries) and self._send_message(entries, chunking, [])
 
-    def _send_message(self, entries: list[Entry], chunking: list[_Session], ready: list[_Session],
+    def _send_message(self, entries: list[Entry], chunking: list[Session], ready: list[Session],
                       apart: bool = False) -> bool:
         """Draft the ready sessions' trees, add them to `entries` and send the message (`apart`:
         prompt chunks sent behind a message of trees)."""
@@ -695,7 +516,7 @@ class DraftScheduler:
             self._last_trees_reply = now
         metrics.STEP.observe(now - message.started)
 
-    def _adapts(self, s: _Session) -> bool:
+    def _adapts(self, s: Session) -> bool:
         """Whether the adaptive budget may cut this session's DDTree."""
         return s.config.mode.kind == "tree" and (s.config.sampling.greedy or self.adapt_sampled)
 
@@ -719,10 +540,10 @@ class DraftScheduler:
             self._recover(s, exc)
         self._back_off()
 
-    def _recover(self, s: _Session, exc: StatusError) -> None:
+    def _recover(self, s: Session, exc: StatusError) -> None:
         """`s` is gone on its verifier (its link was lost). With a recovery timeout and an UNAVAILABLE
         loss it goes back to the front of the queue to re-open (prompt + tokens so far,
-        `_Session.open_prompt`) until its deadline, behind the backoff; otherwise it fails with `exc`."""
+        `Session.open_prompt`) until its deadline, behind the backoff; otherwise it fails with `exc`."""
         s.open_on_verifier, s.in_flight = False, 0
         s.chunks_in_flight.clear()
         s.epoch += 1  # its messages still in flight, if any, are answered for nothing
@@ -753,7 +574,7 @@ class DraftScheduler:
         self._retry_at = time.monotonic() + self._backoff
 
     def _prompt_chunks(self, ahead_only: bool = False, arrivals_only: bool = False
-                       ) -> tuple[list[_Session], list[Entry]]:
+                       ) -> tuple[list[Session], list[Entry]]:
         """This step's prompt tokens, within its budget of them (`_prompt_budget`): the next chunk of each prompt
         already being prefilled (oldest first; while no session decodes, also of prompts whose
         earlier chunks await their reply, up to `prefill_ahead` chunks ahead), then, unless
@@ -766,7 +587,7 @@ class DraftScheduler:
         ahead = 0 if decoding else self.prefill_ahead
         sessions, entries = [], []
 
-        def take(s: _Session) -> tuple[list[int], bool]:
+        def take(s: Session) -> tuple[list[int], bool]:
             nonlocal budget
             n = int(min(len(s.chunk_prompt) - s.prompt_sent, budget))
             chunk = s.chunk_prompt[s.prompt_sent: s.prompt_sent + n]
@@ -801,7 +622,7 @@ class DraftScheduler:
             return float("inf")
         return self.prefill_chunk if decoding else max(self.prefill_chunk, self.prefill_chunk_idle)
 
-    def _admit(self, tokens: float = float("inf")) -> list[_Session]:
+    def _admit(self, tokens: float = float("inf")) -> list[Session]:
         """Waiting sessions to open now: as many as free draft slots and the session limit allow,
         until their prompts hold `tokens` (the last one admitted may hold more: it is chunked)."""
         opening = []
@@ -838,7 +659,7 @@ class DraftScheduler:
                 self._fail(s, StatusError("RESOURCE_EXHAUSTED",
                                           f"no verifier capacity within {self.queue_timeout_s:g} s"))
 
-    def _round_spans(self, drafting: Sequence[_Session], step_span) -> dict[int, trace.Span]:
+    def _round_spans(self, drafting: Sequence[Session], step_span) -> dict[int, trace.Span]:
         if not step_span.is_recording():
             return {}
         link = [trace.Link(step_span.get_span_context())]
@@ -846,7 +667,7 @@ class DraftScheduler:
                                           attributes={"round": s.rounds + 1})
                 for s in drafting if s.span.is_recording()}
 
-    def _trees(self, drafting: Sequence[_Session], rounds: dict[int, trace.Span]) -> _Drafted:
+    def _trees(self, drafting: Sequence[Session], rounds: dict[int, trace.Span]) -> _Drafted:
         """Draft every session that drafts and has room, in one batched step (taking the rows drafted
         ahead: `_block`); build all trees (under the adaptive budget's choice, when there is a
         planner)."""
@@ -899,7 +720,7 @@ class DraftScheduler:
             entries.append(TreeEntry(s.sid, s.rounds - s.round_base + 1, tree, traceparent_of(span) if span else ""))
         return _Drafted(entries, budget, draft_s, build_s, [drafting[i] for i in busy])
 
-    def _block(self, sessions: Sequence[_Session], ahead: Sequence[_DraftAhead]) -> tuple[Tensor, list[int], float]:
+    def _block(self, sessions: Sequence[Session], ahead: Sequence[_DraftAhead]) -> tuple[Tensor, list[int], float]:
         """The sessions' block logits: the rows drafted ahead for them (in any of the blocks
         `ahead`), the others' drafted now. Returns the block, the sessions' order in it (indices
         into `sessions`) and the seconds the blocks drafted ahead that it uses took."""
@@ -920,7 +741,7 @@ class DraftScheduler:
         order = [j for _, hits in sorted(found.items()) for j, _ in hits] + missing
         return join_blocks(parts, fresh), order, sum(ahead[k].seconds for k in found)
 
-    def _draft_behind(self, sessions: Sequence[_Session]) -> _DraftAhead | None:
+    def _draft_behind(self, sessions: Sequence[Session]) -> _DraftAhead | None:
         """With an in-process verifier: queue the next draft step of the sessions just drafted and
         sent right behind their verify, from its results on the device (`VerifiedRows`), before the
         host has read them. The device goes from the verify straight to the draft while the host
@@ -984,7 +805,7 @@ class DraftScheduler:
         sessions drafted; their new feature rows are in their draft context then."""
         if self.proposer is None:
             return frozenset()
-        picked: list[tuple[_Session, Verified, list[int]]] = []  # (session, result, its emitted tokens)
+        picked: list[tuple[Session, Verified, list[int]]] = []  # (session, result, its emitted tokens)
         for r in results:
             s, v = self._running.get(r.session_id), r.outcome
             if not isinstance(v, Verified) or s is None or s.epoch != epochs.get(r.session_id) or not s.drafts \
@@ -1060,7 +881,7 @@ class DraftScheduler:
                 continue  # stale, ending, or not as asked for: the reply tells
             self._first_token_out(s, p.token, p.logprobs)
 
-    def _first_token_out(self, s: _Session, token: int, logprobs: list | None) -> None:
+    def _first_token_out(self, s: Session, token: int, logprobs: list | None) -> None:
         """Send a prompt's first token to the client (the session is not finished here)."""
         if not s.result.tokens:  # the request's first token: its wait for the admission that made it, once
             metrics.QUEUE_WAIT.observe(s.admitted - s.start)
@@ -1072,12 +893,12 @@ class DraftScheduler:
         s.first_token = token
         self._hand(s, s.emit(s.rounds, [token], logprobs))
 
-    def _extended(self, s: _Session, e: Extended) -> None:
+    def _extended(self, s: Session, e: Extended) -> None:
         """A chunk of the session's prompt is prefilled, more are to come (chunked prefill)."""
         s.open_on_verifier = True
         self._context_grows(s, e.features)
 
-    def _context_grows(self, s: _Session, features) -> None:
+    def _context_grows(self, s: Session, features) -> None:
         """The oldest prompt chunk in flight is answered: its features are to extend the session's
         draft context (its first chunk takes a context slot), with the other chunks the reply
         answers once it is applied (`_grow_contexts`)."""
@@ -1109,7 +930,7 @@ class DraftScheduler:
             else:
                 s.draft_state = state
 
-    def _prefilled(self, s: _Session, p: Prefilled) -> None:
+    def _prefilled(self, s: Session, p: Prefilled) -> None:
         """The prompt is prefilled: the first token goes to the client at once (unless a notice
         brought it already), then the last chunk's features extend the draft context."""
         s.open_on_verifier = True
@@ -1132,7 +953,7 @@ class DraftScheduler:
             s.new_tokens, s.new_features = [p.token], p.features[:0]
             self._started.append(s)
 
-    def _verified(self, s: _Session, v: Verified, span: trace.Span | None,
+    def _verified(self, s: Session, v: Verified, span: trace.Span | None,
                   timing: tuple[float, float, float, float], drafted_ahead: bool = False) -> None:
         """A verified round: its tokens to the session, its features to the next draft step (unless
         that was queued already: `drafted_ahead`)."""
@@ -1158,14 +979,14 @@ class DraftScheduler:
         if not s.result.finish_reason and s.max_seq_len - s.length - 1 < 0:
             s.result.finish_reason = "length"
 
-    def _lacks_logprobs(self, s: _Session, logprobs: list | None, tokens: int) -> bool:
+    def _lacks_logprobs(self, s: Session, logprobs: list | None, tokens: int) -> bool:
         """Fail the session (True) when it asks for logprobs and the verifier sent none for its tokens."""
         if s.config.logprobs is None or (logprobs is not None and len(logprobs) == tokens):
             return False
         self._fail(s, StatusError("INTERNAL", f"verifier sent {len(logprobs or ())} logprobs for {tokens} tokens"))
         return True
 
-    def _deliver(self, s: _Session, update: RoundUpdate) -> None:
+    def _deliver(self, s: Session, update: RoundUpdate) -> None:
         """A verified round's tokens: into the outbox while the session goes on, at once (then its
         result, if this round ended it) when this round ended it or its receiver watches the text."""
         if not (s.result.finish_reason or s.watches_text):
@@ -1184,7 +1005,7 @@ class DraftScheduler:
             s.undelivered -= 1
             self._hand(s, update)
 
-    def _hand(self, s: _Session, item: Delivery) -> None:
+    def _hand(self, s: Session, item: Delivery) -> None:
         """Deliver `item` now, after the session's updates still in the outbox; a receiver that
         answers True to an update ends the session ("stop": it matched a stop string)."""
         if s.undelivered:
@@ -1194,7 +1015,7 @@ class DraftScheduler:
 
     # -- endings ----------------------------------------------------------------------------
 
-    def _end(self, s: _Session) -> None:
+    def _end(self, s: Session) -> None:
         """Take an ended session off the running set, free its draft slot, queue its Close."""
         self._running.pop(s.sid, None)
         if s.draft_state is not None:
@@ -1208,7 +1029,7 @@ class DraftScheduler:
             run, s.admitted = time.perf_counter() - s.admitted, 0.0
             self._mean_run_s = run if self._mean_run_s <= 0 else 0.9 * self._mean_run_s + 0.1 * run
 
-    def _finish(self, s: _Session) -> None:
+    def _finish(self, s: Session) -> None:
         """Deliver the result of a session that ended normally (or was cancelled)."""
         self._end(s)
         s.span.set_attributes({"completion.tokens": len(s.result.tokens), "rounds": s.result.rounds,
@@ -1216,7 +1037,7 @@ class DraftScheduler:
         s.span.end()
         self._hand(s, s.result)
 
-    def _fail(self, s: _Session, error: StatusError) -> None:
+    def _fail(self, s: Session, error: StatusError) -> None:
         """Deliver an error; a session the verifier still holds is closed there."""
         self._end(s)
         s.span.record_exception(error)

@@ -49,7 +49,8 @@ from drafter_svc.drafter import DFlashProposer, DraftMode
 from drafter_svc.oracle import ControlledAcceptance
 from drafter_svc.link import GrpcLink, LocalLink, check_verifier, open_channel, verifier_stub
 from drafter_svc.replicas import Replica, ReplicaLink, State, check_replica, verifier_addresses, wait_for_verifier
-from drafter_svc.scheduler import DraftScheduler, GenerationConfig, GenerationResult, QueueFull, RoundUpdate
+from drafter_svc.scheduler import DraftScheduler
+from drafter_svc.session import GenerationConfig, GenerationResult, QueueFull, RoundUpdate
 from drafter_svc.text_stream import TextStream
 from verifier_svc import __main__ as verifier_cli
 from verifier_svc.server import VerifierConfig, load_verifier, verifier_info

@@ -450,7 +450,7 @@ def evaluate_engine(target_dir: str, draft_dir: str, prompts: list[list[int]], m
     from common.protocol import SamplingParams
     from drafter_svc.drafter import DraftMode
     from drafter_svc.generate import LocalEngine
-    from drafter_svc.scheduler import GenerationConfig
+    from drafter_svc.session import GenerationConfig
     from verifier_svc.tree_verifier import VerifierLimits
 
     longest = max(len(p) for p in prompts)

@@ -52,7 +52,7 @@ from acceptance import load_prompts  # noqa: E402
 from common.config import load_draft_config  # noqa: E402
 from drafter_svc.drafter import DraftMode  # noqa: E402
 from drafter_svc.generate import LocalEngine  # noqa: E402
-from drafter_svc.scheduler import GenerationConfig  # noqa: E402
+from drafter_svc.session import GenerationConfig  # noqa: E402
 from verifier_svc.tree_verifier import VerifierLimits  # noqa: E402
 
 

@@ -198,7 +198,7 @@ def measure_cpu(size_specs: list[str], tokens: int, vocab: int) -> list[dict]:
     from common.tree import DraftTree
     from drafter_svc.drafter import DraftMode
     from drafter_svc.generate import LocalEngine
-    from drafter_svc.scheduler import GenerationConfig
+    from drafter_svc.session import GenerationConfig
     from verifier_svc.cuda_graphs import VerifyRow
     from verifier_svc.tree_verifier import VerifierLimits
 

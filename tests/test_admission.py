@@ -38,9 +38,10 @@ from common.rpc import CHANNEL_OPTIONS, pb, pb_grpc
 from common.tree import DraftTree
 from common.wire import EncodedReply, decode_link_response, encode_link_request
 from drafter_svc.drafter import DraftMode
-from drafter_svc.scheduler import DraftScheduler, GenerationConfig, QueueFull
+from drafter_svc.scheduler import DraftScheduler
 from drafter_svc.server import DrafterConfig, DrafterEngine
 from drafter_svc.server import serve as serve_drafter
+from drafter_svc.session import GenerationConfig, QueueFull
 from tests.servers import ServerThread
 from verifier_svc.server import VerifierConfig
 from verifier_svc.scheduler import SessionTimers

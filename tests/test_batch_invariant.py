@@ -22,7 +22,7 @@ from common.protocol import SamplingParams
 from common.tree import DraftTree, ancestor_masks, walk_trees
 from drafter_svc.drafter import DraftMode
 from drafter_svc.generate import LocalEngine
-from drafter_svc.scheduler import GenerationConfig
+from drafter_svc.session import GenerationConfig
 from ddtree_kernels import batch_invariant as bi
 from ddtree_kernels.slot_attention import slot_attention_reference
 from tests.reference import distinct_sibling_tokens

@@ -14,7 +14,7 @@ from common.protocol import SamplingParams
 from drafter_svc.draft_model import DFlashDraftModel
 from drafter_svc.drafter import DFlashProposer, DraftMode
 from drafter_svc.generate import LocalEngine
-from drafter_svc.scheduler import GenerationConfig
+from drafter_svc.session import GenerationConfig
 from tests.test_models import edit_config
 from verifier_svc.target_model import KVCache, TargetModel
 from verifier_svc.tree_verifier import VerifierLimits

@@ -18,7 +18,8 @@ from common.wire import notice_results
 from drafter_svc.drafter import DraftMode
 from drafter_svc.generate import LocalEngine
 from drafter_svc.link import LocalLink
-from drafter_svc.scheduler import DraftScheduler, GenerationConfig
+from drafter_svc.scheduler import DraftScheduler
+from drafter_svc.session import GenerationConfig
 from verifier_svc.target_runner import TargetRunner, prefill_mask
 from verifier_svc.tree_verifier import TreeVerifier, VerifierLimits
 

@@ -7,7 +7,7 @@ import pytest
 from bench.acceptance import load_prompts
 from drafter_svc.drafter import DraftMode
 from drafter_svc.generate import LocalEngine
-from drafter_svc.scheduler import GenerationConfig
+from drafter_svc.session import GenerationConfig
 from verifier_svc.tree_verifier import VerifierLimits
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -194,7 +194,8 @@ def test_the_in_process_link_takes_device_trees(tiny_pair):
     from drafter_svc.drafter import DraftMode
     from drafter_svc.generate import LocalEngine
     from drafter_svc.link import LocalLink
-    from drafter_svc.scheduler import DraftScheduler, GenerationConfig
+    from drafter_svc.scheduler import DraftScheduler
+    from drafter_svc.session import GenerationConfig
 
     engine = LocalEngine.load(str(tiny_pair[0]), str(tiny_pair[1]),
                               limits=VerifierLimits(max_sessions=4, max_seq_len=128))
@@ -233,7 +234,8 @@ def test_the_adaptive_budget_plans_device_trees_from_the_previous_ones(tiny_pair
     from drafter_svc.drafter import DraftMode
     from drafter_svc.generate import LocalEngine
     from drafter_svc.link import LocalLink
-    from drafter_svc.scheduler import DraftScheduler, GenerationConfig
+    from drafter_svc.scheduler import DraftScheduler
+    from drafter_svc.session import GenerationConfig
 
     engine = LocalEngine.load(str(tiny_pair[0]), str(tiny_pair[1]),
                               limits=VerifierLimits(max_sessions=4, max_seq_len=128))

@@ -24,7 +24,8 @@ from drafter_svc.draft_graphs import DraftGraphConfig, DraftGraphs, DraftInputs,
 from drafter_svc.drafter import DFlashProposer, DraftMode
 from drafter_svc.generate import LocalEngine
 from drafter_svc.link import LocalLink
-from drafter_svc.scheduler import DraftScheduler, GenerationConfig, GenerationResult
+from drafter_svc.scheduler import DraftScheduler
+from drafter_svc.session import GenerationConfig, GenerationResult
 from tests.reference import dflash_hidden_reference
 from verifier_svc.tree_verifier import VerifierLimits
 

@@ -31,7 +31,7 @@ from drafter_svc.generate import LocalEngine
 from drafter_svc.link import LocalLink
 from drafter_svc.server import DrafterConfig, DrafterEngine
 from drafter_svc.server import serve as serve_drafter
-from drafter_svc.scheduler import GenerationConfig
+from drafter_svc.session import GenerationConfig
 from tests.servers import ServerThread
 from verifier_svc.server import VerifierConfig
 from verifier_svc.server import serve as serve_verifier

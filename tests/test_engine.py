@@ -9,7 +9,7 @@ import pytest
 from common.protocol import SamplingParams, TreeEntry
 from drafter_svc.drafter import DraftMode
 from drafter_svc.generate import LocalEngine
-from drafter_svc.scheduler import GenerationConfig
+from drafter_svc.session import GenerationConfig
 from tests.reference import OracleProposer, hf_greedy
 from verifier_svc.tree_verifier import VerifierLimits
 
@@ -427,7 +427,7 @@ def test_round_deliveries_wait_for_the_next_draft_step_unless_the_receiver_watch
     """A running session's tokens reach its receiver once the next draft step is queued (while the
     device drafts); its last round and result right away, in order. A receiver that may end the
     session (stop strings) gets every round before the next draft; the outputs are the same."""
-    from drafter_svc.scheduler import GenerationResult, RoundUpdate
+    from drafter_svc.session import GenerationResult, RoundUpdate
 
     events = []
 
@@ -461,7 +461,7 @@ def test_a_receiver_that_ends_a_batched_session_stops_it_after_the_round_in_flig
     """Without `watches_text` a round's tokens reach the receiver after the next round is sent;
     if it answers True ("stop") the session ends then: that round's tokens are dropped, the result
     holds the tokens up to the round it stopped at, and its slots come back."""
-    from drafter_svc.scheduler import GenerationResult, RoundUpdate
+    from drafter_svc.session import GenerationResult, RoundUpdate
 
     scheduler = _scheduler(engine, OracleProposer(engine.verifier.runner.model, block_size=8, rank1_every=3))
     items = []

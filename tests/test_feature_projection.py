@@ -10,7 +10,7 @@ from common.protocol import SamplingParams
 from drafter_svc.ddtree import build_ddtrees
 from drafter_svc.drafter import DFlashProposer, DraftMode
 from drafter_svc.generate import LocalEngine
-from drafter_svc.scheduler import GenerationConfig
+from drafter_svc.session import GenerationConfig
 from verifier_svc.target_model import TargetModel
 from verifier_svc.target_runner import TargetRunner
 from verifier_svc.tree_verifier import VerifierLimits

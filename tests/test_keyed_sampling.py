@@ -13,7 +13,7 @@ from common.protocol import SamplingParams
 from common.tree import DraftTree
 from drafter_svc.drafter import DraftMode
 from drafter_svc.generate import LocalEngine
-from drafter_svc.scheduler import GenerationConfig
+from drafter_svc.session import GenerationConfig
 from ddtree_kernels.keyed_sampling import gumbel_noise, keyed_sample_reference, keyed_scores, position_keys
 from ddtree_kernels.probs import process_probs_reference
 from verifier_svc.accept import accept_batch

@@ -17,7 +17,7 @@ from common.protocol import OpenEntry, SamplingParams
 from common.wire import LinkLimits, decode_link_request, encode_link_request
 from drafter_svc.drafter import DraftMode
 from drafter_svc.generate import LocalEngine
-from drafter_svc.scheduler import GenerationConfig
+from drafter_svc.session import GenerationConfig
 from tests.reference import decode_with_flaky_link
 from verifier_svc.tree_verifier import VerifierLimits
 

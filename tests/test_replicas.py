@@ -23,8 +23,9 @@ from drafter_svc.generate import LocalEngine
 from drafter_svc.link import LocalLink
 from drafter_svc import replicas
 from drafter_svc.replicas import Replica, ReplicaLink, State, check_replica, verifier_addresses
-from drafter_svc.scheduler import DraftScheduler, GenerationConfig, GenerationResult
+from drafter_svc.scheduler import DraftScheduler
 from drafter_svc.server import serve as serve_drafter
+from drafter_svc.session import GenerationConfig, GenerationResult
 from tests.servers import ServerThread
 from tests.test_e2e import MAX_SESSIONS, PROMPTS, _verifier_process, drafter_engine, request, verifier_config, wait_full
 from verifier_svc.server import serve as serve_verifier

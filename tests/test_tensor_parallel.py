@@ -17,7 +17,7 @@ from common.protocol import SamplingParams
 from common.tree import DraftTree, ancestor_masks, walk_trees
 from drafter_svc.drafter import DFlashProposer, DraftMode
 from drafter_svc.generate import LocalEngine
-from drafter_svc.scheduler import GenerationConfig
+from drafter_svc.session import GenerationConfig
 from tests.reference import distinct_sibling_tokens
 from verifier_svc.cuda_graphs import VerifyRow
 from verifier_svc.target_model import TargetModel

@@ -16,7 +16,7 @@ from common.protocol import MAX_TOKEN_BIAS, OpenEntry, SamplingParams, StatusErr
 from common.wire import LinkLimits, decode_link_request, encode_link_request
 from drafter_svc.drafter import DraftMode
 from drafter_svc.generate import LocalEngine
-from drafter_svc.scheduler import GenerationConfig
+from drafter_svc.session import GenerationConfig
 from tests.reference import decode_with_flaky_link
 from common.logit_bias import bias_tokens
 from verifier_svc.tree_verifier import VerifierLimits

@@ -18,7 +18,7 @@ from drafter_svc import train as T
 from drafter_svc.draft_model import DFlashDraftModel, DraftKVPool
 from drafter_svc.drafter import DraftMode
 from drafter_svc.generate import LocalEngine
-from drafter_svc.scheduler import GenerationConfig
+from drafter_svc.session import GenerationConfig
 from verifier_svc.target_model import TargetModel
 from verifier_svc.tree_verifier import VerifierLimits
 

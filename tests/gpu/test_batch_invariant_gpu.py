@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from drafter_svc.drafter import DraftMode
 from drafter_svc.generate import LocalEngine
-from drafter_svc.scheduler import GenerationConfig
+from drafter_svc.session import GenerationConfig
 from ddtree_kernels import batch_invariant as bi
 from tests.reference import OracleProposer
 from tests.test_batch_invariant import (_default_mode_after, _model, check_logical_attention,  # noqa: F401

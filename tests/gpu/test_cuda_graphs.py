@@ -29,7 +29,7 @@ from common.protocol import SamplingParams
 from common.tree import DraftTree, ancestor_masks, walk_trees
 from drafter_svc.drafter import DraftMode
 from drafter_svc.generate import LocalEngine
-from drafter_svc.scheduler import GenerationConfig
+from drafter_svc.session import GenerationConfig
 from ddtree_kernels.fused_accept import tree_accept_reference
 from tests.reference import OracleProposer
 from verifier_svc.accept import draw_coins

@@ -14,7 +14,7 @@ import torch
 from drafter_svc.draft_graphs import DraftGraphConfig, DraftGraphs
 from drafter_svc.drafter import DFlashProposer, DraftMode
 from drafter_svc.generate import LocalEngine
-from drafter_svc.scheduler import GenerationConfig
+from drafter_svc.session import GenerationConfig
 from tests.test_draft_graphs import MAX_SEQ, Player, batching_script, close, feature_streams, reference_script
 from verifier_svc.tree_verifier import VerifierLimits
 
