@@ -152,7 +152,7 @@ def _verifier_process(port_out, rows: int, trace: bool, sessions: int, seq_len: 
         return logits, [torch.zeros(p.shape[0], FEATURE_DIM, dtype=torch.bfloat16) for p in prompts]
 
     def launch_verify(batch_rows, masks):
-        return PendingVerify(list(batch_rows), [True] * len(batch_rows), HostCopy(), features)
+        return PendingVerify(list(batch_rows), HostCopy(), features)
 
     def finish_verify(pending):
         batch_rows = pending.rows

@@ -74,8 +74,7 @@ class PendingVerify:
     """A verify step queued on the device (`TargetRunner.launch_verify`), its results on their way."""
 
     rows: list[VerifyRow]
-    with_features: list[bool]
-    copy: HostCopy  # the per-row results, and the path rows' features unless `features` holds them
+    copy: HostCopy  # the per-row results, and the path rows' features unless `first` holds them
     logits: Tensor  # [B, T, V] of every node; under CUDA graphs a buffer that every step shares
     first: Tensor | None = None  # [B * W, F] on the device, the rows to read first (`features_on_device`)
     features: Tensor | None = None  # [B, W, F] there, each row's path rows first: a copy
@@ -320,16 +319,15 @@ class TargetRunner:
         bounds = [r.tree.max_depth for r in rows if r.depths is None]
         deepest = max(bounds + ([int(np.concatenate(walked).max())] if walked else []))
         width = min(features.shape[1], 1 + deepest)
-        wanted = [r.wants_features for r in rows]
         result = result[: len(rows)]
         # The rows to read first (each wanted row's root and accepted nodes, in the order the step
         # computed): no row's path passes `width`, so they lie in the first len(rows) * width rows
         # of that order. A copy, so a later step may replay the same graph before the finish.
         first = features.flatten(0, 1).index_select(0, order[: len(rows) * width])
         if self.features_on_device:  # also each row's rows, where a draft queued behind this step reads them
-            return PendingVerify(list(rows), wanted, HostCopy(result), logits, first,
+            return PendingVerify(list(rows), HostCopy(result), logits, first,
                                  features[: len(rows), :width].clone(), result)
-        return PendingVerify(list(rows), wanted, HostCopy(result, self.features_for_host(first)), logits)
+        return PendingVerify(list(rows), HostCopy(result, self.features_for_host(first)), logits)
 
     def finish_verify(self, pending: PendingVerify) -> VerifiedBatch:
         """Wait for a launched step's results (one wait; a second, only when a row asks for
@@ -343,7 +341,7 @@ class TargetRunner:
         for row, path in zip(rows, paths):
             tokens = row.tree.token_list()  # a list once: cheaper than a tensor index per node
             accepted.append([tokens[node] for node in path[1:]])
-        lengths = [len(path) if wanted else 0 for path, wanted in zip(paths, pending.with_features)]
+        lengths = [len(path) if row.wants_features else 0 for path, row in zip(paths, rows)]
         features = copied[1] if pending.first is None else pending.first  # the rows to read come first
         picked = features[: sum(lengths)]
         return VerifiedBatch(paths=paths, bonus=bonus, accepted=accepted, features=picked,
