@@ -67,8 +67,13 @@ timed wall time the verifier spent in its model steps (the difference of its
 splits the timed part of each run into its link messages, from both services' Prometheus
 histograms (the drafter's `--http-port` /metrics and the verifier's `--metrics-port`, scraped
 before and after): the drafter's draft step, tree build and link round trip, and the
-verifier's step inside that round trip, as means per message. With `--repeats K` each (setting,
-N) runs K times, one after another on the same services (its rows carry `repeat`), and a third
+verifier's step inside that round trip, as means per message. A third table (`steady` in the
+JSON) gives the same over the run's steady window: from the moment the last client's first timed
+request streams its first token to the moment the first client's last request ends, while every
+client has its requests going (`SteadyWindow`; the services' /metrics scraped at both ends); a
+finite run's ramp-up, when the prompts arrive together, and its drain, when clients end one by
+one and the batch thins out, fall outside it. With `--repeats K` each (setting,
+N) runs K times, one after another on the same services (its rows carry `repeat`), and a fourth
 table (`repeat_summary` in the JSON) gives each one's median tok/s, min, max and spread; the
 speed-ups are over plain decoding's median at the same N.
 """
@@ -363,7 +368,8 @@ def oracle_settings(a: argparse.Namespace, block_size: int) -> list[Setting]:
             log(f"tau {tau:g} with {depth} drafted tokens per block -> accept_prob {p:.4f}")
             settings.append(Setting(f"tau~{tau:g}", p, tau))
     if a.lockstep:
-        settings = [x for s in settings for x in (s, Setting(s.name + "-ls", s.accept_prob, s.target_tau, lockstep=True))]
+        settings = [x for s in settings
+                    for x in (s, Setting(s.name + "-ls", s.accept_prob, s.target_tau, lockstep=True))]
     if a.ring_ab:
         settings = [x for s in settings for x in (s, replace(s, name=s.name + "-inline", inline=True))]
     if a.socket_ab:
@@ -586,10 +592,61 @@ class Request:
     mean_acceptance: float = 0.0
     acceptance_lengths: list[int] = field(default_factory=list)
     error: str = ""
+    deltas: list[tuple[float, int]] = field(default_factory=list)  # (perf_counter, tokens) of each delta
 
 
-async def generate(stub, prompt: list[int], budget: int, max_new: int, timeout_s: float) -> Request:
-    """One streaming Generate call, timed at the client."""
+class SteadyWindow:
+    """The stretch of a run while every client has its requests going: from the moment the last
+    client's first timed request streams its first token to the moment the first client's last
+    request ends. A finite run ramps up (prompts arriving together) and drains (clients ending
+    one by one, their sessions leaving the batch); this window counts neither. Both services'
+    /metrics are scraped at its two ends, in a thread, so that the clients go on meanwhile; each
+    end's time is its scrape's midpoint."""
+
+    def __init__(self, clients: int, urls: list[str]):
+        self.clients, self.urls = clients, urls
+        self.waiting = clients  # clients whose first timed token has not come yet
+        self.ended = 0  # clients whose requests have all ended
+        self.begin: tuple[float, dict[str, float]] | None = None
+        self.end: tuple[float, dict[str, float]] | None = None
+        self._scrapes: list[asyncio.Task] = []
+
+    def first_token(self) -> None:
+        self.waiting -= 1
+        if self.waiting == 0 and not self.ended:  # (a client that ended first leaves no window)
+            self._scrapes.append(asyncio.ensure_future(self._mark("begin")))
+
+    def client_done(self) -> None:
+        self.ended += 1
+        if self.ended == 1 and self.waiting == 0:  # the first client to end, once the window began
+            self._scrapes.append(asyncio.ensure_future(self._mark("end")))
+
+    async def _mark(self, which: str) -> None:
+        start = time.perf_counter()
+        values = await asyncio.to_thread(scrape, self.urls) if self.urls else {}
+        setattr(self, which, ((start + time.perf_counter()) / 2, values))
+
+    async def done(self) -> None:
+        """Wait for the scrapes under way."""
+        await asyncio.gather(*self._scrapes)
+
+    def summary(self, requests: list[Request]) -> dict | None:
+        """The window's length, the completion tokens a second streamed in it, and the step breakdown
+        over it (`step_breakdown`; rounds_per_s included); None when the first client ended before
+        the last one began."""
+        if self.begin is None or self.end is None:
+            return None
+        (t0, before), (t1, after) = self.begin, self.end
+        window = t1 - t0
+        tokens = sum(n for r in requests for t, n in r.deltas if t0 <= t <= t1)
+        out = {"window_s": window, "completion_tokens": tokens, "tokens_per_s": tokens / window if window > 0 else None}
+        out.update(step_breakdown(before, after, window) if self.urls else {})
+        return out
+
+
+async def generate(stub, prompt: list[int], budget: int, max_new: int, timeout_s: float,
+                   on_first_token: Callable[[], None] | None = None) -> Request:
+    """One streaming Generate call, timed at the client; `on_first_token` is called as its first token arrives."""
     request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), max_new_tokens=max_new, tree_budget=budget)
     rec = Request(prompt)
     start = last = time.perf_counter()
@@ -607,9 +664,12 @@ async def generate(stub, prompt: list[int], budget: int, max_new: int, timeout_s
                 continue
             if rec.ttft_s is None:
                 rec.ttft_s = now - start
+                if on_first_token is not None:
+                    on_first_token()
             else:
                 rec.itl_s.extend([(now - last) / n] * n)
             last = now
+            rec.deltas.append((now, n))
             rec.tokens.extend(reply.delta.token_ids)
     except grpc.aio.AioRpcError as exc:
         rec.error = f"{exc.code().name}: {exc.details()}"
@@ -617,8 +677,16 @@ async def generate(stub, prompt: list[int], budget: int, max_new: int, timeout_s
     return rec
 
 
-async def client(stub, prompts: list[list[int]], budget: int, max_new: int, timeout_s: float) -> list[Request]:
-    return [await generate(stub, p, budget, max_new, timeout_s) for p in prompts]
+async def client(stub, prompts: list[list[int]], budget: int, max_new: int, timeout_s: float,
+                 window: SteadyWindow | None = None) -> list[Request]:
+    """One client's requests, one after another; it tells `window` of its first token and of its end."""
+    done = []
+    for p in prompts:
+        first = window.first_token if window is not None and not done else None
+        done.append(await generate(stub, p, budget, max_new, timeout_s, on_first_token=first))
+    if window is not None:
+        window.client_done()
+    return done
 
 
 # Histograms of both services' /metrics whose means per observation make the step breakdown.
@@ -698,12 +766,13 @@ def step_breakdown(before: dict[str, float], after: dict[str, float], wall: floa
     return out
 
 
-async def run_load(address: str, verifier_address: str | None, prompts: list[list[list[int]]], budget: int, max_new: int,
-                   timeout_s: float, metrics_urls: list[str] = ()) -> tuple[list[Request], list[Request], float, float,
-                                                                            dict]:
+async def run_load(address: str, verifier_address: str | None, prompts: list[list[list[int]]], budget: int,
+                   max_new: int, timeout_s: float, metrics_urls: list[str] = ()
+                   ) -> tuple[list[Request], list[Request], float, float, dict, dict | None]:
     """All clients' warm-up requests at once, then their timed requests: (warm-ups, timed, wall s,
     the verifier's busy share of the timed wall time: InfoResponse.busy_s before and after, None
-    without a verifier service, and the step breakdown of the timed part from the services' /metrics)."""
+    without a verifier service, the step breakdown of the timed part from the services' /metrics,
+    and the steady window's summary, `SteadyWindow.summary`)."""
     async with contextlib.AsyncExitStack() as stack:
         channel = await stack.enter_async_context(grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS))
         stub, info = pb_grpc.GenerationStub(channel), None
@@ -715,13 +784,16 @@ async def run_load(address: str, verifier_address: str | None, prompts: list[lis
                                       for p in prompts))
         before = scrape(list(metrics_urls)) if metrics_urls else {}
         busy = (await info(pb.InfoRequest())).busy_s if info else 0.0
+        window = SteadyWindow(len(prompts), list(metrics_urls))
         start = time.perf_counter()
-        timed = await asyncio.gather(*(client(stub, p[1:], budget, max_new, timeout_s) for p in prompts))
+        timed = await asyncio.gather(*(client(stub, p[1:], budget, max_new, timeout_s, window) for p in prompts))
         wall = time.perf_counter() - start
+        await window.done()
         busy = (await info(pb.InfoRequest())).busy_s - busy if info else None
         parts = step_breakdown(before, scrape(list(metrics_urls)), wall) if metrics_urls else {}
     share = None if busy is None else busy / wall if wall > 0 else 0.0
-    return list(warm), [r for per_client in timed for r in per_client], wall, share, parts
+    timed = [r for per_client in timed for r in per_client]
+    return list(warm), timed, wall, share, parts, window.summary(timed)
 
 
 async def run_sequential(address: str, prompts: list[list[list[int]]], budget: int, max_new: int,
@@ -839,7 +911,8 @@ def print_table(result: dict) -> None:
                  _cell(r["errors"], 4), _cell(r["completion_tokens"], 7), _cell(r["tokens_per_s"], 9),
                  _cell(r.get("speedup_vs_ar"), 6, 2), _cell(r["tau"], 5, 2), _cell(r["ttft_p50_ms"], 8),
                  _cell(r["ttft_p99_ms"], 8), _cell(r["itl_p50_ms"], 7, 2), _cell(r["itl_p99_ms"], 7, 2),
-                 _cell(r.get("latency_p50_ms"), 8), _cell(r.get("latency_p99_ms"), 8), _cell(r["equals_ar"], 5, 2), _cell(r.get("verifier_busy"), 6, 2),
+                 _cell(r.get("latency_p50_ms"), 8), _cell(r.get("latency_p99_ms"), 8), _cell(r["equals_ar"], 5, 2),
+                 _cell(r.get("verifier_busy"), 6, 2),
                  _cell(r.get("concurrent_over_sequential"), 8, 2)]
         print(" ".join(cells))
     print("\nstep breakdown of the timed runs, ms per link message (each part's total / the messages; both "
@@ -873,6 +946,21 @@ def print_table(result: dict) -> None:
                  _cell(b.get("trees_per_message"), 6, 1), _cell(b.get("budget"), 6, 1),
                  _cell(int(b["compiles"]) if "compiles" in b else None, 5), _cell(b.get("compile_ms"), 8, 1)]
         print(" ".join(cells))
+    print("\nsteady window of the timed runs (from the last client's first token to the first client's last "
+          "token: every client has its requests going; no ramp-up, no drain): window = its seconds; tok/s = "
+          "completion tokens streamed in it / its length; rnd/s = the sessions' verify rounds a second in it; "
+          "msgs, step, trees, link% as in the step breakdown, over the window")
+    head = [("setting", 16), ("mode", 5), ("N", 4), ("window", 7), ("tok/s", 9), ("rnd/s", 7), ("msgs", 6),
+            ("step", 7), ("trees", 6), ("link%", 6)]
+    print(" ".join(f"{h:>{w}}" for h, w in head))
+    for r in result["runs"]:
+        w = r.get("steady") or {}
+        share = 100 * w["link_share"] if w.get("link_share") is not None else None
+        print(" ".join([_cell(r["setting"], 16), _cell(r["mode"], 5), _cell(r["concurrency"], 4),
+                        _cell(w.get("window_s"), 7, 2), _cell(w.get("tokens_per_s"), 9),
+                        _cell(w.get("rounds_per_s"), 7, 0),
+                        _cell(int(w["messages"]) if "messages" in w else None, 6), _cell(w.get("step_ms"), 7, 2),
+                        _cell(w.get("trees_per_message"), 6, 1), _cell(share, 6, 1)]))
     if result.get("repeat_summary"):
         print("\nrepeated runs (--repeats): tok/s median, min and max; spread = (max - min) / median; "
               "vs AR = median / plain decoding's median")
@@ -902,15 +990,16 @@ def run_mode(drafter: Service, verifier: Service | None, mode: str, setting: Set
             + (f" (run {repeat + 1} of {a.repeats})" if a.repeats > 1 else ""))
         services = [drafter] + ([verifier] if verifier is not None else [])
         urls = [f"http://127.0.0.1:{service.metrics_port}/metrics" for service in services]
-        warm, timed, wall, busy, parts = asyncio.run(run_load(drafter.address, verifier and verifier.address,
-                                                              prompts[n], budget,
-                                                              a.max_new_tokens, a.request_timeout, urls))
+        warm, timed, wall, busy, parts, steady = asyncio.run(run_load(drafter.address, verifier and verifier.address,
+                                                                      prompts[n], budget,
+                                                                      a.max_new_tokens, a.request_timeout, urls))
         if outputs is not None:
             outputs.update({tuple(r.prompt): r.tokens for r in warm + timed if not r.error})
         row = summarise(mode, setting, n, timed, wall, reference)
         row["repeat"] = repeat
         row["verifier_busy"] = busy
         row["step_breakdown"] = parts
+        row["steady"] = steady
         if a.sequential and n > 1:
             alone, seq_wall = asyncio.run(run_sequential(drafter.address, prompts[n], budget, a.max_new_tokens,
                                                          a.request_timeout))

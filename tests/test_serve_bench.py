@@ -154,3 +154,62 @@ def test_the_random_models_placeholder_tokenizer_serves_the_http_api():
     assert stand_in.longest_token_bytes == 0  # no vocabulary: no bound
     with pytest.raises(ValueError, match="token_ids"):
         DrafterEngine.tokenize(stand_in, "hello")
+
+
+def test_the_steady_window_runs_from_the_last_clients_first_token_to_the_first_clients_end():
+    """Three clients whose requests stream at set times: the window opens when the slowest client's
+    first timed token comes and closes when the first client has ended, and counts only the tokens
+    streamed in between (`SteadyWindow`; no /metrics here)."""
+    import asyncio
+
+    from bench.serve import SteadyWindow, client
+    from common.rpc import pb
+
+    class Stub:  # each request streams `per_request` deltas of one token, `gap_s` apart, after `delay_s`
+        def __init__(self, delay_s: float, gap_s: float, per_request: int):
+            self.delay_s, self.gap_s, self.per_request = delay_s, gap_s, per_request
+
+        async def Generate(self, request, timeout=None):
+            await asyncio.sleep(self.delay_s)
+            for i in range(self.per_request):
+                yield pb.GenerateResponse(delta=pb.TokenDelta(token_ids=[i]))
+                await asyncio.sleep(self.gap_s)
+            yield pb.GenerateResponse(final=pb.GenerateFinal(finish_reason="length"))
+
+    async def run():
+        window = SteadyWindow(3, [])
+        stubs = [Stub(0.0, 0.01, 10), Stub(0.05, 0.01, 10), Stub(0.1, 0.01, 20)]
+        out = await asyncio.gather(*(client(stub, [[1], [2]], 0, 8, 10.0, window) for stub in stubs))
+        await window.done()
+        return window, [r for per_client in out for r in per_client]
+
+    window, timed = asyncio.run(run())
+    (t0, _), (t1, _) = window.begin, window.end
+    first_tokens = [r.deltas[0][0] for r in timed[::2]]  # each client's first timed token
+    ends = [timed[i + 1].deltas[-1][0] for i in range(0, len(timed), 2)]  # each client's last token
+    assert t0 >= max(first_tokens) and t1 >= min(ends)
+    assert t0 - max(first_tokens) < 0.05 and t1 - min(ends) < 0.05  # marked at once (no scrape to wait for)
+    steady = window.summary(timed)
+    inside = sum(1 for r in timed for t, _ in r.deltas if t0 <= t <= t1)
+    assert 0 < inside < sum(len(r.deltas) for r in timed)
+    assert steady["completion_tokens"] == inside
+    assert steady["window_s"] == pytest.approx(t1 - t0)
+    assert steady["tokens_per_s"] == pytest.approx(inside / (t1 - t0))
+    assert "rounds_per_s" not in steady  # no /metrics scraped
+
+
+def test_no_steady_window_when_the_first_client_ends_before_the_last_begins():
+    import asyncio
+
+    from bench.serve import SteadyWindow
+
+    async def run():
+        window = SteadyWindow(2, [])
+        window.first_token()
+        window.client_done()  # a client ended while another had not started: no window
+        window.first_token()
+        await window.done()
+        return window
+
+    window = asyncio.run(run())
+    assert window.begin is None and window.end is None and window.summary([]) is None
