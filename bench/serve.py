@@ -233,6 +233,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prompts prefill through the verifier's captured CUDA graphs (its default; the verify "
                         "graphs then include a tree bucket that holds the prompt); --no-prefill-graphs: the "
                         "verifier with --no-prefill-graphs, prefilling eagerly")
+    p.add_argument("--mixed-prompts", action=argparse.BooleanOptionalAction, default=True,
+                   help="prompt chunks beside trees ride the trees' verify forward where that costs less (the "
+                        "verifier's default); --no-mixed-prompts: the verifier with --no-mixed-prompts, every chunk "
+                        "prefilled on its own")
     p.add_argument("--lockstep", action="store_true",
                    help="also run each controlled-acceptance setting with the drafter in lockstep (--pipelining off; "
                         "its rows are named SETTING-ls), to compare with the default pipelined rounds")
@@ -505,6 +509,7 @@ def common_verifier_flags(a: argparse.Namespace, service: bool = True) -> list[s
     flags += ["--measure-costs", "on"] if "adaptive" in (a.budgets or ()) else []
     flags += ["--deterministic"] if a.deterministic else []
     flags += [] if a.prefill_graphs else ["--no-prefill-graphs"]
+    flags += [] if a.mixed_prompts else ["--no-mixed-prompts"]
     flags += ["--tensor-parallel", str(a.verifier_tp)] if a.verifier_tp > 1 else []
     return flags + (["--no-cuda-graphs"] if a.no_cuda_graphs else [])
 

@@ -216,6 +216,7 @@ class DraftScheduler:
         # and a step's prompt chunks in a message of their own (`_send`).
         self._device_trees = bool(getattr(link, "takes_device_trees", False))
         self._prompts_apart = bool(getattr(link, "takes_prompts_apart", False))
+        self._mixes_prompts = bool(getattr(link, "mixes_prompts", False))  # ... unless they ride the trees
         self._thread: threading.Thread | None = None
         self._stopped = threading.Event()
         self.steps = 0
@@ -407,7 +408,7 @@ class DraftScheduler:
             ready = ready[: -(-total // self.pipeline_groups)]
         if not entries and not ready:
             return False
-        if self._prompts_apart and chunks and ready:
+        if self._prompts_apart and chunks and ready and not self._prompts_ride(ready):
             # The trees first, their next draft step queued behind their verify, then the prompts:
             # their prefill runs on the device after that, and the trees' reply need not wait for
             # it, so the next message is built and queued while the device prefills.
@@ -417,6 +418,12 @@ class DraftScheduler:
             return self._send_message(chunks, chunking, [], apart=True)
         return self._send_message(entries, chunking, ready)
 
+    def _prompts_ride(self, sessions) -> bool:
+        """Whether prompt chunks go beside these sessions' trees, not apart from them, over a link that
+        could take them apart: where its verifier takes chunks into the trees' verify and some of
+        the sessions draft (plain decoding's root-only rows are too narrow for a prompt's)."""
+        return self._mixes_prompts and any(s.drafts for s in sessions)
+
     def _take_arrivals(self) -> None:
         """Over a link that takes prompts apart (in process), while the oldest message, one of
         trees, is not due (`ARRIVALS_SHARE` of the shortest of the last few such round trips): open
@@ -424,9 +431,12 @@ class DraftScheduler:
         `prefill_chunk`) in a message of their own. It is queued behind the verify the host waits
         for, so their prefill runs before the next verify, and their first tokens come with the
         next reply read instead of a step later. A reply that comes sooner waits until it is due.
-        Nothing waits while no session could open."""
+        Nothing waits while no session could open, nor where the arrivals ride the next message's
+        trees (`_prompts_ride`)."""
         if not (self._prompts_apart and self._replies and self._inflight and self._inflight[0].trees) \
                 or self._free_slots() <= 0:  # no arrival could open
+            return
+        if self._prompts_ride(self._running.values()):
             return
         due = self._inflight[0].rpc_started + self.ARRIVALS_SHARE * min(self._replies)
         while True:

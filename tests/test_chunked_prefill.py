@@ -161,14 +161,20 @@ def long_prompt_while_two_decode(engine, link, idle=0) -> dict:
     return ends
 
 
-def test_each_step_stays_within_its_chunk_and_rounds_go_on(engine):
+@pytest.mark.parametrize("mix", [True, False])
+def test_each_step_stays_within_its_chunk_and_rounds_go_on(engine, mix):
     """Two sessions decode while a 100-token prompt arrives with a 16-token chunk: no message
     carries more than 16 prompt tokens, the long prompt takes several steps (its Open, then
-    Extends), and each of those steps still carries a tree for both decoding sessions (the
-    in-process link takes a step's prompt chunks in a message of their own, right behind its
-    trees)."""
+    Extends), and each of those steps still carries a tree for both decoding sessions: in the
+    chunk's own message where the verifier takes chunks into the trees' verify (`mix`), else in
+    the message right before it (the in-process link then takes a step's prompt chunks in a
+    message of their own, right behind its trees)."""
+    engine.verifier.mix_prompts = mix
     link = _Recording(engine.verifier)
-    ends = long_prompt_while_two_decode(engine, link)
+    try:
+        ends = long_prompt_while_two_decode(engine, link)
+    finally:
+        engine.verifier.mix_prompts = True
     assert all(not isinstance(e, StatusError) for e in ends.values()) and len(ends) == 3
     chunk_messages = [m for m in link.messages if any(isinstance(e, (OpenEntry, ExtendEntry)) and len(e.prompt_ids) > 5
                                                       for e in m)]
@@ -179,9 +185,9 @@ def test_each_step_stays_within_its_chunk_and_rounds_go_on(engine):
     assert [e.more for e in long_chunks] == [True] * 6 + [False]
     assert isinstance(long_chunks[0], OpenEntry) and all(isinstance(e, ExtendEntry) for e in long_chunks[1:])
     for m in chunk_messages[2:]:  # after both short sessions opened: their rounds go on beside the chunks
-        trees = link.messages[next(i for i, x in enumerate(link.messages) if x is m) - 1]
+        trees = m if mix else link.messages[next(i for i, x in enumerate(link.messages) if x is m) - 1]
         assert {e.session_id for e in trees if isinstance(e, TreeEntry)} == {1, 2}
-        assert not any(isinstance(e, TreeEntry) for e in m)
+        assert mix or not any(isinstance(e, TreeEntry) for e in m)
     assert ends[2].tokens == engine.generate(PROMPTS[2], GenerationConfig(4, mode=DraftMode("tree", 4))).tokens
 
 
@@ -454,6 +460,16 @@ def test_a_reply_whose_first_token_differs_from_its_notice_fails_the_session(eng
     assert engine.verifier.free_capacity == 4
 
 
+@pytest.fixture()
+def prompts_apart(engine):
+    """The engine's verifier prefilling every chunk on its own (`--no-mixed-prompts`): the
+    in-process link then takes a step's prompt chunks in a message of their own."""
+    engine.verifier.mix_prompts = False
+    yield
+    engine.verifier.mix_prompts = True
+
+
+@pytest.mark.usefixtures("prompts_apart")
 def test_a_prompt_sent_apart_has_its_first_token_out_before_its_first_tree(engine):
     """In process a new prompt goes in a message of its own behind the decoding sessions' trees;
     its first token reaches the client when that reply is applied (the trees' next message was
@@ -509,7 +525,7 @@ class _SlowReplies(_Recording):
         return super().receive(on_notice)
 
 
-def run_with_arrivals(engine, link, prompts, *, max_sessions=4, chunk=0, at_s=0.1):
+def run_with_arrivals(engine, link, prompts, *, max_sessions=4, chunk=0, at_s=0.1, config=None):
     """Session 1 decodes over `link` (a `_SlowReplies`) until one slow reply of trees has been read;
     sessions 2, 3, ... (`prompts`) arrive `at_s` into the next one (None: just before it is sent),
     then all run to their ends with quick replies. Returns the prompts and results by session, and
@@ -522,7 +538,8 @@ def run_with_arrivals(engine, link, prompts, *, max_sessions=4, chunk=0, at_s=0.
 
     def submit(sids):
         for sid in sids:
-            scheduler.submit(requests[sid], ARRIVALS_CONFIG, lambda item, sid=sid: ends.__setitem__(sid, item))
+            scheduler.submit(requests[sid], config or ARRIVALS_CONFIG,
+                             lambda item, sid=sid: ends.__setitem__(sid, item))
 
     submit([1])
     while not any(isinstance(e, TreeEntry) for m in link.messages[-1:] for e in m):  # until a step sends trees
@@ -546,20 +563,21 @@ def run_with_arrivals(engine, link, prompts, *, max_sessions=4, chunk=0, at_s=0.
 ARRIVALS_CONFIG = GenerationConfig(12, mode=DraftMode("tree", 4))
 
 
-def arrival_during_a_reply(engine, prompts, chunk):
+def arrival_during_a_reply(engine, prompts, chunk, config=ARRIVALS_CONFIG):
     """`run_with_arrivals` over replies of 1 s, each output checked against its session alone;
     returns the link, the first message that opened an arrival, and the message of trees they
     arrived during."""
     link = _SlowReplies(engine.verifier, 1.0)  # the arrivals come 0.1 s in, well before 0.8 s (busy machines)
-    requests, ends, during = run_with_arrivals(engine, link, prompts, chunk=chunk)
+    requests, ends, during = run_with_arrivals(engine, link, prompts, chunk=chunk, config=config)
     for sid, prompt in requests.items():
-        assert ends[sid].tokens == engine.generate(prompt, ARRIVALS_CONFIG).tokens
+        assert ends[sid].tokens == engine.generate(prompt, config).tokens
     assert engine.verifier.free_capacity == 4
     opened = next(i for i, m in enumerate(link.messages)
                   if any(isinstance(e, OpenEntry) and e.session_id > 1 for e in m))
     return link, opened, during
 
 
+@pytest.mark.usefixtures("prompts_apart")
 def test_a_request_arriving_while_a_reply_is_awaited_opens_before_it_is_read(engine):
     """In process, a request that arrives while the host waits for a reply of trees is opened at
     once, in a message of its own sent before that reply is read (its prefill is queued behind
@@ -571,6 +589,26 @@ def test_a_request_arriving_while_a_reply_is_awaited_opens_before_it_is_read(eng
     assert link.events.index(("send", opened)) < link.events.index(("receive", during))
 
 
+def test_a_request_arriving_while_a_reply_is_awaited_joins_the_next_trees(engine):
+    """Where the verifier takes prompt chunks into the trees' verify (the default), a request
+    that arrives while the host waits for a reply of trees goes in the next message, beside the
+    trees, and rides their verify; the outputs are those of each alone."""
+    link, opened, during = arrival_during_a_reply(engine, [PROMPTS[1]], chunk=0)
+    assert opened == during + 1 and any(isinstance(e, TreeEntry) for e in link.messages[opened])
+    assert link.events.index(("send", opened)) > link.events.index(("receive", during))
+
+
+def test_plain_decodings_arrivals_open_apart_while_prompts_ride_trees(engine):
+    """Where the verifier takes prompts into the trees' verify, plain decoding (root-only rows, too
+    narrow for a prompt's) still opens an arrival during a reply in a message of its own."""
+    link, opened, during = arrival_during_a_reply(engine, [PROMPTS[1]], chunk=0,
+                                                  config=GenerationConfig(12, mode=DraftMode("ar")))
+    assert engine.verifier.mix_prompts and opened == during + 1
+    assert not any(isinstance(e, TreeEntry) for e in link.messages[opened])
+    assert link.events.index(("send", opened)) < link.events.index(("receive", during))
+
+
+@pytest.mark.usefixtures("prompts_apart")
 def test_arrivals_stay_within_the_steps_prompt_chunk(engine):
     """Arrivals during a reply open within what their step left of `prefill_chunk`: a 12-token
     and a 5-token prompt under a 16-token chunk open at once, the second with a 4-token chunk
@@ -598,6 +636,7 @@ def test_nothing_waits_for_arrivals_while_no_session_could_open(engine):
     assert ends[2].tokens == engine.generate(PROMPTS[1], ARRIVALS_CONFIG).tokens
 
 
+@pytest.mark.usefixtures("prompts_apart")
 def test_a_link_failing_under_an_arrivals_open_fails_the_sessions_cleanly(engine):
     """The link fails on the message that opens an arrival during a reply: every session gets the
     link's status (no internal error, none left waiting), and the scheduler goes on."""

@@ -117,6 +117,10 @@ def build_parser() -> argparse.ArgumentParser:
                   "--graph-trees bucket) by replaying captured CUDA graphs instead of eagerly: a short prompt's "
                   "prefill then costs its device time rather than the eager launches; more graphs to capture "
                   "(--no-prefill-graphs: eager prefills)")
+    p.switch("--mixed-prompts", env="VERIFIER_MIXED_PROMPTS", default=_DEFAULTS["mixed_prompts"], negatable=True,
+             help="prompt chunks that arrive beside trees ride the trees' verify forward, cut into rows of the "
+                  "trees' width, where that costs less than a prefill of their own (one weight pass fewer per "
+                  "step with arrivals); --no-mixed-prompts: every chunk gets a prefill of its own")
     flag("--tensor-parallel", "tensor_parallel", "shard the target over this many processes, one GPU each (from "
          "--device cuda:N on), Megatron-style with an all-reduce after o_proj and down_proj; rank 0 serves",
          type=int)
@@ -166,6 +170,7 @@ def parse_config(argv: list[str] | None = None) -> VerifierConfig:
         cuda_graphs=not args.no_cuda_graphs,
         max_inflight=args.max_inflight, graph_batches=tuple(args.graph_batches), graph_trees=tuple(args.graph_trees),
         sampling=args.sampling, deterministic=args.deterministic, prefill_graphs=args.prefill_graphs,
+        mixed_prompts=args.mixed_prompts,
         tensor_parallel=args.tensor_parallel,
         max_message_mb=args.max_message_mb,
         feature_ring_mb=args.feature_ring_mb, feature_ring_dir=args.feature_ring_dir,

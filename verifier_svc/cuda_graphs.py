@@ -125,6 +125,10 @@ class VerifyRow:
     logprobs: int | None = None  # the emitted tokens' logprobs and the top N are wanted (None: not)
     token_bias: tuple[TokenBias, ...] = ()  # logit_bias, and min_tokens' stop ids at -inf
     wants_features: bool = True  # the path rows' features are read (plain decoding reads none)
+    # A prompt segment (`TreeVerifier`'s mixed prompts): `tree` holds `segment` prompt tokens with
+    # no links, `depths` 0, 1, ..., a causal mask; their K/V stay where the forward writes them,
+    # every node's features are read, and no path is accepted. 0: a tree.
+    segment: int = 0
 
 
 _FIELD_ALIGN = 16  # bytes: each field starts on such a boundary, as Triton's kernels are compiled for
@@ -162,7 +166,7 @@ class BatchInputs:
         b, t = self.B, self.T = batch, tokens
         ints = [("tokens", (b, t)), ("positions", (b, t)), ("next_token", (b, t)), ("next_sibling", (b, t)),
                 ("past", (b,)), ("slot", (b,)), ("top_k", (b,)), ("seed", (b,)), ("wants_features", (b,)),
-                ("bias_ids", (b, MAX_TOKEN_BIAS)), ("bias_until", (b, MAX_TOKEN_BIAS))]
+                ("segment", (b,)), ("bias_ids", (b, MAX_TOKEN_BIAS)), ("bias_until", (b, MAX_TOKEN_BIAS))]
         floats = [("coins", (b, t)), ("final_coin", (b,)), ("temperature", (b,)), ("top_p", (b,)),
                   ("greedy", (b,)), ("bias", (b, MAX_TOKEN_BIAS)), ("penalties", (b, 3))]
         self._staging = StagedInputs(device, pinned)
@@ -207,10 +211,11 @@ class BatchInputs:
         past = np.array([r.past for r in rows])
         for field, value in ((i.tokens, 0), (i.next_token, -1), (i.next_sibling, -1), (i.past, 0), (i.top_k, 0),
                              (i.seed, 0), (i.slot, scratch_slot), (i.positions, 0), (i.bias_ids, 0),
-                             (i.bias_until, 0), (i.wants_features, 0)):
+                             (i.bias_until, 0), (i.wants_features, 0), (i.segment, 0)):
             field.fill(value)
         i.positions[:b] = past[:, None]
         i.wants_features[:b] = [r.wants_features for r in rows]
+        i.segment[:b] = [r.segment for r in rows]
         if on_host:
             trees = [rows[j].tree for j in on_host]
             i.tokens[row_of, col_of] = torch.cat([t.tokens for t in trees]).numpy()
@@ -305,7 +310,9 @@ def verify_step(model: TargetModel, cache: KVCache, inp: BatchInputs, length: in
     [accepted, bonus, path padded with -1] per row, features of the path rows [B, T, F], logits
     [B, T, V] of every node, rows_first int64 [B * T]: the order of the features' B * T rows that
     puts the path rows of the rows that want them first, in row order: `rows_first_order`), with each
-    row's accepted K/V already compacted to [past, past + 1 + accepted).
+    row's accepted K/V already compacted to [past, past + 1 + accepted). A prompt segment's row
+    (`VerifyRow.segment`) has accepted -1 (nothing moved or counted: its K/V stay where they were
+    written), and its features and rows-first rows are its first `segment` nodes'.
     """
     b, t = inp.B, inp.T
     i, f = inp.ints, inp.floats
@@ -327,6 +334,9 @@ def verify_step(model: TargetModel, cache: KVCache, inp: BatchInputs, length: in
                                     greedy=f.greedy > 0.5, coins=f.coins, final_coin=f.final_coin,
                                     temperature=f.temperature, top_k=i.top_k, top_p=f.top_p, seeds=i.seed,
                                     positions=i.positions)
+    segment = i.segment > 0  # prompt segments: no path (the KV compaction and the counts skip them), every row
+    result[:, 0].masked_fill_(segment, -1)
+    features = torch.where(segment[:, None, None], out.features, features)
     # KV compaction: node path[i] -> position past + i for i <= accepted; the rest copy past onto itself.
     path = result[:, 2:]
     keep = inp.arange[None] <= result[:, :1]
@@ -338,7 +348,8 @@ def verify_step(model: TargetModel, cache: KVCache, inp: BatchInputs, length: in
     if inp.features_out is not None:
         inp.features_out.copy_(features)
         features = inp.features_out
-    return result, features, out.logits, rows_first_order((result[:, 0] + 1) * i.wants_features, t)
+    lengths = torch.where(segment, i.segment, result[:, 0] + 1) * i.wants_features
+    return result, features, out.logits, rows_first_order(lengths, t)
 
 
 def rows_first_order(lengths: Tensor, width: int) -> Tensor:
@@ -365,7 +376,9 @@ class VerifyGraphs:
             raise ValueError("CUDA graphs need a CUDA device")
         self.token_buckets = tuple(t for t in config.token_buckets() if max_seq_len + t <= cache.max_seq_len)
         sessions = cache.num_slots - 1
-        self.batch_buckets = tuple(sorted({min(b, sessions) for b in config.batch_buckets}))
+        # Rows: a step's trees, one a session, and the prompt segments it may take in beside them
+        # (`TreeVerifier`'s mixed prompts), as many again at most.
+        self.batch_buckets = tuple(sorted({min(b, 2 * sessions) for b in config.batch_buckets}))
         # Batch buckets of the "forward" graphs: every batch bucket when it is one of the modes (tests,
         # benchmarks), else the prefill buckets alone (`TargetRunner.prefill`).
         self.forward_batches = (self.batch_buckets if "forward" in config.modes

@@ -110,6 +110,10 @@ class VerifierConfig:
     # (chain trees at the tree buckets) instead of eagerly: more graphs to capture at start-up
     # (H200, 8B dimensions, 128-token prompts: 8% more tokens/s at 32 clients; bench/RESULTS.md).
     prefill_graphs: bool = True
+    # A step's prompt chunks ride its verify's forward as prompt segments (rows of the trees' width)
+    # when that costs less than a prefill of their own, sparing that forward's weight pass
+    # (`TreeVerifier`'s mixed prompts); False: always a prefill of their own.
+    mixed_prompts: bool = True
     # Ranks of a tensor parallel target (`verifier_svc.tensor_parallel`): one process and GPU each
     # (cuda:N .. cuda:N + ranks - 1 from --device cuda:N), rank 0 serving; 1 = one process.
     tensor_parallel: int = 1
@@ -247,6 +251,7 @@ def load_verifier(config: VerifierConfig, runner: TargetRunner | None = None) ->
     """The verifier over `runner` (default: `load_runner(config)`), its step costs measured if asked."""
     runner = runner or load_runner(config)
     verifier = TreeVerifier(runner, config.limits())
+    verifier.mix_prompts = config.mixed_prompts
     if config.measure_costs == "on" or (config.measure_costs == "auto" and runner.graphs is not None):
         verifier.verify_costs = runner.measure_verify_costs()
         log.info("measured %d verify step costs (batch x tokens)", len(verifier.verify_costs))

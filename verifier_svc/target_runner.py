@@ -222,6 +222,36 @@ class TargetRunner:
         out = prefill_forward(self.model, self.cache, *args)
         return out.logits[:, 0], [out.features[i, t - n:] for i, n in enumerate(sizes.tolist())]
 
+    # A verify step takes a step's prompt chunks in as segment rows (`mixes_prompts`) while its forward,
+    # padding included, holds at most as many tokens as the trees' own verify and the chunks' prefill
+    # together, plus this many: the weight pass the prefill's forward of its own would cost on top.
+    MIXED_FORWARD_TOKENS = 256
+
+    def row_width(self, nodes: int) -> int:
+        """The nodes each row of a verify step holds when its largest tree has `nodes`: its graphs' token
+        bucket, else `nodes` (eager). Prompt segments mixed into it are cut to this width."""
+        buckets = self.graphs.token_buckets if self.graphs is not None else ()
+        return next((t for t in buckets if t >= nodes), nodes)
+
+    def mixes_prompts(self, mode: str, trees: int, segments: int, width: int, end: int,
+                      chunks: Sequence[int]) -> bool:
+        """Whether a verify of `trees` trees plus `segments` prompt segments, rows of `width` nodes with
+        their last position below `end`, costs less than the trees' verify and the prefill of the
+        chunks (their lengths) apart. Eagerly always: one forward of the same rows instead of two.
+        Under graphs, when one takes the mixed batch and holds at most as many tokens, padding
+        included, as the two forwards apart plus MIXED_FORWARD_TOKENS."""
+        graphs = self.graphs
+        if graphs is None:
+            return True
+        mixed = graphs.select(mode, trees + segments, width, end)
+        if mixed is None:
+            return False
+        alone = graphs.select(mode, trees, width, end)
+        prefill = graphs.select("forward", len(chunks), max(chunks), end) if graphs.forward_batches else None
+        apart = ((alone[0] * alone[1]) if alone else trees * width) + (
+            (prefill[0] * prefill[1]) if prefill else len(chunks) * max(chunks))
+        return mixed[0] * mixed[1] <= apart + self.MIXED_FORWARD_TOKENS
+
     def count_prompts(self, slots: Sequence[int], prompts: Sequence[Tensor], pasts: Sequence[int],
                       output_starts: Sequence[int]) -> None:
         """Count prompt chunks in their slots' token counts (the repetition penalties): chunk b's
@@ -339,9 +369,11 @@ class TargetRunner:
         bonus = [v[1] for v in values]
         accepted = []
         for row, path in zip(rows, paths):
-            tokens = row.tree.token_list()  # a list once: cheaper than a tensor index per node
+            # (a list once: cheaper than a tensor index per node; a prompt segment has no path)
+            tokens = row.tree.token_list() if len(path) > 1 else ()
             accepted.append([tokens[node] for node in path[1:]])
-        lengths = [len(path) if row.wants_features else 0 for path, row in zip(paths, rows)]
+        # (a prompt segment's features: its nodes', after the trees' path rows in row order)
+        lengths = [(row.segment or len(path)) if row.wants_features else 0 for path, row in zip(paths, rows)]
         features = copied[1] if pending.first is None else pending.first  # the rows to read come first
         picked = features[: sum(lengths)]
         return VerifiedBatch(paths=paths, bonus=bonus, accepted=accepted, features=picked,

@@ -3,7 +3,11 @@
 A prompt may come in chunks (chunked prefill): an Open with `more` carries its first chunk,
 each ExtendEntry the next, prefilled after the ones before it in the step's batched prefill;
 the chunk that ends the prompt samples the first token (`Prefilled`), the others are answered
-with their features (`Extended`). No tree is taken until then.
+with their features (`Extended`). No tree is taken until then. Chunks that come beside trees
+ride the trees' verify instead, where that costs less than a prefill of their own (`mix_prompts`,
+`_segments`): cut into prompt-segment rows of the trees' width (`VerifyRow.segment`), whose K/V
+stay where the forward writes them and whose features are every row's; a prompt's first token is
+sampled from its last row's logits as a prefill's is.
 
 Everything that arrives from a drafter is checked here before it touches the model:
 prompt ids, sampling values, feature layers, the trees' buffers (`common.tree.walk_trees`,
@@ -71,36 +75,43 @@ class _Session:
 
 
 Key = tuple[Hashable, int]  # (owner, session id)
+_Chunk = tuple[int, Key, OpenEntry | ExtendEntry, torch.Tensor]  # (position among the entries, key, entry, tokens)
 # The layout a `DeviceTree` stands in with for the host's masks: one node, seeing itself (its
 # rows are built on the device).
 _ON_DEVICE = TreeLayout(np.array([-1]), np.array([0]), 0)
 _ONE_NODE = torch.ones(1, 1, 1, dtype=torch.bool)  # the host masks of a step whose trees are all on the device
+_GREEDY = SamplingParams()  # a prompt segment's: the accept's cheapest walk (its result is not read)
 
 
 @dataclass
 class _CheckedTrees:
     """A step's trees (each at `positions[j]` among the step's entries), which of them passed the
     checks (`good`), the failed ones' errors, and the good ones' verify queued on the device
-    (None when none passed)."""
+    (None when none passed), with the prompt chunks it took in as segment rows (`mixed`: their
+    features come from the verify's rows, after the trees')."""
     positions: list[int]
     items: list[tuple[Key, TreeEntry]]
     good: list[int]
     outcomes: list[Verified | VerifierError | None]
     launched: PendingVerify | None
+    mixed: _LaunchedPrefill | None = None
 
 
 @dataclass
 class _LaunchedPrefill:
-    """One batched prefill queued on the device (`TreeVerifier._launch_prefill`): its chunks (each
-    at its position among the step's entries), the first tokens of the prompts it ends and the
-    chunks' features on their way to the host, and a copy of the ending rows' logits while a
-    session wants their logprobs (a later step may replay the graph that wrote them)."""
-    group: list[tuple[int, Key, OpenEntry | ExtendEntry, torch.Tensor]]
+    """One batched prefill queued on the device (`TreeVerifier._launch_prefill`), or chunks taken
+    into a verify's forward (`TreeVerifier._mixed_prompts`): its chunks (each at its position among
+    the step's entries), the first tokens of the prompts it ends and the chunks' features on their
+    way to the host, and a copy of the ending rows' logits while a session wants their logprobs (a
+    later step may replay the graph that wrote them)."""
+    group: list[_Chunk]
     sessions: list[_Session]
     last: list[int]  # the chunks (indices into `group`) that end their prompts
     copy: HostCopy  # the first tokens [len(last)], then the features unless `features` holds them
     sizes: list[int]  # each chunk's feature rows (0 for a session that wants none)
-    features: torch.Tensor | None = None  # [sum of sizes, F] on the device (`features_on_device`)
+    # [sum of sizes, F]: on the device (`features_on_device`), or for chunks taken into a verify its
+    # rows (set when the verify is finished)
+    features: torch.Tensor | None = None
     logits: torch.Tensor | None = None  # the ending rows' last logits [len(last), V], for logprobs
 
 
@@ -152,8 +163,9 @@ class PendingStep:
         if launched is None or launched.result is None:
             return None
         checked = self.verify
-        return VerifiedRows([checked.items[i][1].session_id for i in checked.good], launched.result,
-                            launched.features)
+        trees = len(checked.good)  # (prompt segments mixed in follow the trees' rows)
+        return VerifiedRows([checked.items[i][1].session_id for i in checked.good], launched.result[:trees],
+                            launched.features[:trees])
 
 
 class TreeVerifier:
@@ -171,6 +183,9 @@ class TreeVerifier:
         self._refused: dict[Hashable, float] = {}  # owner -> when an open of it was last refused for capacity
         # Set on shutdown (from another thread): opens are refused with UNAVAILABLE, open sessions go on.
         self.draining = False
+        # A step's prompt chunks ride its verify's forward as prompt segments when that costs less
+        # than a prefill of their own (`_segments`); False: always a prefill of their own.
+        self.mix_prompts = True
         # (batch, tokens) -> seconds of a verify step, when measured (`TargetRunner.measure_verify_costs`).
         self.verify_costs: dict[tuple[int, int], float] = {}
 
@@ -186,7 +201,7 @@ class TreeVerifier:
 
     def step(self, entries: Sequence[tuple[Hashable, Entry]], *, stage: Stage = no_stage) -> list[StepResult | None]:
         """Run one step: closes first, then every tree in one batched verify, then the opens and
-        prompt chunks (extends) in batched prefills.
+        prompt chunks (extends) in batched prefills, or in that verify (`mix_prompts`).
 
         Returns a list aligned with `entries`: a result for each open and tree entry, None for
         a close. A session may have one entry per step. An error result means the session has
@@ -220,10 +235,14 @@ class TreeVerifier:
                 trees.append((i, key, e))
             else:
                 chunks.append((i, key, e))
+        ready = self._admit_chunks(chunks, pending.results) if chunks else []
         if trees:
-            pending.verify = self._launch_verify(trees, stage)
-        if chunks:
-            pending.prefills = self._launch_prefills(chunks, pending.results, stage)
+            pending.verify = self._launch_verify(trees, ready if self.mix_prompts else [], stage)
+            if pending.verify.mixed is not None:  # the chunks ride the verify's forward
+                pending.prefills.append(pending.verify.mixed)
+                ready = []
+        if ready:
+            pending.prefills += self._launch_prefills(ready, stage)
         return pending
 
     def finish(self, pending: PendingStep, *, stage: Stage = no_stage) -> list[StepResult | None]:
@@ -240,13 +259,12 @@ class TreeVerifier:
 
     # -- session lifecycle -------------------------------------------------------------
 
-    def _launch_prefills(self, items: Sequence[tuple[int, Key, OpenEntry | ExtendEntry]],
-                         results: dict[int, StepResult], stage: Stage) -> list[_LaunchedPrefill]:
+    def _admit_chunks(self, items: Sequence[tuple[int, Key, OpenEntry | ExtendEntry]],
+                      results: dict[int, StepResult]) -> list[_Chunk]:
         """Open new sessions and take prompt chunks (each at its position among the step's entries):
-        check each (a refused one's error goes to `results`, and its session is closed), then queue
-        the good ones' prefills together (in groups of at most `max_prefill_tokens` padded tokens),
-        each with the first token of every prompt it ends."""
-        ready: list[tuple[int, Key, OpenEntry | ExtendEntry, torch.Tensor]] = []
+        check each (a refused one's error goes to `results`, and its session is closed); the good
+        ones, their sessions open, each with its tokens."""
+        ready: list[_Chunk] = []
         now = time.monotonic()
         self._refused = {o: t for o, t in self._refused.items() if now - t < self.contention_window_s}
         held = collections.Counter(owner for owner, _ in self._sessions)
@@ -273,9 +291,14 @@ class TreeVerifier:
                 continue
             ready.append((i, key, e, chunk))
         self._open_sessions([(key, e) for _, key, e, _ in ready if isinstance(e, OpenEntry)])
-        ready.sort(key=lambda item: item[3].shape[0])  # similar lengths together: less padding
+        return ready
+
+    def _launch_prefills(self, ready: Sequence[_Chunk], stage: Stage) -> list[_LaunchedPrefill]:
+        """Queue the admitted chunks' prefills together (in groups of at most `max_prefill_tokens`
+        padded tokens), each with the first token of every prompt it ends."""
+        ready = sorted(ready, key=lambda item: item[3].shape[0])  # similar lengths together: less padding
         launched: list[_LaunchedPrefill] = []
-        group: list[tuple[int, Key, OpenEntry | ExtendEntry, torch.Tensor]] = []
+        group: list[_Chunk] = []
         for item in ready:
             if group and not self._fits(group + [item]):
                 launched.append(self._launch_prefill(group, stage))
@@ -285,7 +308,7 @@ class TreeVerifier:
             launched.append(self._launch_prefill(group, stage))
         return launched
 
-    def _fits(self, group: Sequence[tuple[int, Key, OpenEntry | ExtendEntry, torch.Tensor]]) -> bool:
+    def _fits(self, group: Sequence[_Chunk]) -> bool:
         """Whether one prefill may take these chunks: at most `max_prefill_tokens` padded tokens, and
         every row's padding columns inside its cache slot."""
         width = max(c.shape[0] for *_, c in group)
@@ -365,8 +388,7 @@ class TreeVerifier:
                                            logprobs=e.logprobs, prefilling=True,
                                            token_bias=tuple(e.token_bias), output_start=e.output_start)
 
-    def _launch_prefill(self, group: Sequence[tuple[int, Key, OpenEntry | ExtendEntry, torch.Tensor]],
-                        stage: Stage) -> _LaunchedPrefill:
+    def _launch_prefill(self, group: Sequence[_Chunk], stage: Stage) -> _LaunchedPrefill:
         """Queue one batched prefill of the chunks, then the first token of every prompt it ends (one
         batched accept of root-only trees) and the copies of both to the host. The sessions' lengths
         count the chunks from here on (a later step's chunks go after them)."""
@@ -374,22 +396,12 @@ class TreeVerifier:
         last = [j for j, (_, _, e, _) in enumerate(group) if not e.more]  # chunks that end their prompt
         try:
             with stage("prefill"):
-                counted = [j for j, s in enumerate(sessions) if s.sampling.penalized]
-                if counted:  # (only sessions with repetition penalties read their slot's counts)
-                    self.runner.count_prompts([sessions[j].slot for j in counted], [group[j][3] for j in counted],
-                                              [sessions[j].length for j in counted],
-                                              [sessions[j].output_start for j in counted])
+                self._count_prompts(group, sessions)
                 with stage("forward"):
                     logits, features = self.runner.prefill([s.slot for s in sessions], [c for *_, c in group],
                                                            [s.length for s in sessions])
                 with stage("sample"):
-                    ending = [sessions[j] for j in last]
-                    logits = rows_of(logits, last)
-                    # (each prompt's first token goes to the position of the prompt's length)
-                    bias_rows(logits[:, None], [s.token_bias for s in ending],
-                              [s.length + group[j][3].shape[0] for s, j in zip(ending, last)])
-                    self.runner.penalize_last(logits, [s.slot for s in ending], [s.sampling for s in ending])
-                    tokens = self._first_tokens(ending, logits, [group[j][3] for j in last]) if last else None
+                    tokens, kept = self._sample_first(group, sessions, last, rows_of(logits, last))
                     wanted = [f if s.features else f[:0] for s, f in zip(sessions, features)]
                     # One copy for the group, not one per session; on the device it also frees them
                     # from a prefill graph's buffers, which the next step may replay.
@@ -398,17 +410,45 @@ class TreeVerifier:
                     copied = [t for t in (tokens, None if on_device else self.runner.features_for_host(rows))
                               if t is not None]
                     launched = _LaunchedPrefill(list(group), sessions, last, HostCopy(*copied),
-                                                [f.shape[0] for f in wanted], rows if on_device else None,
-                                                logits.clone() if any(s.logprobs is not None for s in ending)
-                                                else None)
+                                                [f.shape[0] for f in wanted], rows if on_device else None, kept)
         except Exception:
             for _, key, _, _ in group:
                 self.close(key)
             raise
+        self._chunks_queued(group, sessions)
+        return launched
+
+    def _count_prompts(self, group: Sequence[_Chunk], sessions: Sequence[_Session]) -> None:
+        """Queue the chunks' tokens into their slots' counts (only sessions with repetition penalties
+        read them)."""
+        counted = [j for j, s in enumerate(sessions) if s.sampling.penalized]
+        if counted:
+            self.runner.count_prompts([sessions[j].slot for j in counted], [group[j][3] for j in counted],
+                                      [sessions[j].length for j in counted],
+                                      [sessions[j].output_start for j in counted])
+
+    def _sample_first(self, group: Sequence[_Chunk], sessions: Sequence[_Session], last: list[int],
+                      logits: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The first tokens of the prompts that the chunks `last` end, queued from their last tokens'
+        logits [len(last), V] (a copy, changed in place): biases, penalties, one batched accept of
+        root-only trees. Returns them (None without any), and the logits kept for the sessions that
+        want logprobs (None when none does)."""
+        if not last:
+            return None, None
+        ending = [sessions[j] for j in last]
+        # (each prompt's first token goes to the position of the prompt's length)
+        bias_rows(logits[:, None], [s.token_bias for s in ending],
+                  [s.length + group[j][3].shape[0] for s, j in zip(ending, last)])
+        self.runner.penalize_last(logits, [s.slot for s in ending], [s.sampling for s in ending])
+        tokens = self._first_tokens(ending, logits, [group[j][3] for j in last])
+        return tokens, logits.clone() if any(s.logprobs is not None for s in ending) else None
+
+    @staticmethod
+    def _chunks_queued(group: Sequence[_Chunk], sessions: Sequence[_Session]) -> None:
+        """The sessions' lengths count their queued chunks from here on (a later step's go after them)."""
         for (_, _, e, chunk), s in zip(group, sessions):
             s.length += chunk.shape[0]
             s.prefilling = bool(e.more)  # no chunk after the last one (its first token comes with `finish`)
-        return launched
 
     def _finish_prefill(self, launched: _LaunchedPrefill, stage: Stage) -> list[Prefilled | Extended]:
         """A queued prefill's outcomes, in its group's order: the first token (and its logprobs) of
@@ -475,11 +515,14 @@ class TreeVerifier:
 
     # -- verify ----------------------------------------------------------------------------
 
-    def _launch_verify(self, trees: Sequence[tuple[int, Key, TreeEntry]], stage: Stage) -> _CheckedTrees:
+    def _launch_verify(self, trees: Sequence[tuple[int, Key, TreeEntry]], chunks: Sequence[_Chunk],
+                       stage: Stage) -> _CheckedTrees:
         """Check every tree (a bad one closes its session) and queue the good ones' batched verify;
         `trees` holds (position among the step's entries, key, entry). Trees from the wire are
         walked (`walk_trees`); an in-process drafter's `DeviceTree`s are trusted, and their
-        fields are built on the device (`BatchInputs.fill`)."""
+        fields are built on the device (`BatchInputs.fill`). The admitted prompt `chunks` ride the
+        verify's forward as prompt segments when that costs less than a prefill of their own
+        (`_segments`; `_CheckedTrees.mixed`)."""
         items = [(key, e) for _, key, e in trees]
         outcomes: list[Verified | VerifierError | None] = [None] * len(items)
         wire = [i for i, (_, e) in enumerate(items) if not isinstance(e.tree, DeviceTree)]
@@ -496,23 +539,85 @@ class TreeVerifier:
             except VerifierError as exc:
                 outcomes[i] = exc
                 self.close(key)
-        launched = None
-        if good:
-            rows = []
-            for i in good:
-                key, e = items[i]
-                s = self._sessions[key]
-                coins = (None if s.sampling.greedy or self.runner.sampling != "sample"
-                         else draw_coins(s.generator, e.tree.num_nodes))
-                depths = layouts[i].depths if layouts[i] is not _ON_DEVICE else None
-                rows.append(VerifyRow(s.slot, s.length, e.tree, depths, s.sampling, coins, s.seed, s.logprobs,
-                                      s.token_bias, s.features))
-            walked = [layouts[i] for i in good]
-            masks = (ancestor_masks(walked, max(r.tree.num_nodes for r in rows))
-                     if any(layout is not _ON_DEVICE for layout in walked) else _ONE_NODE.expand(len(rows), 1, 1))
+        checked = _CheckedTrees([i for i, _, _ in trees], items, good, outcomes, None)
+        if not good:
+            return checked
+        rows = []
+        for i in good:
+            key, e = items[i]
+            s = self._sessions[key]
+            coins = (None if s.sampling.greedy or self.runner.sampling != "sample"
+                     else draw_coins(s.generator, e.tree.num_nodes))
+            depths = layouts[i].depths if layouts[i] is not _ON_DEVICE else None
+            rows.append(VerifyRow(s.slot, s.length, e.tree, depths, s.sampling, coins, s.seed, s.logprobs,
+                                  s.token_bias, s.features))
+        walked = [layouts[i] for i in good]
+        segments = self._segments(rows, chunks) if chunks else []
+        walked += [TreeLayout(np.arange(-1, r.segment - 1), r.depths, r.segment - 1) for r in segments]
+        rows += segments
+        masks = (ancestor_masks(walked, max(r.tree.num_nodes for r in rows))
+                 if any(layout is not _ON_DEVICE for layout in walked) else _ONE_NODE.expand(len(rows), 1, 1))
+        try:
             with stage("launch"):
-                launched = self.runner.launch_verify(rows, masks)
-        return _CheckedTrees([i for i, _, _ in trees], items, good, outcomes, launched)
+                checked.launched = self.runner.launch_verify(rows, masks)
+            if segments:
+                checked.mixed = self._mixed_prompts(chunks, checked.launched, len(good),
+                                                    [r.segment for r in segments], stage)
+        except Exception:
+            for _, key, _, _ in chunks if segments else ():
+                self.close(key)
+            raise
+        return checked
+
+    def _segments(self, trees: Sequence[VerifyRow], chunks: Sequence[_Chunk]) -> list[VerifyRow]:
+        """The chunks cut into prompt-segment rows (`VerifyRow.segment`) of the verify's row width,
+        each chunk's in order (all but its last full: a segment's padding columns go to the cache
+        positions after it), when a verify that takes them in costs less than the trees' and a
+        prefill of the chunks apart (`TargetRunner.mixes_prompts`); else none."""
+        width = self.runner.row_width(max(r.tree.num_nodes for r in trees))
+        segments = []
+        for _, key, _, chunk in chunks:
+            s = self._sessions[key]
+            for start in range(0, chunk.shape[0], width):
+                piece = chunk[start: start + width]
+                unlinked = torch.full_like(piece, -1)  # no tree: no path to accept, every K/V stays
+                segments.append(VerifyRow(s.slot, s.length + start, DraftTree(piece, unlinked, unlinked),
+                                          np.arange(piece.shape[0]), _GREEDY, wants_features=s.features,
+                                          segment=piece.shape[0]))
+        mode = "greedy" if all(r.sampling.greedy for r in trees) else self.runner.sampling
+        end = max(r.past for r in (*trees, *segments)) + width
+        if not self.runner.mixes_prompts(mode, len(trees), len(segments), width, end,
+                                         [chunk.shape[0] for *_, chunk in chunks]):
+            return []
+        return segments
+
+    def _mixed_prompts(self, chunks: Sequence[_Chunk], launched: PendingVerify, first_row: int, segments: list[int],
+                       stage: Stage) -> _LaunchedPrefill:
+        """After a verify that took the chunks in as segments (rows `first_row` on, `segments` their
+        sizes in order): queue their counts and the first token of every prompt they end, from its
+        last token's logits in the verify's; their features come with the verify's rows."""
+        group = list(chunks)
+        sessions = [self._sessions[key] for _, key, _, _ in group]
+        last = [j for j, (_, _, e, _) in enumerate(group) if not e.more]
+        width = launched.logits.shape[1]
+        ends, row = [], first_row  # each chunk's last token: the flat index of its node in the logits
+        taken = iter(segments)
+        for *_, chunk in group:
+            pieces = -(-chunk.shape[0] // width)
+            row += pieces
+            sizes = [next(taken) for _ in range(pieces)]
+            ends.append((row - 1) * width + sizes[-1] - 1)
+        with stage("prefill"):
+            self._count_prompts(group, sessions)
+            with stage("sample"):
+                logits = launched.logits.reshape(-1, launched.logits.shape[-1])
+                index = torch.tensor([ends[j] for j in last], dtype=torch.int64, device=logits.device)
+                tokens, kept = self._sample_first(group, sessions, last, logits.index_select(0, index))
+        mixed = _LaunchedPrefill(group, sessions, last, HostCopy(*([tokens] if tokens is not None else [])),
+                                 [chunk.shape[0] if s.features else 0 for (*_, chunk), s in zip(group, sessions)],
+                                 logits=kept)
+        self._chunks_queued(group, sessions)
+        return mixed
 
     def _finish_verify(self, pending: _CheckedTrees, stage: Stage) -> list[Verified | VerifierError]:
         """Wait for a launched verify and commit every good tree's accepted path."""
@@ -542,6 +647,8 @@ class TreeVerifier:
                                        features=batch.features[offset: offset + taken], round=e.round,
                                        logprobs=batch.logprobs[j])
                 offset += taken
+            if pending.mixed is not None:  # the prompt segments' rows follow the trees'
+                pending.mixed.features = batch.features[offset: offset + sum(pending.mixed.sizes)]
         return outcomes
 
     def _check(self, key: Key, e: TreeEntry, layout: TreeLayout | TreeError) -> None:
