@@ -150,5 +150,8 @@ def test_under_graphs_prompts_ride_the_verify_only_where_it_costs_less(tiny_pair
     # 40 trees and a 20-token prompt (2 segments): 64 x 16 = 1024 > 40 x 16 + 1 x 32 + 256
     assert not runner.mixes_prompts("greedy", 40, 2, 16, 200, [20])
     assert not runner.mixes_prompts("greedy", 60, 8, 16, 200, [128])  # 68 rows: no graph
-    runner.graphs = None  # eager: one forward of the same rows always beats two
+    runner.graphs = None  # eager: one forward of the same rows beats two, within max_tokens (logits for each node)
     assert runner.mixes_prompts("greedy", 60, 8, 16, 200, [128])
+    assert runner.graph_config.max_tokens == 4096
+    assert runner.mixes_prompts("greedy", 192, 64, 16, 200, [1024]) and not runner.mixes_prompts(
+        "greedy", 193, 64, 16, 200, [1024])

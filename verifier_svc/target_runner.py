@@ -237,12 +237,13 @@ class TargetRunner:
                       chunks: Sequence[int]) -> bool:
         """Whether a verify of `trees` trees plus `segments` prompt segments, rows of `width` nodes with
         their last position below `end`, costs less than the trees' verify and the prefill of the
-        chunks (their lengths) apart. Eagerly always: one forward of the same rows instead of two.
-        Under graphs, when one takes the mixed batch and holds at most as many tokens, padding
-        included, as the two forwards apart plus MIXED_FORWARD_TOKENS."""
+        chunks (their lengths) apart. Eagerly, one forward of the same rows instead of two, while it
+        holds at most the graphs' `max_tokens` (every node gets its logits, a prefill's only the
+        last). Under graphs, when one takes the mixed batch and holds at most as many tokens,
+        padding included, as the two forwards apart plus MIXED_FORWARD_TOKENS."""
         graphs = self.graphs
         if graphs is None:
-            return True
+            return (trees + segments) * width <= self.graph_config.max_tokens
         mixed = graphs.select(mode, trees + segments, width, end)
         if mixed is None:
             return False
