@@ -430,7 +430,7 @@ class TreeVerifier:
     def _sample_first(self, group: Sequence[_Chunk], sessions: Sequence[_Session], last: list[int],
                       logits: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The first tokens of the prompts that the chunks `last` end, queued from their last tokens'
-        logits [len(last), V] (a copy, changed in place): biases, penalties, one batched accept of
+        logits [len(last), V] (changed in place): biases, penalties, one batched accept of
         root-only trees. Returns them (None without any), and the logits kept for the sessions that
         want logprobs (None when none does)."""
         if not last:
