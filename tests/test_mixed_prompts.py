@@ -140,16 +140,16 @@ def test_under_graphs_prompts_ride_the_verify_only_where_it_costs_less(tiny_pair
     config = GraphConfig(tree_buckets=(15, 31, 127), batch_buckets=(1, 16, 32, 40, 64), kv_buckets=(256,),
                          prefill_batches=(1, 2, 4))
     runner.graphs = VerifyGraphs(model, runner.cache, 256, runner.scratch_slot, config, capture=False)
-    assert runner.graphs.batch_buckets == (1, 16, 32, 40, 64)  # up to twice the 32 sessions
+    assert runner.graphs.batch_buckets == (1, 16, 32, 40, 48)  # up to the 32 sessions and half as many again
     assert runner.row_width(12) == 16 and runner.row_width(16) == 16 and runner.row_width(17) == 32
     assert runner.MIXED_FORWARD_TOKENS == 256
     # 15 trees and a 128-token prompt (8 segments): 32 x 16 = 512 <= 16 x 16 + 1 x 128 + 256
     assert runner.mixes_prompts("greedy", 15, 8, 16, 200, [128])
     # 31 trees: 40 x 16 = 640 <= 32 x 16 + 128 + 256
     assert runner.mixes_prompts("greedy", 31, 8, 16, 200, [128])
-    # 40 trees and a 20-token prompt (2 segments): 64 x 16 = 1024 > 40 x 16 + 1 x 32 + 256
-    assert not runner.mixes_prompts("greedy", 40, 2, 16, 200, [20])
-    assert not runner.mixes_prompts("greedy", 60, 8, 16, 200, [128])  # 68 rows: no graph
+    # 16 trees of 32 nodes and a 100-token prompt (4 segments): 32 x 32 = 1024 > 16 x 32 + 1 x 128 + 256
+    assert not runner.mixes_prompts("greedy", 16, 4, 32, 200, [100])
+    assert not runner.mixes_prompts("greedy", 40, 9, 16, 200, [140])  # 49 rows: no graph
     runner.graphs = None  # eager: one forward of the same rows beats two, within max_tokens (logits for each node)
     assert runner.mixes_prompts("greedy", 60, 8, 16, 200, [128])
     assert runner.graph_config.max_tokens == 4096

@@ -93,8 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
          "without one", env="VERIFIER_UNIX_SOCKET_DIR")
     flag("--max-message-mb", "max_message_mb", "inbound message cap in MiB (larger messages get RESOURCE_EXHAUSTED); "
          "0 = what the largest link message at --max-sessions, --max-seq-len and --max-tree-nodes needs", type=int)
-    flag("--graph-batches", "graph_batches", "batch buckets (sessions per step) of the captured verify CUDA graphs",
-         type=_int_list)
+    flag("--graph-batches", "graph_batches", "batch buckets (rows per step: a tree each, and the prompt segments of "
+         "--mixed-prompts) of the captured verify CUDA graphs; those above --max-sessions plus half as many again "
+         "(at least 8) are cut to that", type=_int_list)
     flag("--graph-trees", "graph_trees", "tree buckets (drafted nodes) of the captured verify CUDA graphs; larger "
          "trees run eagerly", type=_int_list)
     flag("--tls-cert", None, "PEM certificate (chain) to serve TLS with; with --tls-key the port speaks TLS only")

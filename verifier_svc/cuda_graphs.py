@@ -76,7 +76,7 @@ class GraphConfig:
     # Drafted nodes N; a bucket forwards 1 + N tokens per session: 8, 16, ..., 128, so that a batch's
     # rows fill whole tiles of the GEMMs (17 rows a session cost 8-18% more than 16 at 16 and 32 sessions).
     tree_buckets: tuple[int, ...] = (7, 15, 31, 63, 127)
-    batch_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)  # sessions per step (capped by the KV slots)
+    batch_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)  # rows per step (`VerifyGraphs` caps them)
     kv_buckets: tuple[int, ...] | None = None  # static KV lengths; None = auto_kv_buckets(cache length)
     modes: tuple[str, ...] = ("greedy", "keyed")  # a verifier's steps use greedy and its sampling mode
     max_kv_buckets: int = 4  # for the automatic ladder
@@ -377,8 +377,10 @@ class VerifyGraphs:
         self.token_buckets = tuple(t for t in config.token_buckets() if max_seq_len + t <= cache.max_seq_len)
         sessions = cache.num_slots - 1
         # Rows: a step's trees, one a session, and the prompt segments it may take in beside them
-        # (`TreeVerifier`'s mixed prompts), as many again at most.
-        self.batch_buckets = tuple(sorted({min(b, 2 * sessions) for b in config.batch_buckets}))
+        # (`TreeVerifier`'s mixed prompts): half as many again, at least 8 (a 128-token prompt in
+        # 16-node rows). A larger bucket would hold more padding than the prefill it spares.
+        rows = sessions + max(8, sessions // 2)
+        self.batch_buckets = tuple(sorted({min(b, rows) for b in config.batch_buckets}))
         # Batch buckets of the "forward" graphs: every batch bucket when it is one of the modes (tests,
         # benchmarks), else the prefill buckets alone (`TargetRunner.prefill`).
         self.forward_batches = (self.batch_buckets if "forward" in config.modes

@@ -299,8 +299,8 @@ def test_select_picks_the_smallest_fitting_buckets(qwen3_pair):
     runner = static_runner(model, 3, 160, config, headroom=9)  # cache length round_up(169) = 256
     g = runner.graphs
     assert runner.cache.num_slots == 4 and runner.scratch_slot == 3 and runner.cache.max_seq_len == 256
-    # capped at twice the sessions (the scratch slot is no session's): trees and prompt segments beside them
-    assert g.batch_buckets == (1, 2, 6)
+    # capped at the sessions (the scratch slot is no session's) and 8 prompt segments beside them
+    assert g.batch_buckets == (1, 2, 8, 11)
     assert g.token_buckets == (5, 9)  # 201 nodes do not fit the headroom: no such bucket
     assert g.kv_buckets == (128, 256)  # capped at the cache length
     assert g.num_graphs == 0  # nothing captured
@@ -308,7 +308,7 @@ def test_select_picks_the_smallest_fitting_buckets(qwen3_pair):
     assert g.select("greedy", 1, 1, 1) == (1, 5, 128)
     assert g.select("greedy", 1, 5, 5) == (1, 5, 128)
     assert g.select("sample", 2, 6, 6) == (2, 9, 128)
-    assert g.select("greedy", 3, 9, 9) == (6, 9, 128)
+    assert g.select("greedy", 3, 9, 9) == (8, 9, 128)
     assert g.select("forward", 1, 9, 9) is None  # "forward" is no mode here, and there are no prefill graphs
     assert g.select("greedy", 1, 9, 119 + 9) == (1, 9, 128)
     assert g.select("greedy", 1, 9, 120 + 9) == (1, 9, 256)
@@ -318,7 +318,8 @@ def test_select_picks_the_smallest_fitting_buckets(qwen3_pair):
     assert g.select("greedy", 2, 9, 247 + 9) == (2, 9, 256)
     assert g.select("greedy", 2, 9, 248 + 9) is None  # past + T beyond the largest KV bucket
     assert g.select("greedy", 1, 10, 10) is None  # above the largest tree bucket: eager
-    assert g.select("greedy", 7, 1, 1) is None  # above the largest batch bucket: eager
+    assert g.select("greedy", 11, 1, 1) == (11, 5, 128)
+    assert g.select("greedy", 12, 1, 1) is None  # above the largest batch bucket: eager
     # Prefill graphs: "forward" at their own batch buckets (capped at the sessions too).
     prefills = static_runner(model, 3, 160, dataclasses.replace(config, prefill_batches=(2, 8)), headroom=9).graphs
     assert prefills.forward_batches == (2, 3)
