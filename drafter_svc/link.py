@@ -477,6 +477,9 @@ class LocalLink(_Lockstep):
 
     OWNER = "local"
     takes_device_trees = True  # the DDTrees stay on the device (`common.tree.DeviceTrees`)
+    # A step's prompt chunks may come in a message of their own, sent behind its trees: their prefill
+    # is queued after the verify, and the trees' reply does not wait for it.
+    takes_prompts_apart = True
 
     def __init__(self, verifier):
         self.verifier = verifier
@@ -484,10 +487,6 @@ class LocalLink(_Lockstep):
         self._sent: collections.deque[_LocalMessage] = collections.deque()
         self.verifier_step_s = 0.0
         self.link_s = 0.0  # no wire
-
-    # A step's prompt chunks may come in a message of their own, sent behind its trees: their prefill
-    # is queued after the verify, and the trees' reply does not wait for it.
-    takes_prompts_apart = True
 
     @property
     def mixes_prompts(self) -> bool:

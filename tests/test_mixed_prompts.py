@@ -132,7 +132,7 @@ def test_a_step_whose_trees_all_fail_prefills_its_prompts_apart(tiny_pair):
 
 
 def test_under_graphs_prompts_ride_the_verify_only_where_it_costs_less(tiny_pair):
-    """The cost rule (`TargetRunner.mixes_prompts`), with graphs' buckets (not captured): a verify
+    """The cost rule (`TargetRunner.mixing_pays`), with graphs' buckets (not captured): a verify
     takes the segments while its padded tokens are at most the trees' verify and the prefill apart
     plus one weight pass (`MIXED_FORWARD_TOKENS`), and never without a graph for the mixed batch."""
     model = TargetModel.from_pretrained(tiny_pair[0], LAYERS)
@@ -144,14 +144,14 @@ def test_under_graphs_prompts_ride_the_verify_only_where_it_costs_less(tiny_pair
     assert runner.row_width(12) == 16 and runner.row_width(16) == 16 and runner.row_width(17) == 32
     assert runner.MIXED_FORWARD_TOKENS == 256
     # 15 trees and a 128-token prompt (8 segments): 32 x 16 = 512 <= 16 x 16 + 1 x 128 + 256
-    assert runner.mixes_prompts("greedy", 15, 8, 16, 200, [128])
+    assert runner.mixing_pays("greedy", 15, 8, 16, 200, [128])
     # 31 trees: 40 x 16 = 640 <= 32 x 16 + 128 + 256
-    assert runner.mixes_prompts("greedy", 31, 8, 16, 200, [128])
+    assert runner.mixing_pays("greedy", 31, 8, 16, 200, [128])
     # 16 trees of 32 nodes and a 100-token prompt (4 segments): 32 x 32 = 1024 > 16 x 32 + 1 x 128 + 256
-    assert not runner.mixes_prompts("greedy", 16, 4, 32, 200, [100])
-    assert not runner.mixes_prompts("greedy", 40, 9, 16, 200, [140])  # 49 rows: no graph
+    assert not runner.mixing_pays("greedy", 16, 4, 32, 200, [100])
+    assert not runner.mixing_pays("greedy", 40, 9, 16, 200, [140])  # 49 rows: no graph
     runner.graphs = None  # eager: one forward of the same rows beats two, within max_tokens (logits for each node)
-    assert runner.mixes_prompts("greedy", 60, 8, 16, 200, [128])
+    assert runner.mixing_pays("greedy", 60, 8, 16, 200, [128])
     assert runner.graph_config.max_tokens == 4096
-    assert runner.mixes_prompts("greedy", 192, 64, 16, 200, [1024]) and not runner.mixes_prompts(
+    assert runner.mixing_pays("greedy", 192, 64, 16, 200, [1024]) and not runner.mixing_pays(
         "greedy", 193, 64, 16, 200, [1024])

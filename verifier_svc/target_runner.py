@@ -222,7 +222,7 @@ class TargetRunner:
         out = prefill_forward(self.model, self.cache, *args)
         return out.logits[:, 0], [out.features[i, t - n:] for i, n in enumerate(sizes.tolist())]
 
-    # A verify step takes a step's prompt chunks in as segment rows (`mixes_prompts`) while its forward,
+    # A verify step takes a step's prompt chunks in as segment rows (`mixing_pays`) while its forward,
     # padding included, holds at most as many tokens as the trees' own verify and the chunks' prefill
     # together, plus this many: the weight pass the prefill's forward of its own would cost on top.
     MIXED_FORWARD_TOKENS = 256
@@ -233,8 +233,12 @@ class TargetRunner:
         buckets = self.graphs.token_buckets if self.graphs is not None else ()
         return next((t for t in buckets if t >= nodes), nodes)
 
-    def mixes_prompts(self, mode: str, trees: int, segments: int, width: int, end: int,
-                      chunks: Sequence[int]) -> bool:
+    def verify_mode(self, rows: Sequence[VerifyRow]) -> str:
+        """The mode a verify step of these rows runs in: greedy when every row is, else the sampled mode."""
+        return "greedy" if all(r.sampling.greedy for r in rows) else self.sampling
+
+    def mixing_pays(self, mode: str, trees: int, segments: int, width: int, end: int,
+                    chunks: Sequence[int]) -> bool:
         """Whether a verify of `trees` trees plus `segments` prompt segments, rows of `width` nodes with
         their last position below `end`, costs less than the trees' verify and the prefill of the
         chunks (their lengths) apart. Eagerly, one forward of the same rows instead of two, while it
@@ -339,7 +343,7 @@ class TargetRunner:
         behind the step, so a later step may reuse its graph's buffers; the logits are read after
         the wait, though, so a step with rows that ask for logprobs is `exclusive`.
         """
-        mode = "greedy" if all(r.sampling.greedy for r in rows) else self.sampling
+        mode = self.verify_mode(rows)
         outputs = self.graphs.run(mode, rows, masks) if self.graphs is not None else None
         if outputs is None:
             inp, length = self._eager_inputs(rows, masks)

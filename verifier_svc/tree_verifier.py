@@ -561,8 +561,7 @@ class TreeVerifier:
             with stage("launch"):
                 checked.launched = self.runner.launch_verify(rows, masks)
             if segments:
-                checked.mixed = self._mixed_prompts(chunks, checked.launched, len(good),
-                                                    [r.segment for r in segments], stage)
+                checked.mixed = self._mixed_prompts(chunks, checked.launched, len(good), stage)
         except Exception:
             for _, key, _, _ in chunks if segments else ():
                 self.close(key)
@@ -573,7 +572,7 @@ class TreeVerifier:
         """The chunks cut into prompt-segment rows (`VerifyRow.segment`) of the verify's row width,
         each chunk's in order (all but its last full: a segment's padding columns go to the cache
         positions after it), when a verify that takes them in costs less than the trees' and a
-        prefill of the chunks apart (`TargetRunner.mixes_prompts`); else none."""
+        prefill of the chunks apart (`TargetRunner.mixing_pays`); else none."""
         width = self.runner.row_width(max(r.tree.num_nodes for r in trees))
         segments = []
         for _, key, _, chunk in chunks:
@@ -584,29 +583,25 @@ class TreeVerifier:
                 segments.append(VerifyRow(s.slot, s.length + start, DraftTree(piece, unlinked, unlinked),
                                           np.arange(piece.shape[0]), _GREEDY, wants_features=s.features,
                                           segment=piece.shape[0]))
-        mode = "greedy" if all(r.sampling.greedy for r in trees) else self.runner.sampling
         end = max(r.past for r in (*trees, *segments)) + width
-        if not self.runner.mixes_prompts(mode, len(trees), len(segments), width, end,
-                                         [chunk.shape[0] for *_, chunk in chunks]):
+        if not self.runner.mixing_pays(self.runner.verify_mode(trees), len(trees), len(segments), width, end,
+                                       [chunk.shape[0] for *_, chunk in chunks]):
             return []
         return segments
 
-    def _mixed_prompts(self, chunks: Sequence[_Chunk], launched: PendingVerify, first_row: int, segments: list[int],
+    def _mixed_prompts(self, chunks: Sequence[_Chunk], launched: PendingVerify, first_row: int,
                        stage: Stage) -> _LaunchedPrefill:
-        """After a verify that took the chunks in as segments (rows `first_row` on, `segments` their
-        sizes in order): queue their counts and the first token of every prompt they end, from its
-        last token's logits in the verify's; their features come with the verify's rows."""
+        """After a verify that took the chunks in as segments (rows `first_row` on, each chunk's in
+        order): queue their counts and the first token of every prompt they end, from its last
+        token's logits in the verify's; their features come with the verify's rows."""
         group = list(chunks)
         sessions = [self._sessions[key] for _, key, _, _ in group]
         last = [j for j, (_, _, e, _) in enumerate(group) if not e.more]
         width = launched.logits.shape[1]
-        ends, row = [], first_row  # each chunk's last token: the flat index of its node in the logits
-        taken = iter(segments)
-        for *_, chunk in group:
-            pieces = -(-chunk.shape[0] // width)
-            row += pieces
-            sizes = [next(taken) for _ in range(pieces)]
-            ends.append((row - 1) * width + sizes[-1] - 1)
+        ends, row = [], first_row  # each chunk's last token: its node's flat index in the logits [B * T]
+        for *_, chunk in group:  # (its segments fill whole rows but the last)
+            ends.append(row * width + chunk.shape[0] - 1)
+            row += -(-chunk.shape[0] // width)
         with stage("prefill"):
             self._count_prompts(group, sessions)
             with stage("sample"):
