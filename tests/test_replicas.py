@@ -501,6 +501,8 @@ def test_a_verifier_shut_down_mid_generation_drains(qwen3_pair, caplog):
             stopping.result(30)
             assert time.monotonic() - began < 30  # the drain ended with its sessions, not the grace
             wait_until(lambda: engine.scheduler.link.replicas[0].state is State.DOWN)
+            # (the prober logs the drain once it has closed the link, after the state it sets)
+            wait_until(lambda: any("has drained" in r.getMessage() for r in caplog.records))
         said = [r.getMessage() for r in caplog.records]
         # Only opens refused by the draining verifier re-opened (none of its sessions with tokens).
         assert all(" re-opened after 0 tokens" in m and "shutting down" in m for m in said if " re-opened " in m), said
