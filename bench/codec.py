@@ -83,7 +83,7 @@ def main(argv=None) -> dict:
         features = torch.randn(batch * a.rows, a.width, generator=torch.Generator().manual_seed(batch)).to(torch.bfloat16)
         sent = pack_rows(features) if packed else features
         width, dtype = wire_rows(a.width, FORMATS[a.feature_wire], torch.bfloat16)
-        results = [StepResult(s, Verified([1] * (a.rows - 1), 2, sent[s * a.rows:(s + 1) * a.rows], 3))
+        results = [StepResult(s + 1, Verified([1] * (a.rows - 1), 2, sent[s * a.rows:(s + 1) * a.rows], 3))
                    for s in range(batch)]
         data = encode_link_response(1, results, width, dtype).data
 

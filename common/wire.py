@@ -8,7 +8,10 @@ message, or, for one bad entry of a link message, a per-session error result.
 """
 from __future__ import annotations
 
+import array
+import itertools
 import math
+import sys
 import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -35,6 +38,7 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
            "uint8": torch.uint8}  # uint8: packed feature rows (common.feature_wire)
 _DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
 _INT_DTYPES = {w: np.dtype(f"<i{w}") for w in (1, 2, 4, 8)}  # little-endian, by byte width
+_ARRAY_CODES = {array.array(code).itemsize: code for code in "qlihb"}  # the array module's, by byte width
 
 
 def _tensor_kind(msg: pb.Tensor) -> tuple[torch.dtype, list[int], int, int]:
@@ -76,23 +80,38 @@ def decode_tensor(msg: pb.Tensor, *, max_elements: int, data: bytes | memoryview
         return torch.frombuffer(data, dtype=dtype).reshape(shape)
 
 
-def write_ints(field: pb.PackedInts, values: torch.Tensor | np.ndarray | list[int]) -> None:
+def write_ints(field: pb.PackedInts, values: torch.Tensor | np.ndarray | Sequence[int]) -> None:
     """Signed little-endian integers in the narrowest of 1, 2, 4 or 8 bytes, into a message's field.
-    (numpy, not torch: a link message's few hundred integers cost microseconds, not tens of them.)"""
-    a = np.asarray(values.cpu().numpy() if isinstance(values, torch.Tensor) else values, dtype=np.int64)
-    lo, hi = (int(a.min()), int(a.max())) if a.size else (0, 0)
-    width = next(w for w in (1, 2, 4, 8) if -(2 ** (8 * w - 1)) <= lo and hi < 2 ** (8 * w - 1))
-    field.data = a.astype(_INT_DTYPES[width]).tobytes()
+    (numpy, or for a list the array module, not torch: a link message's few hundred integers cost
+    microseconds, not tens of them.)"""
+    if isinstance(values, (torch.Tensor, np.ndarray)):
+        a = np.asarray(values.cpu().numpy() if isinstance(values, torch.Tensor) else values, dtype=np.int64)
+        lo, hi = (int(a.min()), int(a.max())) if a.size else (0, 0)
+    else:
+        lo, hi = (min(values), max(values)) if len(values) else (0, 0)
+    width = 1 if -128 <= lo and hi < 128 else next(  # (the common case first: a generator costs a microsecond)
+        w for w in (2, 4, 8) if -(2 ** (8 * w - 1)) <= lo and hi < 2 ** (8 * w - 1))
+    if isinstance(values, (torch.Tensor, np.ndarray)):
+        field.data = a.astype(_INT_DTYPES[width]).tobytes()
+    else:
+        packed = array.array(_ARRAY_CODES[width], values)
+        if sys.byteorder == "big":
+            packed.byteswap()
+        field.data = packed.tobytes()
     field.width = width
 
 
-def pack_ints(values: torch.Tensor | np.ndarray | list[int]) -> pb.PackedInts:
+def pack_ints(values: torch.Tensor | np.ndarray | Sequence[int]) -> pb.PackedInts:
     msg = pb.PackedInts()
     write_ints(msg, values)
     return msg
 
 
-def unpack_ints(msg: pb.PackedInts, *, max_count: int, what: str) -> torch.Tensor:
+def _int_array(msg: pb.PackedInts, *, max_count: int, what: str) -> np.ndarray:
+    """A PackedInts' values as they lie in it (a read-only view), checked against `max_count`; an
+    unset one holds none."""
+    if not msg.width and not msg.data:
+        return np.empty(0, dtype=np.int64)
     if msg.width not in _INT_DTYPES:
         raise WireError(f"{what}: integer width {msg.width} is not 1, 2, 4 or 8")
     data = msg.data
@@ -101,7 +120,36 @@ def unpack_ints(msg: pb.PackedInts, *, max_count: int, what: str) -> torch.Tenso
     count = len(data) // msg.width
     if count > max_count:
         raise WireError(f"{what}: {count} values exceed the limit of {max_count}")
-    return torch.from_numpy(np.frombuffer(data, dtype=_INT_DTYPES[msg.width]).astype(np.int64))
+    return np.frombuffer(data, dtype=_INT_DTYPES[msg.width])
+
+
+def unpack_ints(msg: pb.PackedInts, *, max_count: int, what: str) -> torch.Tensor:
+    return torch.from_numpy(_int_array(msg, max_count=max_count, what=what).astype(np.int64))
+
+
+def _columns(msg: pb.PackedInts, rows: int, *, max_count: int, what: str) -> list[list[int]]:
+    """A PackedInts of `rows` rows of one value per item, row-major: the rows, as lists (a
+    message's few columns are checked faster in Python than through numpy's per-call cost)."""
+    values = _int_array(msg, max_count=rows * max_count, what=what)
+    if values.shape[0] % rows:
+        raise WireError(f"{what}: {values.shape[0]} values are not {rows} rows of one per item")
+    return values.reshape(rows, -1).tolist()
+
+
+def _merge_order(positions: list[int], others: int, what: str) -> list[bool] | None:
+    """Whether each of the `len(positions) + others` items in message order is a column one
+    (True), given the column items' increasing indices among them; None when all are. Raises
+    WireError when the indices do not fit."""
+    total = len(positions) + others
+    if positions and (positions[0] < 0 or positions[-1] >= total
+                      or not all(a < b for a, b in zip(positions, positions[1:]))):
+        raise WireError(f"{what}: indices {positions[:8]} are not increasing within the {total} items")
+    if not others:
+        return None
+    order = [False] * total
+    for i in positions:
+        order[i] = True
+    return order
 
 
 @dataclass(frozen=True)
@@ -114,12 +162,23 @@ class LinkLimits:
 MAX_SESSION_ID = 2**63 - 1
 
 
+TREE_COLUMNS = 4  # LinkRequest.trees.fields: session id, round, num_nodes, position
+VERIFIED_COLUMNS = 7  # LinkResponse.verified.fields: session id, round, accepted, next token, rows, logprobs, position
+MAX_ROUND = 2**32 - 1
+MAX_ACCEPTED = 1 << 20  # tokens one Verified result may accept (a bound for the checks; trees are far smaller)
+
+
 def encode_link_request(step: int, entries: Sequence[Entry]) -> pb.LinkRequest:
-    """One drafter step as a LinkRequest: the trees' buffers go concatenated, in entry order."""
+    """One drafter step as a LinkRequest: its trees as columns (`pb.Trees`), their buffers
+    concatenated in their order; the other entries as messages."""
     msg = pb.LinkRequest(step=step)
-    trees = []
-    for e in entries:
-        if isinstance(e, OpenEntry):
+    trees: list[TreeEntry] = []
+    positions = []
+    for index, e in enumerate(entries):
+        if isinstance(e, TreeEntry):
+            trees.append(e)
+            positions.append(index)
+        elif isinstance(e, OpenEntry):
             entry = msg.entries.add(session_id=e.session_id, open=pb.Open(
                 prompt_token_ids=e.prompt_ids, sampling=encode_sampling(e.sampling), traceparent=e.traceparent,
                 feature_layer_ids=e.feature_layer_ids, more=e.more, bias_token_ids=[b.token for b in e.token_bias],
@@ -128,19 +187,18 @@ def encode_link_request(step: int, entries: Sequence[Entry]) -> pb.LinkRequest:
                 entry.open.logprobs = e.logprobs
             if e.output_start != ALWAYS:
                 entry.open.output_start = e.output_start
-        elif isinstance(e, TreeEntry):  # the fields set in place, as `encode_link_response` does
-            tree = msg.entries.add(session_id=e.session_id).tree
-            tree.SetInParent()
-            tree.round, tree.num_nodes, tree.traceparent = e.round, e.tree.num_nodes, e.traceparent
-            trees.append(e.tree)
         elif isinstance(e, ExtendEntry):
             msg.entries.add(session_id=e.session_id, extend=pb.Extend(prompt_token_ids=e.prompt_ids, more=e.more,
                                                                       traceparent=e.traceparent))
         else:
             msg.entries.add(session_id=e.session_id, close=pb.Close())
     if trees:
+        write_ints(msg.trees.fields, [e.session_id for e in trees] + [e.round for e in trees]
+                   + [e.tree.num_nodes for e in trees] + positions)
+        if any(e.traceparent for e in trees):
+            msg.trees.traceparents.extend(e.traceparent for e in trees)
         for field in ("tokens", "next_token", "next_sibling"):
-            write_ints(getattr(msg, f"tree_{field}"), torch.cat([getattr(t, field) for t in trees]))
+            write_ints(getattr(msg, f"tree_{field}"), torch.cat([getattr(e.tree, field) for e in trees]))
     return msg
 
 
@@ -148,66 +206,83 @@ def decode_link_request(msg: pb.LinkRequest, limits: LinkLimits) -> list[Entry |
     """The entries of a LinkRequest, in order. A bad entry becomes a `StepResult` carrying its
     INVALID_ARGUMENT error (that session fails, the others go on); a message that breaks the
     link's limits raises WireError. Tree structure is checked later (`common.tree.walk_trees`)."""
-    if len(msg.entries) > limits.max_entries:
-        raise WireError(f"a link message carries {len(msg.entries)} entries, the limit is {limits.max_entries}")
-    sizes = [e.tree.num_nodes for e in msg.entries if e.WhichOneof("kind") == "tree"]
-    total = sum(sizes)
-    buffers, framing = None, ""
-    try:
-        buffers = [unpack_ints(getattr(msg, f"tree_{f}"), max_count=limits.max_entries * limits.max_tree_nodes,
-                               what=f"tree_{f}") for f in ("tokens", "next_token", "next_sibling")]
-        if any(b.numel() != total for b in buffers):
-            framing = (f"tree buffers hold {[b.numel() for b in buffers]} values, the trees' num_nodes add up "
-                       f"to {total}")
-    except WireError as exc:
-        framing = str(exc)
-    # Each tree's slices of the three buffers, in entry order (one split per buffer, not one slice per tree).
-    pieces = iter(zip(*(b.split(sizes) for b in buffers))) if not framing else None
+    tree_ids, rounds, sizes, positions = _columns(msg.trees.fields, TREE_COLUMNS, max_count=limits.max_entries,
+                                                  what="trees")
+    count = len(msg.entries) + len(tree_ids)
+    if count > limits.max_entries:
+        raise WireError(f"a link message carries {count} entries, the limit is {limits.max_entries}")
+    if tree_ids and min(tree_ids) <= 0:  # (packed ints are signed: no id past 2^63 - 1)
+        raise WireError(f"a tree's session id {min(tree_ids)} is outside [1, 2^63)")
+    traceparents = list(msg.trees.traceparents) or [""] * len(tree_ids)
+    if len(traceparents) != len(tree_ids):
+        raise WireError(f"{len(traceparents)} trace contexts for {len(tree_ids)} trees")
+    order = _merge_order(positions, len(msg.entries), "trees")
+    framing, max_nodes = "", limits.max_entries * limits.max_tree_nodes
+    if sizes and (min(sizes) < 0 or max(sizes) > max_nodes):
+        framing = f"a node count of {min(sizes) if min(sizes) < 0 else max(sizes)}"
+    else:
+        try:
+            buffers = [unpack_ints(getattr(msg, f"tree_{f}"), max_count=max_nodes, what=f"tree_{f}")
+                       for f in ("tokens", "next_token", "next_sibling")]
+            if any(b.numel() != sum(sizes) for b in buffers):
+                framing = (f"tree buffers hold {[b.numel() for b in buffers]} values, the trees' num_nodes add up "
+                           f"to {sum(sizes)}")
+        except WireError as exc:
+            framing = str(exc)
+    # Each tree's slices of the three buffers, in order (one split per buffer, not one slice per tree).
+    pieces = zip(*(b.split_with_sizes(sizes) for b in buffers)) if not framing else itertools.repeat(None)
+    trees = iter(zip(tree_ids, rounds, sizes, traceparents, pieces))
+    entries = iter(msg.entries)
     out: list[Entry | StepResult] = []
     seen: set[int] = set()
-    for e in msg.entries:
-        sid, kind = e.session_id, e.WhichOneof("kind")
-        tree_buffers = next(pieces) if kind == "tree" and pieces is not None else None
-        if not 0 < sid <= MAX_SESSION_ID:
-            raise WireError(f"session id {sid} is outside [1, 2^63)")
+    for is_tree in order or itertools.repeat(True, len(tree_ids)):
+        if is_tree:
+            sid, rnd, n, traceparent, tree_buffers = next(trees)
+        else:
+            e = next(entries)
+            sid = e.session_id
+            if not 0 < sid <= MAX_SESSION_ID:
+                raise WireError(f"session id {sid} is outside [1, 2^63)")
         if sid in seen:
             out.append(_invalid(sid, "the message carries two entries for this session"))
             continue
         seen.add(sid)
-        if kind == "open":
-            try:
-                sampling = decode_sampling(e.open.sampling)
-            except ValueError as exc:
-                out.append(_invalid(sid, f"bad sampling parameters: {exc}"))
-                continue
-            logprobs = e.open.logprobs if e.open.HasField("logprobs") else None
-            o = e.open
-            counts = {len(o.bias_token_ids), len(o.bias_values), len(o.bias_until)}
-            if len(counts) > 1 or max(counts) > MAX_TOKEN_BIAS:
-                out.append(_invalid(sid, f"token biases of {len(o.bias_token_ids)} ids, {len(o.bias_values)} values "
-                                         f"and {len(o.bias_until)} bounds: at most {MAX_TOKEN_BIAS}, as many of each"))
-                continue
-            out.append(OpenEntry(sid, list(e.open.prompt_token_ids), sampling, e.open.traceparent,
-                                 tuple(e.open.feature_layer_ids), logprobs, e.open.more,
-                                 tuple(map(TokenBias, o.bias_token_ids, o.bias_values, o.bias_until)),
-                                 o.output_start if o.HasField("output_start") else ALWAYS))
-        elif kind == "extend":
-            out.append(ExtendEntry(sid, list(e.extend.prompt_token_ids), e.extend.more, e.extend.traceparent))
-        elif kind == "tree":
-            n = e.tree.num_nodes
+        if is_tree:
             if framing:
                 out.append(_invalid(sid, f"malformed tree: {framing}"))
             elif not 1 <= n <= limits.max_tree_nodes:
                 out.append(_invalid(sid, f"malformed tree: {n} nodes, expected 1 to {limits.max_tree_nodes}"))
+            elif not 0 <= rnd <= MAX_ROUND:
+                out.append(_invalid(sid, f"tree round {rnd} is outside [0, 2^32)"))
             else:
-                tokens, next_token, next_sibling = tree_buffers
-                out.append(TreeEntry(sid, e.tree.round, DraftTree(tokens, next_token, next_sibling),
-                                     e.tree.traceparent))
-        elif kind == "close":
-            out.append(CloseEntry(sid))
+                out.append(TreeEntry(sid, rnd, DraftTree(*tree_buffers), traceparent))
         else:
-            out.append(_invalid(sid, "an entry must be open, extend, tree or close"))
+            out.append(_decode_entry(e))
     return out
+
+
+def _decode_entry(e: pb.SessionEntry) -> Entry | StepResult:
+    """An open, extend or close entry (`decode_link_request`), or its INVALID_ARGUMENT result."""
+    sid, kind = e.session_id, e.WhichOneof("kind")
+    if kind == "open":
+        try:
+            sampling = decode_sampling(e.open.sampling)
+        except ValueError as exc:
+            return _invalid(sid, f"bad sampling parameters: {exc}")
+        o = e.open
+        counts = {len(o.bias_token_ids), len(o.bias_values), len(o.bias_until)}
+        if len(counts) > 1 or max(counts) > MAX_TOKEN_BIAS:
+            return _invalid(sid, f"token biases of {len(o.bias_token_ids)} ids, {len(o.bias_values)} values "
+                                 f"and {len(o.bias_until)} bounds: at most {MAX_TOKEN_BIAS}, as many of each")
+        return OpenEntry(sid, list(o.prompt_token_ids), sampling, o.traceparent, tuple(o.feature_layer_ids),
+                         o.logprobs if o.HasField("logprobs") else None, o.more,
+                         tuple(map(TokenBias, o.bias_token_ids, o.bias_values, o.bias_until)),
+                         o.output_start if o.HasField("output_start") else ALWAYS)
+    if kind == "extend":
+        return ExtendEntry(sid, list(e.extend.prompt_token_ids), e.extend.more, e.extend.traceparent)
+    if kind == "close":
+        return CloseEntry(sid)
+    return _invalid(sid, "an entry must be open, extend or close (trees travel as columns)")
 
 
 def _invalid(session_id: int, message: str) -> StepResult:
@@ -253,28 +328,33 @@ def encode_link_response(step: int, results: Sequence[StepResult], feature_dim: 
     if offer is not None:
         msg.ring.CopyFrom(pb.FeatureRing(path=offer.path, capacity=offer.capacity, nonce=offer.nonce))
     rows = []
-    for r in results:
+    verified: list[tuple[int, Verified]] = []  # (position, result): the columns
+    for index, r in enumerate(results):
         o = r.outcome
-        # The fields set in place: a third faster than building each result's message and copying
-        # it in (32 results a step at 32 sessions).
-        if isinstance(o, Prefilled):
+        if isinstance(o, Verified):
+            verified.append((index, r))
+            rows.append(o.features)
+        elif isinstance(o, Prefilled):  # the fields set in place: faster than a message built and copied in
             p = msg.results.add(session_id=r.session_id).prefilled
             p.SetInParent()
             p.token, p.max_seq_len, p.feature_rows = o.token, o.max_seq_len, o.features.shape[0]
             _write_logprobs(p, o.logprobs)
-            rows.append(o.features)
-        elif isinstance(o, Verified):
-            v = msg.results.add(session_id=r.session_id).verified
-            v.SetInParent()
-            v.round, v.next_token, v.feature_rows = o.round, o.next_token, o.features.shape[0]
-            v.accepted_tokens.extend(o.accepted_tokens)
-            _write_logprobs(v, o.logprobs)
             rows.append(o.features)
         elif isinstance(o, Extended):
             msg.results.add(session_id=r.session_id, extended=pb.Extended(feature_rows=o.features.shape[0]))
             rows.append(o.features)
         else:
             msg.results.add(session_id=r.session_id, error=pb.Error(code=status_code(o.status), message=o.message))
+    if verified:
+        out = [r.outcome for _, r in verified]
+        write_ints(msg.verified.fields, [r.session_id for _, r in verified] + [o.round for o in out]
+                   + [len(o.accepted_tokens) for o in out] + [o.next_token for o in out]
+                   + [o.features.shape[0] for o in out] + [o.logprobs is not None for o in out]
+                   + [index for index, _ in verified])
+        write_ints(msg.verified.accepted_tokens, list(itertools.chain.from_iterable(o.accepted_tokens for o in out)))
+        for o in out:
+            if o.logprobs is not None:
+                _write_logprobs(msg.verified.logprobs.add(), o.logprobs)
     features = stack_rows(rows, feature_dim, dtype)
     if place is not None:
         if features.numel() * features.element_size() != feature_bytes(results, feature_dim, dtype):
@@ -285,7 +365,10 @@ def encode_link_response(step: int, results: Sequence[StepResult], feature_dim: 
         data = msg.SerializeToString()
     else:
         data = b"".join([msg.SerializeToString(), *_tensor_field(_FEATURES_FIELD, features)])
-    return EncodedReply(data, tuple((r.session_id, r.WhichOneof("kind")) for r in msg.results))
+    return EncodedReply(data, tuple((r.session_id, _KINDS.get(type(r.outcome), "error")) for r in results))
+
+
+_KINDS = {Prefilled: "prefilled", Verified: "verified", Extended: "extended"}  # a result's kind, as EncodedReply says
 
 
 def notice_results(results: Sequence[StepResult]) -> list[StepResult]:
@@ -327,23 +410,23 @@ def _tensor_field(number: int, t: torch.Tensor) -> list:
     return [_varint(number << 3 | 2), _varint(len(head) + len(data_key) + len(raw)), head, data_key, raw]
 
 
-def _write_logprobs(result, logprobs: list[TokenLogprob] | None) -> None:
-    """Fill a Prefilled's or Verified's `logprobs` field (left unset for None)."""
+def _write_logprobs(field, logprobs: list[TokenLogprob] | None) -> None:
+    """Fill a Prefilled's `logprobs` field (left unset for None), or a Logprobs message."""
     if logprobs is None:
         return
-    field = result.logprobs
-    field.SetInParent()
+    if not isinstance(field, pb.Logprobs):
+        field = field.logprobs
+        field.SetInParent()
     field.logprobs[:] = [t.logprob for t in logprobs]
     field.top_counts[:] = [len(t.top) for t in logprobs]
     field.top_token_ids[:] = [i for t in logprobs for i, _ in t.top]
     field.top_logprobs[:] = [v for t in logprobs for _, v in t.top]
 
 
-def _read_logprobs(result, tokens: list[int], vocab_size: int) -> list[TokenLogprob] | None:
-    """The logprobs of a result's emitted `tokens`, checked; None when the field is unset."""
-    if not result.HasField("logprobs"):
+def _read_logprobs(field: pb.Logprobs | None, tokens: list[int], vocab_size: int) -> list[TokenLogprob] | None:
+    """The logprobs of a result's emitted `tokens`, checked; None for no field."""
+    if field is None:
         return None
-    field = result.logprobs
     values, counts = list(field.logprobs), list(field.top_counts)
     ids, tops = list(field.top_token_ids), list(field.top_logprobs)
     if len(values) != len(tokens) or len(counts) != len(tokens):
@@ -385,44 +468,86 @@ def decode_link_response(msg: pb.LinkResponse, *, vocab_size: int, feature_dim: 
             features = reader.to_draft(features)
         except ValueError as exc:
             raise WireError(str(exc)) from None
+    verified = _verified_results(msg.verified, vocab_size, max_results=max_feature_rows)
+    order = _merge_order(verified[-1], len(msg.results), "verified results")
+    # Each result's feature rows, in order, then their slices of the features (one split).
+    results = iter(msg.results)
+    items = [next(results) if not is_column else None for is_column in order] if order else [None] * len(verified[0])
+    column_rows = iter(verified[4])
+    counts = [next(column_rows) if r is None else _feature_rows(r) for r in items]
+    if sum(counts) != features.shape[0]:
+        raise WireError(f"{features.shape[0]} feature rows sent, the results use {sum(counts)}")
+    rows = features.split_with_sizes(counts)  # (not .split: its Python wrapper costs microseconds)
+    columns = iter(list(_verified_outcomes(msg.verified, verified, vocab_size)))  # checked before any result
     out: list[StepResult] = []
-    row = 0
-
-    def take(n: int) -> torch.Tensor:
-        nonlocal row
-        if row + n > features.shape[0]:
-            raise WireError(f"results need more than the {features.shape[0]} feature rows sent")
-        row += n
-        return features[row - n: row]
-
-    def token(t: int) -> int:
-        if not 0 <= t < vocab_size:
-            raise WireError(f"token id {t} outside the vocabulary [0, {vocab_size})")
-        return t
-
-    for r in msg.results:
+    for r, f in zip(items, rows):
+        if r is None:
+            sid, emitted, bonus, rnd, logprobs = next(columns)
+            out.append(StepResult(sid, Verified(emitted, bonus, f, rnd, logprobs)))
+            continue
         kind = r.WhichOneof("kind")
         if kind == "prefilled":
             p = r.prefilled
-            outcome = Prefilled(token(p.token), take(p.feature_rows), p.max_seq_len,
-                                _read_logprobs(p, [p.token], vocab_size))
-        elif kind == "verified":
-            v = r.verified
-            accepted = [token(t) for t in v.accepted_tokens]
-            if v.feature_rows not in (0, 1 + len(accepted)):
-                raise WireError(f"a Verified of {len(accepted)} accepted tokens with {v.feature_rows} feature rows")
-            outcome = Verified(accepted, token(v.next_token), take(v.feature_rows), v.round,
-                               _read_logprobs(v, accepted + [v.next_token], vocab_size))
+            t = _token(p.token, vocab_size)
+            outcome = Prefilled(t, f, p.max_seq_len, _read_logprobs(p.logprobs if p.HasField("logprobs") else None,
+                                                                     [t], vocab_size))
         elif kind == "extended":
-            outcome = Extended(take(r.extended.feature_rows))
+            outcome = Extended(f)
         elif kind == "error":
             outcome = StatusError(status_name(r.error.code), r.error.message)
         else:
-            raise WireError("a result must be prefilled, extended, verified or error")
+            raise WireError("a result must be prefilled, extended or error (Verified ones travel as columns)")
         out.append(StepResult(r.session_id, outcome))
-    if row != features.shape[0]:
-        raise WireError(f"{features.shape[0]} feature rows sent, the results use {row}")
     return out
+
+
+def _token(t: int, vocab_size: int) -> int:
+    if not 0 <= t < vocab_size:
+        raise WireError(f"token id {t} outside the vocabulary [0, {vocab_size})")
+    return t
+
+
+def _feature_rows(r: pb.SessionResult) -> int:
+    kind = r.WhichOneof("kind")
+    return r.prefilled.feature_rows if kind == "prefilled" else r.extended.feature_rows if kind == "extended" else 0
+
+
+def _verified_results(msg: pb.VerifiedResults, vocab_size: int, max_results: int) -> list[list[int]]:
+    """A reply's Verified columns (`pb.VerifiedResults`: VERIFIED_COLUMNS rows, as lists), checked:
+    ids, rounds, counts and rows in range, as many logprobs as flagged, positions increasing."""
+    columns = _columns(msg.fields, VERIFIED_COLUMNS, max_count=max_results, what="verified results")
+    ids, rounds, accepted, next_tokens, rows, logprobs, _ = columns
+    if not ids:
+        return columns
+    if min(ids) <= 0 or min(rounds) < 0 or max(rounds) > MAX_ROUND or min(accepted) < 0 or (
+            max(accepted) > MAX_ACCEPTED):
+        raise WireError("verified results with a session id, round or accepted count out of range")
+    if min(next_tokens) < 0 or max(next_tokens) >= vocab_size:
+        raise WireError(f"a bonus token id outside the vocabulary [0, {vocab_size})")
+    if any(r and r != a + 1 for r, a in zip(rows, accepted)):
+        raise WireError("a verified result's feature rows are neither 0 nor 1 + its accepted tokens")
+    if not set(logprobs) <= {0, 1} or sum(logprobs) != len(msg.logprobs):
+        raise WireError(f"{len(msg.logprobs)} logprobs for verified results that flag {sum(logprobs)}")
+    return columns
+
+
+def _verified_outcomes(msg: pb.VerifiedResults, columns: list[list[int]], vocab_size: int
+                       ) -> Iterator[tuple[int, list[int], int, int, list[TokenLogprob] | None]]:
+    """Each checked Verified column's (session id, accepted tokens, bonus token, round, logprobs);
+    WireError when the accepted tokens do not add up or leave the vocabulary."""
+    ids, rounds, accepted, next_tokens, _, logprobs, _ = columns
+    tokens = _int_array(msg.accepted_tokens, max_count=sum(accepted), what="accepted tokens").tolist()
+    if len(tokens) != sum(accepted):
+        raise WireError(f"{len(tokens)} accepted tokens, the verified results count {sum(accepted)}")
+    if tokens and (min(tokens) < 0 or max(tokens) >= vocab_size):
+        raise WireError(f"an accepted token id outside the vocabulary [0, {vocab_size})")
+    extra = iter(msg.logprobs)
+    at = 0
+    for sid, rnd, n, bonus, has_logprobs in zip(ids, rounds, accepted, next_tokens, logprobs):
+        emitted = tokens[at: at + n]
+        at += n
+        lp = _read_logprobs(next(extra), emitted + [bonus], vocab_size) if has_logprobs else None
+        yield sid, emitted, bonus, rnd, lp
 
 
 # Replies from this size on have their features parsed as a view (`parse_link_response`).

@@ -558,5 +558,7 @@ def check_verifier(info: pb.InfoResponse, target: TargetConfig, draft: DraftConf
     elif not info.penalties:
         problems.append("verifier predates the repetition penalties (presence_penalty, frequency_penalty, "
                         "repetition_penalty) and would ignore them: upgrade it")
+    elif not info.columns:
+        problems.append("verifier predates the link's trees and results as columns: upgrade it")
     if problems:
         raise StatusError("FAILED_PRECONDITION", "; ".join(problems))

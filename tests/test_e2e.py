@@ -575,7 +575,8 @@ def test_mismatched_verifier_is_refused(tmp_path, tiny_tokenizer, verifier):
     assert err.value.status == "FAILED_PRECONDITION" and "mismatch" in err.value.message
 
 
-def test_verifier_with_unknown_features_or_before_token_biases_or_penalties_is_refused(qwen3_pair, verifier_stub):
+def test_verifier_with_unknown_features_or_before_token_biases_penalties_or_columns_is_refused(qwen3_pair,
+                                                                                              verifier_stub):
     from drafter_svc.link import check_verifier
 
     info = verifier_stub.Info(pb.InfoRequest())
@@ -593,6 +594,10 @@ def test_verifier_with_unknown_features_or_before_token_biases_or_penalties_is_r
     with pytest.raises(StatusError) as err:
         check_verifier(info, target, draft)
     assert err.value.status == "FAILED_PRECONDITION" and "predates the repetition penalties" in err.value.message
+    info.penalties, info.columns = True, False  # one with the penalties, before the link's columns
+    with pytest.raises(StatusError) as err:
+        check_verifier(info, target, draft)
+    assert err.value.status == "FAILED_PRECONDITION" and "as columns" in err.value.message
 
 
 def test_verifier_projecting_for_another_draft_is_refused(tmp_path, tiny_tokenizer, qwen3_pair, verifier):

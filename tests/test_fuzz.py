@@ -13,6 +13,7 @@ as before, with every session slot free again.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -26,6 +27,7 @@ import pytest
 import torch
 
 from common.config import load_draft_config
+from common.wire import VERIFIED_COLUMNS, unpack_ints
 from common.rpc import (
     GENERATION_SERVICE,
     VERIFIER_SERVICE,
@@ -146,13 +148,37 @@ def packed(values: list[int], width: int = 8) -> pb.PackedInts:
     return pb.PackedInts(data=struct.pack(f"<{len(values)}{fmt}", *values), width=width)
 
 
-def link_message(entries: list[pb.SessionEntry], trees: list[tuple[list[int], list[int], list[int]]] = (),
+@dataclasses.dataclass
+class TreeSpec:
+    """A tree entry of a hand-built LinkRequest (they travel as columns: `link_message`)."""
+    session_id: int
+    round: int
+    num_nodes: int
+
+
+def link_message(entries: list[pb.SessionEntry | TreeSpec], trees: list[tuple[list[int], list[int], list[int]]] = (),
                  step: int = 1) -> pb.LinkRequest:
-    """A LinkRequest whose tree buffers are the given trees' (tokens, next_token, next_sibling), concatenated."""
-    msg = pb.LinkRequest(step=step, entries=entries)
+    """A LinkRequest of these entries, the trees among them as columns, whose buffers are the given
+    trees' (tokens, next_token, next_sibling), concatenated."""
+    msg = pb.LinkRequest(step=step, entries=[e for e in entries if isinstance(e, pb.SessionEntry)])
+    specs = [(e, i) for i, e in enumerate(entries) if isinstance(e, TreeSpec)]
+    if specs:
+        columns = [[e.session_id for e, _ in specs], [e.round for e, _ in specs], [e.num_nodes for e, _ in specs],
+                   [i for _, i in specs]]
+        msg.trees.fields.CopyFrom(packed([v for column in columns for v in column]))
     for i, name in enumerate(("tokens", "next_token", "next_sibling")):
         getattr(msg, f"tree_{name}").CopyFrom(packed([v for t in trees for v in t[i]]))
     return msg
+
+
+def in_order(reply: pb.LinkResponse) -> list[pb.SessionResult]:
+    """A reply's results in message order: its Verified columns (as results of no kind, with
+    their session ids) among its other `results`."""
+    fields = unpack_ints(reply.verified.fields, max_count=1 << 20, what="verified").reshape(VERIFIED_COLUMNS, -1)
+    column = dict(zip(fields[-1].tolist(), fields[0].tolist()))
+    rest = iter(reply.results)
+    return [pb.SessionResult(session_id=column[i]) if i in column else next(rest)
+            for i in range(len(column) + len(reply.results))]
 
 
 def open_entry(sid: int, layers, prompt=PROMPT, **sampling) -> pb.SessionEntry:
@@ -160,8 +186,8 @@ def open_entry(sid: int, layers, prompt=PROMPT, **sampling) -> pb.SessionEntry:
                                                         sampling=pb.SamplingParams(**sampling)))
 
 
-def tree_entry(sid: int, rnd: int, nodes: int) -> pb.SessionEntry:
-    return pb.SessionEntry(session_id=sid, tree=pb.Tree(round=rnd, num_nodes=nodes))
+def tree_entry(sid: int, rnd: int, nodes: int) -> TreeSpec:
+    return TreeSpec(sid, rnd, nodes)
 
 
 def small_tree(root: int) -> tuple[list[int], list[int], list[int]]:
@@ -257,7 +283,7 @@ def test_malformed_link_messages(verifier_channel, pair, reference, no_traceback
         data = malformed_link_message(rng, layers, vocab)
         code, details, replies = rpc_code(lambda data=data: list(link(iter([data]), timeout=30)))
         for reply in replies or ():
-            for r in pb.LinkResponse.FromString(reply).results:  # it parsed after all: its results are clean
+            for r in in_order(pb.LinkResponse.FromString(reply)):  # it parsed after all: its results are clean
                 if r.WhichOneof("kind") == "error":
                     assert r.error.code in CLEAN_VALUES, r.error
         tally.status(code, details, data[:64])
@@ -295,7 +321,7 @@ def malformed_entry(rng: random.Random, sid: int, layers, vocab: int
     if kind == 4:  # feature layers the verifier does not return
         wrong = rng.choice([[0], [1, 2, 3], [2**32 - 1], list(layers) + [0], list(reversed(layers)) + [5]])
         return open_entry(sid, wrong), None
-    if kind == 5:  # an entry that is neither open, tree nor close
+    if kind == 5:  # an entry that is neither open, extend nor close
         return pb.SessionEntry(session_id=sid), None
     if kind == 6:  # a tree for a session that is not open
         return tree_entry(sid, rng.randrange(2**32), 4), small_tree(rng.randrange(vocab))
@@ -317,6 +343,7 @@ def test_malformed_link_entries(verifier_channel, pair, no_tracebacks):
     stub = pb_grpc.VerifierStub(verifier_channel)
     sent, step, next_sid = 0, 0, 1
     requests: list[pb.LinkRequest] = []
+    request_entries: dict[int, list[pb.SessionEntry | TreeSpec]] = {}  # each step's entries, trees among them
     while sent < COUNTS["link entries"]:
         batch = min(MAX_LINK_ENTRIES, COUNTS["link entries"] - sent)
         entries, trees = [], []
@@ -332,12 +359,14 @@ def test_malformed_link_entries(verifier_channel, pair, no_tracebacks):
                 trees.append(tree)
         step += 1
         requests.append(link_message(entries, trees, step))
+        request_entries[step] = entries
         sent += batch
     replies = stub.Link(iter(requests), timeout=120)
     for request, reply in zip(requests, replies, strict=True):
         assert reply.step == request.step
-        assert len(reply.results) == len(request.entries), (request, reply)
-        for entry, r in zip(request.entries, reply.results):
+        results = in_order(reply)
+        assert len(results) == len(request_entries[request.step]), (request, reply)
+        for entry, r in zip(request_entries[request.step], results):
             assert r.session_id == entry.session_id
             tally.result(r, entry)
     tally.check(COUNTS["link entries"], refused_at_least=1.0)
@@ -396,9 +425,9 @@ def test_malformed_trees_of_open_sessions(verifier_channel, pair, no_tracebacks)
                 rnd, tree = malformed_tree(rng, root, vocab)
                 entries.append(tree_entry(sid, rnd, len(tree[0])))
                 trees.append(tree)
-            reply = link.send(link_message(entries, trees))
-            assert [r.session_id for r in reply.results] == [e.session_id for e in entries]
-            for entry, r in zip(entries, reply.results):
+            results = in_order(link.send(link_message(entries, trees)))
+            assert [r.session_id for r in results] == [e.session_id for e in entries]
+            for entry, r in zip(entries, results):
                 tally.result(r, entry)
                 if r.WhichOneof("kind") == "error":
                     del roots[r.session_id]

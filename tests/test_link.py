@@ -61,16 +61,161 @@ def test_response_round_trip_keeps_each_sessions_rows():
 
 
 def test_results_and_trees_whose_fields_are_all_zero_keep_their_kind():
-    """A result or tree entry is written field by field: one whose every value is protobuf's
-    default (token 0, round 0, nothing accepted, no rows) still says what it is."""
-    results = [StepResult(0, Verified([], 0, features(0, 0), 0)), StepResult(0, Prefilled(0, features(0, 0), 0))]
+    """A result or tree whose every value but its session id is protobuf's default (token 0,
+    round 0, nothing accepted, no rows) still says what it is."""
+    results = [StepResult(1, Verified([], 0, features(0, 0), 0)), StepResult(2, Prefilled(0, features(0, 0), 0))]
     reply = encode_link_response(0, results, WIDTH, torch.float32)
-    assert reply.results == ((0, "verified"), (0, "prefilled"))
+    assert reply.results == ((1, "verified"), (2, "prefilled"))
     got = decode_link_response(_response(results, step=0), vocab_size=VOCAB, feature_dim=WIDTH, max_feature_rows=1)
     assert isinstance(got[0].outcome, Verified) and (got[0].outcome.next_token, got[0].outcome.round) == (0, 0)
     assert isinstance(got[1].outcome, Prefilled) and got[1].outcome.token == 0
-    request = encode_link_request(0, [TreeEntry(0, 0, chain([0]))])
-    assert request.entries[0].WhichOneof("kind") == "tree" and request.entries[0].tree.num_nodes == 1
+    request = encode_link_request(0, [TreeEntry(1, 0, chain([0]))])
+    (tree,) = decode_link_request(request, LinkLimits(max_entries=1, max_tree_nodes=1))
+    assert isinstance(tree, TreeEntry) and (tree.round, tree.tree.num_nodes, tree.tree.tokens.tolist()) == (0, 1, [0])
+
+
+def _random_result(rng: np.random.Generator, sid: int, rows: torch.Tensor) -> StepResult:
+    """One of each kind of result at random, with rows of `rows` where it has any."""
+    kind = rng.integers(5)
+    n = int(rng.integers(0, 4))
+    if kind <= 1:  # Verified, some with logprobs, some without features
+        tokens = rng.integers(0, VOCAB, n + 1).tolist()
+        with_rows = rng.random() < 0.8
+        logprobs = [lp(t) for t in tokens] if kind == 1 else None
+        return StepResult(sid, Verified(tokens[:-1], tokens[-1], rows[: n + 1] if with_rows else rows[:0],
+                                        int(rng.integers(0, 2**32)), logprobs))
+    if kind == 2:
+        token = int(rng.integers(VOCAB))
+        return StepResult(sid, Prefilled(token, rows[:n], 64, [lp(token)] if n % 2 else None))
+    if kind == 3:
+        return StepResult(sid, Extended(rows[:n]))
+    return StepResult(sid, StatusError("NOT_FOUND", f"gone {sid}"))
+
+
+def test_replies_of_any_mix_of_results_keep_their_order():
+    """Verified results travel as columns and the others as messages: the drafter reads them
+    back in the verifier's order, each with its own values and rows."""
+    rng = np.random.default_rng(0)
+    for trial in range(200):
+        count = int(rng.integers(0, 9))
+        results = [_random_result(rng, sid, features(4, 100 * trial + sid)) for sid in range(1, count)]
+        got = decode_link_response(_response(results), vocab_size=VOCAB, feature_dim=WIDTH, max_feature_rows=100)
+        assert [r.session_id for r in got] == [r.session_id for r in results]
+        for want, have in zip(results, got):
+            w, h = want.outcome, have.outcome
+            assert type(h) is type(w)
+            if isinstance(w, StatusError):
+                assert (h.status, h.message) == (w.status, w.message)
+                continue
+            assert torch.equal(h.features, w.features)
+            if isinstance(w, Verified):
+                assert (h.accepted_tokens, h.next_token, h.round, h.logprobs) == (
+                    w.accepted_tokens, w.next_token, w.round, w.logprobs)
+            elif isinstance(w, Prefilled):
+                assert (h.token, h.max_seq_len, h.logprobs) == (w.token, w.max_seq_len, w.logprobs)
+
+
+def test_requests_of_any_mix_of_entries_keep_their_order():
+    """Trees travel as columns and the other entries as messages: the verifier reads them back
+    in the drafter's order, each tree with its own buffers, round and trace context."""
+    rng = np.random.default_rng(1)
+    limits = LinkLimits(max_entries=16, max_tree_nodes=8)
+    for _ in range(200):
+        entries = []
+        traced = rng.random() < 0.5
+        for sid in range(1, int(rng.integers(0, 12))):
+            kind = rng.integers(4)
+            if kind <= 1:
+                tokens = rng.integers(0, VOCAB, int(rng.integers(1, 9))).tolist()
+                entries.append(TreeEntry(sid, int(rng.integers(0, 2**32)), chain(tokens), f"tp{sid}" if traced else ""))
+            elif kind == 2:
+                entries.append(OpenEntry(sid, [1, 2], SamplingParams(), f"o{sid}", (0, 1)))
+            else:
+                entries.append(CloseEntry(sid))
+        got = decode_link_request(encode_link_request(1, entries), limits)
+        assert [(type(g), g.session_id) for g in got] == [(type(e), e.session_id) for e in entries]
+        for e, g in zip(entries, got):
+            if isinstance(e, TreeEntry):
+                assert (g.round, g.traceparent) == (e.round, e.traceparent)
+                assert all(torch.equal(getattr(g.tree, f), getattr(e.tree, f))
+                           for f in ("tokens", "next_token", "next_sibling"))
+            else:
+                assert g == e
+
+
+def _column_spoilers():
+    """Ways to spoil a reply's Verified columns (fields as a [7, n] list of lists, accepted tokens
+    as a list), and what the refusal says."""
+    def positions(value):
+        return lambda f, t: f[6].__setitem__(slice(None), value)
+
+    return {
+        "positions not increasing": (positions([1, 0]), "not increasing"),
+        "position past the results": (positions([0, 3]), "not increasing"),
+        "negative position": (positions([-1, 0]), "not increasing"),
+        "session id 0": (lambda f, t: f[0].__setitem__(0, 0), "out of range"),
+        "negative round": (lambda f, t: f[1].__setitem__(0, -1), "out of range"),
+        "negative count": (lambda f, t: f[2].__setitem__(0, -1), "out of range"),
+        "count past the tokens": (lambda f, t: f[2].__setitem__(0, 5), "feature rows"),
+        "tokens short": (lambda f, t: t.pop(), "accepted tokens"),
+        "token outside the vocabulary": (lambda f, t: t.__setitem__(0, VOCAB), "outside the vocabulary"),
+        "bonus outside the vocabulary": (lambda f, t: f[3].__setitem__(1, -1), "outside the vocabulary"),
+        "rows neither 0 nor 1 + accepted": (lambda f, t: f[4].__setitem__(1, 1), "feature rows"),
+        "a logprobs flag of 2": (lambda f, t: f[5].__setitem__(0, 2), "logprobs"),
+        "a flag without its logprobs": (lambda f, t: f[5].__setitem__(1, 1), "logprobs"),
+        "ragged": (lambda f, t: f[6].pop(), "rows of one per item"),
+    }
+
+
+@pytest.mark.parametrize("case", list(_column_spoilers()))
+def test_bad_verified_columns_are_refused(case):
+    spoil, needle = _column_spoilers()[case]
+    results = [StepResult(1, Verified([4, 5], 6, features(3, 0), 2)), StepResult(2, StatusError("NOT_FOUND", "x")),
+               StepResult(3, Verified([7], 8, features(2, 1), 1))]
+    reply = _response(results)
+    fields = wire.unpack_ints(reply.verified.fields, max_count=100, what="x").reshape(7, -1).tolist()
+    tokens = wire.unpack_ints(reply.verified.accepted_tokens, max_count=100, what="x").tolist()
+    spoil(fields, tokens)
+    reply.verified.fields.CopyFrom(wire.pack_ints([v for row in fields for v in row]))
+    reply.verified.accepted_tokens.CopyFrom(wire.pack_ints(tokens))
+    with pytest.raises(WireError, match=needle):
+        decode_link_response(reply, vocab_size=VOCAB, feature_dim=WIDTH, max_feature_rows=100)
+
+
+@pytest.mark.parametrize("spoil, needle", [
+    (lambda f, msg: f[3].__setitem__(slice(None), [2, 1]), "not increasing"),
+    (lambda f, msg: f[3].__setitem__(1, 3), "not increasing"),
+    (lambda f, msg: f[0].__setitem__(0, 0), "outside"),
+    (lambda f, msg: msg.trees.traceparents.append("one"), "trace contexts"),
+    (lambda f, msg: f.__setitem__(0, f[0][:1]), "rows of one per item"),
+], ids=["positions swapped", "position past the entries", "session id 0", "one trace context for two trees",
+        "ragged"])
+def test_bad_tree_columns_are_refused(spoil, needle):
+    """Columns that cannot be read fail the message (the link), as a framing error does."""
+    msg = encode_link_request(1, [TreeEntry(1, 1, chain([3, 4])), CloseEntry(5), TreeEntry(2, 1, chain([6]))])
+    fields = wire.unpack_ints(msg.trees.fields, max_count=100, what="x").reshape(4, -1).tolist()
+    spoil(fields, msg)
+    msg.trees.fields.CopyFrom(wire.pack_ints([v for row in fields for v in row]))
+    with pytest.raises(WireError, match=needle):
+        decode_link_request(msg, LinkLimits(max_entries=8, max_tree_nodes=4))
+
+
+def test_a_tree_of_a_bad_round_or_node_count_fails_alone():
+    """A tree column's round outside uint32, or a node count that cannot frame, fails that tree
+    (or every tree, when the buffers cannot be cut), not the message."""
+    msg = encode_link_request(1, [TreeEntry(1, 1, chain([3, 4])), OpenEntry(5, [1], SamplingParams()),
+                                  TreeEntry(2, 1, chain([6]))])
+    fields = wire.unpack_ints(msg.trees.fields, max_count=100, what="x").reshape(4, -1).tolist()
+    fields[1][0] = 2**32
+    msg.trees.fields.CopyFrom(wire.pack_ints([v for row in fields for v in row]))
+    got = decode_link_request(msg, LinkLimits(max_entries=8, max_tree_nodes=4))
+    assert got[0].outcome.status == "INVALID_ARGUMENT" and "round" in got[0].outcome.message
+    assert isinstance(got[1], OpenEntry) and isinstance(got[2], TreeEntry)
+    fields[1][0], fields[2][0] = 1, -2
+    msg.trees.fields.CopyFrom(wire.pack_ints([v for row in fields for v in row]))
+    got = decode_link_request(msg, LinkLimits(max_entries=8, max_tree_nodes=4))
+    assert all(got[i].outcome.status == "INVALID_ARGUMENT" and "node count" in got[i].outcome.message for i in (0, 2))
+    assert isinstance(got[1], OpenEntry)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -87,7 +232,7 @@ def test_an_encoded_reply_is_the_message_with_its_features_appended(dtype):
     want.features.dtype, want.features.data = str(dtype).removeprefix("torch."), rows.view(torch.uint8).numpy().tobytes()
     want.features.shape[:] = [5, WIDTH]
     assert msg == want and msg.SerializeToString(deterministic=True) == want.SerializeToString(deterministic=True)
-    assert (msg.step, msg.step_seconds, len(msg.results)) == (3, 0.25, 4)
+    assert (msg.step, msg.step_seconds, len(msg.results)) == (3, 0.25, 3)  # the Verified one in columns
     assert reply.results == ((1, "verified"), (2, "error"), (3, "prefilled"), (4, "extended"))
     empty = pb.LinkResponse.FromString(encode_link_response(4, results[1:2], WIDTH, dtype).data)
     assert list(empty.features.shape) == [0, WIDTH] and empty.features.data == b""
@@ -209,7 +354,7 @@ def test_bad_logprobs_are_refused(logprobs, needle):
 
 def test_top_counts_must_match_the_ids():
     reply = _response([StepResult(1, Verified([4], 6, features(2, 0), 1, [lp(4), lp(6)]))])
-    reply.results[0].verified.logprobs.top_counts[1] = 3
+    reply.verified.logprobs[0].top_counts[1] = 3
     with pytest.raises(WireError, match="top logprobs"):
         decode_link_response(reply, vocab_size=VOCAB, feature_dim=WIDTH, max_feature_rows=100)
 

@@ -54,11 +54,13 @@ from common.tracing import current_traceparent, setup_tracing, tracer
 from common.tree import DraftTree
 from common.wire import (
     MAX_SESSION_ID,
+    VERIFIED_COLUMNS,
     decode_link_response,
     decode_tensor,
     encode_link_request,
     pack_ints,
     tensor_bytes,
+    unpack_ints,
 )
 from common.socket_link import SocketOffer, recv_frame, send_frame
 from common.socket_link import connect as socket_connect
@@ -327,19 +329,23 @@ def chain(root: int, length: int) -> DraftTree:
 
 def raw_message(entries, step: int = 0) -> pb.LinkRequest:
     """A LinkRequest built by hand. `entries` holds pb.SessionEntry messages and trees given as
-    (session id, round, tokens, next_token, next_sibling) with num_nodes = len(tokens); the
-    trees' buffers are concatenated in order."""
+    (session id, round, tokens, next_token, next_sibling[, num_nodes]), num_nodes len(tokens)
+    unless given; the trees go as columns, their buffers concatenated in order."""
     msg = pb.LinkRequest(step=step)
-    columns: tuple[list[int], list[int], list[int]] = ([], [], [])
-    for e in entries:
+    buffers: tuple[list[int], list[int], list[int]] = ([], [], [])
+    trees: tuple[list[int], list[int], list[int], list[int]] = ([], [], [], [])  # id, round, nodes, position
+    for index, e in enumerate(entries):
         if isinstance(e, pb.SessionEntry):
             msg.entries.append(e)
             continue
-        sid, rnd, *buffers = e
-        msg.entries.add(session_id=sid, tree=pb.Tree(round=rnd, num_nodes=len(buffers[0])))
-        for column, values in zip(columns, buffers):
+        sid, rnd, *tree = e
+        for column, value in zip(trees, (sid, rnd, tree[3] if len(tree) > 3 else len(tree[0]), index)):
+            column.append(value)
+        for column, values in zip(buffers, tree[:3]):
             column.extend(values)
-    for name, column in zip(("tokens", "next_token", "next_sibling"), columns):
+    if trees[0]:
+        msg.trees.fields.CopyFrom(pack_ints([v for column in trees for v in column]))
+    for name, column in zip(("tokens", "next_token", "next_sibling"), buffers):
         getattr(msg, f"tree_{name}").CopyFrom(pack_ints(column))
     return msg
 
@@ -381,8 +387,11 @@ def assert_error(result: StepResult, sid: int, status: str, needle: str) -> None
 
 
 def assert_error_code(reply: pb.LinkResponse, index: int, code: grpc.StatusCode) -> None:
-    """The raw Error result carries the numeric grpc.StatusCode."""
-    r = reply.results[index]
+    """The raw Error result, the reply's `index`-th in order, carries the numeric grpc.StatusCode."""
+    fields = unpack_ints(reply.verified.fields, max_count=1 << 20, what="verified").reshape(VERIFIED_COLUMNS, -1)
+    verified = set(fields[-1].tolist())  # the Verified columns' indices among the results
+    assert index not in verified
+    r = reply.results[index - sum(i < index for i in verified)]
     assert r.WhichOneof("kind") == "error", r
     assert r.error.code == code.value[0], r.error
 
@@ -849,7 +858,7 @@ def test_decode_time_errors_are_in_band(stub, twin, layers):
         assert_error(got[2], 5, "INVALID_ARGUMENT", "two entries for this session")
         assert_error(got[3], 6, "INVALID_ARGUMENT", "0 nodes")
         assert_error(got[4], 7, "INVALID_ARGUMENT", f"{MAX_TREE_NODES + 1} nodes")
-        assert_error(got[5], 8, "INVALID_ARGUMENT", "open, extend, tree or close")
+        assert_error(got[5], 8, "INVALID_ARGUMENT", "open, extend or close")
         for i in (2, 3, 4, 5):
             assert_error_code(reply, i, grpc.StatusCode.INVALID_ARGUMENT)
         want = local([TreeEntry(1, 1, small_tree(roots[1])), TreeEntry(2, 1, chain(roots[2], 4))])
@@ -868,8 +877,8 @@ DECODE_CASES = {  # session 1 is open at root r1, session 2 at r2: the message's
     "empty tree": (lambda r1, r2: [(1, 1, [], [], []), as_raw(2, 1, root_only(r2))], "0 nodes"),
     "too many nodes": (lambda r1, r2: [(1, 1, *([[r1] * (MAX_TREE_NODES + 1)] * 3)), as_raw(2, 1, root_only(r2))],
                        "nodes, expected"),
-    "no kind": (lambda r1, r2: [_entry(1), as_raw(2, 1, root_only(r2))], "open, extend, tree or close"),
-    "buffers short": (lambda r1, r2: [_entry(1, tree=pb.Tree(round=1, num_nodes=3))], "add up to 3"),
+    "no kind": (lambda r1, r2: [_entry(1), as_raw(2, 1, root_only(r2))], "open, extend or close"),
+    "buffers short": (lambda r1, r2: [(1, 1, [], [], [], 3)], "add up to 3"),
 }
 
 
@@ -923,7 +932,7 @@ FRAMING = {  # the message's trees have 2 + 3 = 5 nodes
     "all too long": (_long_buffers, "add up to 5"),
     "width 3": (_width_3, "width 3"),
     "bytes not a multiple of width": (_ragged, "not a multiple of width 2"),
-    "buffer missing": (_unset, "width 0"),
+    "buffer missing": (_unset, "hold [5, 5, 0] values"),
 }
 
 
@@ -1406,9 +1415,10 @@ def test_a_feature_ring_carries_the_rows_a_reply_would(stub, layers):
             inline = plain.send([TreeEntry(1, rnd, trees[rnd % 3](plain_roots))])
             assert got.HasField("features_at") and not got.features.data
             assert torch.equal(_ring_rows(reader, got), decode_tensor(inline.features, max_elements=1 << 20))
-            assert list(got.results[0].verified.accepted_tokens) == list(inline.results[0].verified.accepted_tokens)
-            roots = got.results[0].verified.next_token
-            plain_roots = inline.results[0].verified.next_token
+            assert got.verified.accepted_tokens.data == inline.verified.accepted_tokens.data
+            assert got.verified.fields == inline.verified.fields
+            roots = plain_roots = int(unpack_ints(got.verified.fields, max_count=VERIFIED_COLUMNS,
+                                                  what="verified")[3])  # the bonus token
         ring_link.send([CloseEntry(1)])
         plain.send([CloseEntry(1)])
         ring_link.end()

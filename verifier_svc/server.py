@@ -505,7 +505,7 @@ def verifier_info(verifier: TreeVerifier, config: VerifierConfig) -> pb.InfoResp
         verify_costs=[pb.VerifyCost(batch=b, tokens=t, seconds=seconds)
                       for (b, t), seconds in sorted(verifier.verify_costs.items())],
         sampling=config.sampling, deterministic=config.deterministic, feature_wire=verifier.runner.feature_wire,
-        token_bias=True, penalties=True,
+        token_bias=True, penalties=True, columns=True,
     )
 
 

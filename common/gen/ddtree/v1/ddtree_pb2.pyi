@@ -244,38 +244,35 @@ class Extend(_message.Message):
     traceparent: str
     def __init__(self, prompt_token_ids: _Optional[_Iterable[int]] = ..., more: _Optional[bool] = ..., traceparent: _Optional[str] = ...) -> None: ...
 
-class Tree(_message.Message):
-    __slots__ = ("round", "num_nodes", "traceparent")
-    ROUND_FIELD_NUMBER: _ClassVar[int]
-    NUM_NODES_FIELD_NUMBER: _ClassVar[int]
-    TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
-    round: int
-    num_nodes: int
-    traceparent: str
-    def __init__(self, round: _Optional[int] = ..., num_nodes: _Optional[int] = ..., traceparent: _Optional[str] = ...) -> None: ...
+class Trees(_message.Message):
+    __slots__ = ("fields", "traceparents")
+    FIELDS_FIELD_NUMBER: _ClassVar[int]
+    TRACEPARENTS_FIELD_NUMBER: _ClassVar[int]
+    fields: PackedInts
+    traceparents: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, fields: _Optional[_Union[PackedInts, _Mapping]] = ..., traceparents: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Close(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class SessionEntry(_message.Message):
-    __slots__ = ("session_id", "open", "tree", "close", "extend")
+    __slots__ = ("session_id", "open", "close", "extend")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     OPEN_FIELD_NUMBER: _ClassVar[int]
-    TREE_FIELD_NUMBER: _ClassVar[int]
     CLOSE_FIELD_NUMBER: _ClassVar[int]
     EXTEND_FIELD_NUMBER: _ClassVar[int]
     session_id: int
     open: Open
-    tree: Tree
     close: Close
     extend: Extend
-    def __init__(self, session_id: _Optional[int] = ..., open: _Optional[_Union[Open, _Mapping]] = ..., tree: _Optional[_Union[Tree, _Mapping]] = ..., close: _Optional[_Union[Close, _Mapping]] = ..., extend: _Optional[_Union[Extend, _Mapping]] = ...) -> None: ...
+    def __init__(self, session_id: _Optional[int] = ..., open: _Optional[_Union[Open, _Mapping]] = ..., close: _Optional[_Union[Close, _Mapping]] = ..., extend: _Optional[_Union[Extend, _Mapping]] = ...) -> None: ...
 
 class LinkRequest(_message.Message):
-    __slots__ = ("step", "entries", "tree_tokens", "tree_next_token", "tree_next_sibling", "feature_ring", "ring_released", "ring_refused", "unix_socket")
+    __slots__ = ("step", "entries", "trees", "tree_tokens", "tree_next_token", "tree_next_sibling", "feature_ring", "ring_released", "ring_refused", "unix_socket")
     STEP_FIELD_NUMBER: _ClassVar[int]
     ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    TREES_FIELD_NUMBER: _ClassVar[int]
     TREE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TREE_NEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
     TREE_NEXT_SIBLING_FIELD_NUMBER: _ClassVar[int]
@@ -285,6 +282,7 @@ class LinkRequest(_message.Message):
     UNIX_SOCKET_FIELD_NUMBER: _ClassVar[int]
     step: int
     entries: _containers.RepeatedCompositeFieldContainer[SessionEntry]
+    trees: Trees
     tree_tokens: PackedInts
     tree_next_token: PackedInts
     tree_next_sibling: PackedInts
@@ -292,7 +290,7 @@ class LinkRequest(_message.Message):
     ring_released: int
     ring_refused: bool
     unix_socket: bool
-    def __init__(self, step: _Optional[int] = ..., entries: _Optional[_Iterable[_Union[SessionEntry, _Mapping]]] = ..., tree_tokens: _Optional[_Union[PackedInts, _Mapping]] = ..., tree_next_token: _Optional[_Union[PackedInts, _Mapping]] = ..., tree_next_sibling: _Optional[_Union[PackedInts, _Mapping]] = ..., feature_ring: _Optional[bool] = ..., ring_released: _Optional[int] = ..., ring_refused: _Optional[bool] = ..., unix_socket: _Optional[bool] = ...) -> None: ...
+    def __init__(self, step: _Optional[int] = ..., entries: _Optional[_Iterable[_Union[SessionEntry, _Mapping]]] = ..., trees: _Optional[_Union[Trees, _Mapping]] = ..., tree_tokens: _Optional[_Union[PackedInts, _Mapping]] = ..., tree_next_token: _Optional[_Union[PackedInts, _Mapping]] = ..., tree_next_sibling: _Optional[_Union[PackedInts, _Mapping]] = ..., feature_ring: _Optional[bool] = ..., ring_released: _Optional[int] = ..., ring_refused: _Optional[bool] = ..., unix_socket: _Optional[bool] = ...) -> None: ...
 
 class UnixSocket(_message.Message):
     __slots__ = ("path", "nonce")
@@ -342,19 +340,15 @@ class Extended(_message.Message):
     feature_rows: int
     def __init__(self, feature_rows: _Optional[int] = ...) -> None: ...
 
-class Verified(_message.Message):
-    __slots__ = ("round", "accepted_tokens", "next_token", "feature_rows", "logprobs")
-    ROUND_FIELD_NUMBER: _ClassVar[int]
+class VerifiedResults(_message.Message):
+    __slots__ = ("fields", "accepted_tokens", "logprobs")
+    FIELDS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    NEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
-    FEATURE_ROWS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
-    round: int
-    accepted_tokens: _containers.RepeatedScalarFieldContainer[int]
-    next_token: int
-    feature_rows: int
-    logprobs: Logprobs
-    def __init__(self, round: _Optional[int] = ..., accepted_tokens: _Optional[_Iterable[int]] = ..., next_token: _Optional[int] = ..., feature_rows: _Optional[int] = ..., logprobs: _Optional[_Union[Logprobs, _Mapping]] = ...) -> None: ...
+    fields: PackedInts
+    accepted_tokens: PackedInts
+    logprobs: _containers.RepeatedCompositeFieldContainer[Logprobs]
+    def __init__(self, fields: _Optional[_Union[PackedInts, _Mapping]] = ..., accepted_tokens: _Optional[_Union[PackedInts, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[Logprobs, _Mapping]]] = ...) -> None: ...
 
 class Error(_message.Message):
     __slots__ = ("code", "message")
@@ -365,23 +359,22 @@ class Error(_message.Message):
     def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
 
 class SessionResult(_message.Message):
-    __slots__ = ("session_id", "prefilled", "verified", "error", "extended")
+    __slots__ = ("session_id", "prefilled", "error", "extended")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PREFILLED_FIELD_NUMBER: _ClassVar[int]
-    VERIFIED_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     EXTENDED_FIELD_NUMBER: _ClassVar[int]
     session_id: int
     prefilled: Prefilled
-    verified: Verified
     error: Error
     extended: Extended
-    def __init__(self, session_id: _Optional[int] = ..., prefilled: _Optional[_Union[Prefilled, _Mapping]] = ..., verified: _Optional[_Union[Verified, _Mapping]] = ..., error: _Optional[_Union[Error, _Mapping]] = ..., extended: _Optional[_Union[Extended, _Mapping]] = ...) -> None: ...
+    def __init__(self, session_id: _Optional[int] = ..., prefilled: _Optional[_Union[Prefilled, _Mapping]] = ..., error: _Optional[_Union[Error, _Mapping]] = ..., extended: _Optional[_Union[Extended, _Mapping]] = ...) -> None: ...
 
 class LinkResponse(_message.Message):
-    __slots__ = ("step", "results", "features", "step_seconds", "notice", "held_seconds", "ring", "features_at", "unix_socket")
+    __slots__ = ("step", "results", "verified", "features", "step_seconds", "notice", "held_seconds", "ring", "features_at", "unix_socket")
     STEP_FIELD_NUMBER: _ClassVar[int]
     RESULTS_FIELD_NUMBER: _ClassVar[int]
+    VERIFIED_FIELD_NUMBER: _ClassVar[int]
     FEATURES_FIELD_NUMBER: _ClassVar[int]
     STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
     NOTICE_FIELD_NUMBER: _ClassVar[int]
@@ -391,6 +384,7 @@ class LinkResponse(_message.Message):
     UNIX_SOCKET_FIELD_NUMBER: _ClassVar[int]
     step: int
     results: _containers.RepeatedCompositeFieldContainer[SessionResult]
+    verified: VerifiedResults
     features: Tensor
     step_seconds: float
     notice: bool
@@ -398,14 +392,14 @@ class LinkResponse(_message.Message):
     ring: FeatureRing
     features_at: int
     unix_socket: UnixSocket
-    def __init__(self, step: _Optional[int] = ..., results: _Optional[_Iterable[_Union[SessionResult, _Mapping]]] = ..., features: _Optional[_Union[Tensor, _Mapping]] = ..., step_seconds: _Optional[float] = ..., notice: _Optional[bool] = ..., held_seconds: _Optional[float] = ..., ring: _Optional[_Union[FeatureRing, _Mapping]] = ..., features_at: _Optional[int] = ..., unix_socket: _Optional[_Union[UnixSocket, _Mapping]] = ...) -> None: ...
+    def __init__(self, step: _Optional[int] = ..., results: _Optional[_Iterable[_Union[SessionResult, _Mapping]]] = ..., verified: _Optional[_Union[VerifiedResults, _Mapping]] = ..., features: _Optional[_Union[Tensor, _Mapping]] = ..., step_seconds: _Optional[float] = ..., notice: _Optional[bool] = ..., held_seconds: _Optional[float] = ..., ring: _Optional[_Union[FeatureRing, _Mapping]] = ..., features_at: _Optional[int] = ..., unix_socket: _Optional[_Union[UnixSocket, _Mapping]] = ...) -> None: ...
 
 class InfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("architecture", "vocab_size", "hidden_size", "num_layers", "dtype", "config_fingerprint", "feature_layer_ids", "max_seq_len", "max_sessions", "max_tree_nodes", "free_sessions", "feature_projection", "busy_s", "device_id", "verify_costs", "sampling", "deterministic", "feature_wire", "draining", "token_bias", "penalties")
+    __slots__ = ("architecture", "vocab_size", "hidden_size", "num_layers", "dtype", "config_fingerprint", "feature_layer_ids", "max_seq_len", "max_sessions", "max_tree_nodes", "free_sessions", "feature_projection", "busy_s", "device_id", "verify_costs", "sampling", "deterministic", "feature_wire", "draining", "token_bias", "penalties", "columns")
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -427,6 +421,7 @@ class InfoResponse(_message.Message):
     DRAINING_FIELD_NUMBER: _ClassVar[int]
     TOKEN_BIAS_FIELD_NUMBER: _ClassVar[int]
     PENALTIES_FIELD_NUMBER: _ClassVar[int]
+    COLUMNS_FIELD_NUMBER: _ClassVar[int]
     architecture: str
     vocab_size: int
     hidden_size: int
@@ -448,7 +443,8 @@ class InfoResponse(_message.Message):
     draining: bool
     token_bias: bool
     penalties: bool
-    def __init__(self, architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., dtype: _Optional[str] = ..., config_fingerprint: _Optional[str] = ..., feature_layer_ids: _Optional[_Iterable[int]] = ..., max_seq_len: _Optional[int] = ..., max_sessions: _Optional[int] = ..., max_tree_nodes: _Optional[int] = ..., free_sessions: _Optional[int] = ..., feature_projection: _Optional[str] = ..., busy_s: _Optional[float] = ..., device_id: _Optional[str] = ..., verify_costs: _Optional[_Iterable[_Union[VerifyCost, _Mapping]]] = ..., sampling: _Optional[str] = ..., deterministic: _Optional[bool] = ..., feature_wire: _Optional[str] = ..., draining: _Optional[bool] = ..., token_bias: _Optional[bool] = ..., penalties: _Optional[bool] = ...) -> None: ...
+    columns: bool
+    def __init__(self, architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., dtype: _Optional[str] = ..., config_fingerprint: _Optional[str] = ..., feature_layer_ids: _Optional[_Iterable[int]] = ..., max_seq_len: _Optional[int] = ..., max_sessions: _Optional[int] = ..., max_tree_nodes: _Optional[int] = ..., free_sessions: _Optional[int] = ..., feature_projection: _Optional[str] = ..., busy_s: _Optional[float] = ..., device_id: _Optional[str] = ..., verify_costs: _Optional[_Iterable[_Union[VerifyCost, _Mapping]]] = ..., sampling: _Optional[str] = ..., deterministic: _Optional[bool] = ..., feature_wire: _Optional[str] = ..., draining: _Optional[bool] = ..., token_bias: _Optional[bool] = ..., penalties: _Optional[bool] = ..., columns: _Optional[bool] = ...) -> None: ...
 
 class VerifyCost(_message.Message):
     __slots__ = ("batch", "tokens", "seconds")
