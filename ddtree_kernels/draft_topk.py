@@ -25,7 +25,11 @@ from torch import Tensor
 
 from ddtree_kernels.tree_sampling import kernel_backend
 
-SUB = 16  # logits per sub-chunk: the Triton path needs the vocabulary to be a multiple of it
+MIN_SUB = 16  # logits per sub-chunk at least: the Triton path needs the vocabulary to be a multiple of it
+MAX_SUB = 128  # and at most
+# Lanes of the row program's two searches, at most: its sub-chunk maxima (V / SUB) and its candidates
+# (k * SUB). Wider ones spill registers: at SUB = 16, V = 151,936 the maxima took 16,384 lanes.
+CANDIDATE_LANES = 2048
 CHUNK_V = 4096  # vocabulary per program of the pass (a power of two); tests lower it
 # Rows from which `top_logprobs` takes the Triton path (H200, V = 151,936, per call, bench/draft_topk.py:
 # k = 16, 15 rows 0.17 ms against the reference's 0.22, 240 rows 0.24 against 0.87, 480 rows 0.34
@@ -83,7 +87,7 @@ def _row_top_kernel(x_ptr, sub_max_ptr, part_max_ptr, part_sum_ptr, value_ptr, t
         chosen = tl.where(ranks == i, pos, chosen)
         alive = alive & (subs != pos)
     candidates = chosen[:, None] * SUB + tl.arange(0, SUB)[None, :]  # [KP, SUB] token ids
-    live = (ranks < K)[:, None] & (candidates >= 0)
+    live = (ranks < K)[:, None] & (candidates >= 0) & (candidates < V)
     x = tl.load(x_ptr + row * V + candidates, mask=live, other=-float("inf")).to(tl.float32)
     x = tl.where(x != x, float("inf"), x)
     for i in range(K):
@@ -94,18 +98,31 @@ def _row_top_kernel(x_ptr, sub_max_ptr, part_max_ptr, part_sum_ptr, value_ptr, t
         live = live & (candidates != token)
 
 
+def sub_chunk(vocab: int, k: int) -> int:
+    """Logits per sub-chunk for this vocabulary and k: the most, up to MAX_SUB, that divide the
+    vocabulary, keep the candidates (k * SUB, k rounded to its `rank_lanes`) within
+    CANDIDATE_LANES and at most a quarter of the vocabulary (so there are k sub-chunks to take);
+    fewer sub-chunks make a shorter search over their maxima. At least MIN_SUB (the caller checks
+    the vocabulary is a multiple of it, and k * MIN_SUB against it)."""
+    sub = max(MIN_SUB, min(MAX_SUB, CANDIDATE_LANES // rank_lanes(k)))
+    while sub > MIN_SUB and (vocab % sub or 4 * k * sub > vocab):
+        sub //= 2
+    return sub
+
+
 def top_logprobs_triton(logits: Tensor, k: int) -> tuple[Tensor, Tensor]:
     """`top_logprobs_reference` in one pass over the logits and one program per row for the rest
-    (see the module); V % SUB == 0, k <= V // SUB. Two launches, so the host's cost does not
-    grow with the steps: it runs on the drafter's critical path every step."""
+    (see the module); V % MIN_SUB == 0, k <= V // MIN_SUB. Two launches, so the host's cost does
+    not grow with the steps: it runs on the drafter's critical path every step."""
     *lead, vocab = logits.shape
-    if vocab % SUB or not 0 < k <= vocab // SUB:
-        raise ValueError(f"the Triton top-k needs a vocabulary that is a multiple of {SUB} and "
-                         f"0 < k <= vocabulary / {SUB}; got vocabulary {vocab}, k {k}")
+    if vocab % MIN_SUB or not 0 < k <= vocab // MIN_SUB:
+        raise ValueError(f"the Triton top-k needs a vocabulary that is a multiple of {MIN_SUB} and "
+                         f"0 < k <= vocabulary / {MIN_SUB}; got vocabulary {vocab}, k {k}")
+    sub = sub_chunk(vocab, k)
     x = logits.reshape(-1, vocab).contiguous()
     rows, dev = x.shape[0], x.device
-    chunk = min(CHUNK_V, triton.next_power_of_2(vocab))
-    num_chunks, num_subs = triton.cdiv(vocab, chunk), vocab // SUB
+    chunk = max(sub, min(CHUNK_V, triton.next_power_of_2(vocab)))
+    num_chunks, num_subs = triton.cdiv(vocab, chunk), vocab // sub
     sub_max = torch.empty((rows, num_subs), dtype=torch.float32, device=dev)
     part_max = torch.empty((rows, num_chunks), dtype=torch.float32, device=dev)
     part_sum = torch.empty_like(part_max)
@@ -113,10 +130,10 @@ def top_logprobs_triton(logits: Tensor, k: int) -> tuple[Tensor, Tensor]:
     tokens = torch.empty((rows, k), dtype=torch.int64, device=dev)
     if rows:
         _row_partials_kernel[(rows, num_chunks)](x, sub_max, part_max, part_sum, vocab, num_chunks, num_subs,
-                                                 CHUNK=chunk, SUB=SUB)
+                                                 CHUNK=chunk, SUB=sub)
         _row_top_kernel[(rows,)](x, sub_max, part_max, part_sum, values, tokens, vocab, num_chunks, num_subs, k,
                                  CHUNKS=triton.next_power_of_2(num_chunks), SUBS=triton.next_power_of_2(num_subs),
-                                 KP=rank_lanes(k), SUB=SUB, num_warps=8)
+                                 KP=rank_lanes(k), SUB=sub, num_warps=8)
     return values.view(*lead, k), tokens.view(*lead, k)
 
 
@@ -128,22 +145,33 @@ def rank_lanes(k: int) -> int:
 
 def warm_up(device: torch.device, vocab: int, dtype: torch.dtype, max_k: int = 64) -> None:
     """Compile both kernels for logits of this vocabulary and dtype, for every k up to `max_k`
-    (one variant per `rank_lanes`), so that no step waits for a compile (about half a second
-    each, which a serving step would pay, and the adaptive budget would read as cost)."""
-    if vocab % SUB:
+    that `top_logprobs` gives them (one variant per `rank_lanes` and `sub_chunk`), so that no step
+    waits for a compile (about half a second each, which a serving step would pay, and the
+    adaptive budget would read as cost)."""
+    if vocab % MIN_SUB:
         return
     logits = torch.zeros((1, vocab), dtype=dtype, device=device)
-    for lanes in sorted({rank_lanes(k) for k in range(1, max_k + 1) if k <= vocab // SUB}):
-        top_logprobs_triton(logits, lanes)
+    for k in variants(vocab, max_k).values():
+        top_logprobs_triton(logits, k)
+
+
+def variants(vocab: int, max_k: int) -> dict[tuple[int, int], int]:
+    """The compiled variants the Triton path takes for k up to `max_k` at this vocabulary (as
+    `top_logprobs` dispatches): (rank lanes, sub-chunk) -> the first k that takes it."""
+    out: dict[tuple[int, int], int] = {}
+    for k in range(1, max_k + 1):
+        if 4 * k * MIN_SUB <= vocab:
+            out.setdefault((rank_lanes(k), sub_chunk(vocab, k)), k)
+    return out
 
 
 def top_logprobs(logits: Tensor, k: int) -> tuple[Tensor, Tensor]:
     """The k largest log-probs of each row of logits [..., V] (float32) and their tokens (int64),
     descending: the Triton pass where `kernel_backend` says so and the shape suits it (at least
-    TRITON_MIN_ROWS rows, V a multiple of SUB, k * SUB at most a quarter of V), else the reference."""
+    TRITON_MIN_ROWS rows, V a multiple of MIN_SUB, k * MIN_SUB at most a quarter of V), else the reference."""
     vocab = logits.shape[-1]
     rows = logits.numel() // max(vocab, 1)
-    if (kernel_backend(logits.device) == "triton" and rows >= TRITON_MIN_ROWS and vocab % SUB == 0
-            and 0 < k * SUB * 4 <= vocab):
+    if (kernel_backend(logits.device) == "triton" and rows >= TRITON_MIN_ROWS and vocab % MIN_SUB == 0
+            and 0 < k * MIN_SUB * 4 <= vocab):
         return top_logprobs_triton(logits, k)
     return top_logprobs_reference(logits, k)

@@ -42,6 +42,28 @@ def test_triton_equals_reference_on_continuous_logits(seed, k):
     assert bool((got_logq[..., :-1] >= got_logq[..., 1:]).all())  # descending
 
 
+def test_sub_chunks_are_the_most_that_divide_the_vocabulary_and_fit_the_lanes():
+    """Qwen3's vocabulary (151,936 = 2^7 x 1187) takes 128-logit sub-chunks at k <= 16, fewer
+    where k's candidates would pass CANDIDATE_LANES; other vocabularies the most that divide them."""
+    assert [draft_topk.sub_chunk(151_936, k) for k in (1, 16, 17, 32, 64, 128)] == [128, 128, 64, 64, 32, 16]
+    assert [draft_topk.sub_chunk(v, 4) for v in (16 * 70, 16 * 83, 128 * 12, 64 * 9)] == [32, 16, 64, 32]
+    assert draft_topk.sub_chunk(128 * 64, 16) == 128 and draft_topk.sub_chunk(128 * 12, 16) == 16  # k sub-chunks x 4
+
+
+@pytest.mark.parametrize("k", [3, 16, 40])
+def test_triton_equals_reference_at_every_sub_chunk_size(k):
+    """A vocabulary of 128 x 40 takes sub-chunks of 128 (k = 3), 64 (k = 16: 4 x 16 x 64 <= V) and
+    32 (k = 40: 2048 candidate lanes / 64)."""
+    gen = torch.Generator().manual_seed(k)
+    vocab = 128 * 40
+    assert [draft_topk.sub_chunk(vocab, j) for j in (3, 16, 40)] == [128, 64, 32]
+    logits = (torch.randn(5, vocab, generator=gen) * 4).to(DEVICE)
+    got_logq, got_tokens = top_logprobs_triton(logits, k)
+    want_logq, want_tokens = top_logprobs_reference(logits, k)
+    assert torch.equal(got_tokens, want_tokens)
+    torch.testing.assert_close(got_logq, want_logq, rtol=0, atol=2e-5)
+
+
 @pytest.mark.parametrize("seed", range(3))
 def test_triton_takes_the_largest_values_when_logits_tie(seed):
     # bfloat16 logits from a few levels: many ties, also at the k-th value. Any of the tied
@@ -82,7 +104,7 @@ def test_dispatch_and_argument_checks(monkeypatch, kernel_env):
         top_logprobs(logits, 4)
         assert calls == []
     kernel_env(BACKEND_ENV, "triton")
-    # Not a multiple of SUB; k * SUB above a quarter of V; fewer rows than TRITON_MIN_ROWS.
+    # Not a multiple of MIN_SUB; k * MIN_SUB above a quarter of V; fewer rows than TRITON_MIN_ROWS.
     for rows, vocab, k in ((2, 16 * 40 + 3, 4), (2, 16 * 40, 40), (1, 16 * 40, 4)):
         x = torch.randn(rows, vocab)
         values, tokens = top_logprobs(x, k)  # falls back to the reference
@@ -125,16 +147,22 @@ def test_bench_reports_both_paths(tmp_path):
     assert json.loads(out.read_text())["rows"] == res["rows"]
 
 
-def test_warm_up_compiles_one_variant_per_rank_lanes(monkeypatch):
-    """Every k up to 16 shares one compiled variant of the row kernel (the adaptive budget moves
-    between them step by step), and the warm-up runs each variant up to its max_k once."""
+def test_warm_up_compiles_one_variant_per_rank_lanes_and_sub_chunk(monkeypatch):
+    """Every k up to 16 shares the row kernel's rank lanes (the adaptive budget moves between them
+    step by step); at Qwen3's vocabulary they share its sub-chunk too, so k up to 64 compile three
+    variants. The warm-up runs one k of each variant the dispatch can take, and nothing for a
+    vocabulary the Triton path does not take."""
     assert {draft_topk.rank_lanes(k) for k in range(1, 17)} == {16}
     assert [draft_topk.rank_lanes(k) for k in (17, 32, 33, 64)] == [32, 32, 64, 64]
+    assert draft_topk.variants(151_936, 64) == {(16, 128): 1, (32, 64): 17, (64, 32): 33}
     draft_topk.warm_up(torch.device(DEVICE), 16 * 64, torch.float32, max_k=20)  # runs for real
     calls = []
     monkeypatch.setattr(draft_topk, "top_logprobs_triton", lambda logits, k: calls.append((tuple(logits.shape), k)))
     draft_topk.warm_up(torch.device(DEVICE), 16 * 64, torch.bfloat16, max_k=40)
-    assert calls == [((1, 16 * 64), 16), ((1, 16 * 64), 32), ((1, 16 * 64), 64)]
+    # k <= 16 go to the Triton path at V = 1024 (4 k x 16 <= V), in four sub-chunk sizes.
+    assert calls == [((1, 16 * 64), k) for k in (1, 3, 5, 9)]
+    assert {(draft_topk.rank_lanes(k), draft_topk.sub_chunk(16 * 64, k)) for k in range(1, 17)} == set(
+        draft_topk.variants(16 * 64, 40))
     calls.clear()
     draft_topk.warm_up(torch.device(DEVICE), 16 * 64 + 3, torch.bfloat16)  # no Triton path for this vocabulary
     assert calls == []
