@@ -31,11 +31,12 @@ MAX_SUB = 128  # and at most
 # (k * SUB). Wider ones spill registers: at SUB = 16, V = 151,936 the maxima took 16,384 lanes.
 CANDIDATE_LANES = 2048
 CHUNK_V = 4096  # vocabulary per program of the pass (a power of two); tests lower it
-# Rows from which `top_logprobs` takes the Triton path (H200, V = 151,936, per call, bench/draft_topk.py:
-# k = 16, 15 rows 0.17 ms against the reference's 0.22, 240 rows 0.24 against 0.87, 480 rows 0.34
-# against 1.49; k = 64, 15 rows 0.33 against 0.23, 240 rows 0.50 against 0.87). Fewer rows (a
-# few sessions) keep the reference, which serving at one client was measured with.
-TRITON_MIN_ROWS = 128
+# Where `top_logprobs` takes the Triton path (H200, V = 151,936, us per call, bench/draft_topk.py): at
+# k <= WIDE_K at any row count (15 rows: k = 16 81-88 against the reference's 142-144, k = 32 105-116
+# against 142-146; 480 rows, k = 16: 147 against 1,488), above it from TRITON_MIN_ROWS rows (k = 64:
+# 15 rows 175-182 against 142-146, 30 rows 209-221 against 180-184, 60 rows 210-253 against 281-286).
+WIDE_K = 32
+TRITON_MIN_ROWS = 48
 
 
 def top_logprobs_reference(logits: Tensor, k: int) -> tuple[Tensor, Tensor]:
@@ -167,11 +168,12 @@ def variants(vocab: int, max_k: int) -> dict[tuple[int, int], int]:
 
 def top_logprobs(logits: Tensor, k: int) -> tuple[Tensor, Tensor]:
     """The k largest log-probs of each row of logits [..., V] (float32) and their tokens (int64),
-    descending: the Triton pass where `kernel_backend` says so and the shape suits it (at least
-    TRITON_MIN_ROWS rows, V a multiple of MIN_SUB, k * MIN_SUB at most a quarter of V), else the reference."""
+    descending: the Triton pass where `kernel_backend` says so and the shape suits it (k at most
+    WIDE_K or at least TRITON_MIN_ROWS rows, V a multiple of MIN_SUB, k * MIN_SUB at most a quarter
+    of V), else the reference."""
     vocab = logits.shape[-1]
     rows = logits.numel() // max(vocab, 1)
-    if (kernel_backend(logits.device) == "triton" and rows >= TRITON_MIN_ROWS and vocab % MIN_SUB == 0
-            and 0 < k * MIN_SUB * 4 <= vocab):
+    if (kernel_backend(logits.device) == "triton" and (k <= WIDE_K or rows >= TRITON_MIN_ROWS)
+            and vocab % MIN_SUB == 0 and 0 < k * MIN_SUB * 4 <= vocab):
         return top_logprobs_triton(logits, k)
     return top_logprobs_reference(logits, k)

@@ -23,7 +23,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 def small_chunks(monkeypatch):
     if DEVICE == "cpu":
         monkeypatch.setattr(draft_topk, "CHUNK_V", 256)
-    monkeypatch.setattr(draft_topk, "TRITON_MIN_ROWS", 2)  # these tests' row counts take the Triton path
+    monkeypatch.setattr(draft_topk, "TRITON_MIN_ROWS", 2)  # k above WIDE_K takes the Triton path from 2 rows here
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -104,16 +104,18 @@ def test_dispatch_and_argument_checks(monkeypatch, kernel_env):
         top_logprobs(logits, 4)
         assert calls == []
     kernel_env(BACKEND_ENV, "triton")
-    # Not a multiple of MIN_SUB; k * MIN_SUB above a quarter of V; fewer rows than TRITON_MIN_ROWS.
-    for rows, vocab, k in ((2, 16 * 40 + 3, 4), (2, 16 * 40, 40), (1, 16 * 40, 4)):
+    # Not a multiple of MIN_SUB; k * MIN_SUB above a quarter of V; k above WIDE_K on fewer rows than TRITON_MIN_ROWS.
+    for rows, vocab, k in ((2, 16 * 40 + 3, 4), (2, 16 * 40, 40), (1, 16 * 200, 40)):
         x = torch.randn(rows, vocab)
         values, tokens = top_logprobs(x, k)  # falls back to the reference
         want_values, want_tokens = top_logprobs_reference(x, k)
         assert torch.equal(values, want_values) and torch.equal(tokens, want_tokens)
     calls = []
     monkeypatch.setattr(draft_topk, "top_logprobs_triton", lambda *a: calls.append(a))
-    top_logprobs(logits, 4)  # two rows: at TRITON_MIN_ROWS
-    assert len(calls) == 1
+    top_logprobs(logits, 4)  # k at most WIDE_K: at any row count, one row too
+    top_logprobs(logits[:1], 4)
+    top_logprobs(torch.randn(2, 16 * 200), 40)  # k above WIDE_K: two rows, at TRITON_MIN_ROWS
+    assert len(calls) == 3
     with pytest.raises(ValueError, match="multiple of 16"):
         top_logprobs_triton(torch.randn(2, 16 * 40 + 3), 4)
     with pytest.raises(ValueError, match="0 < k"):
