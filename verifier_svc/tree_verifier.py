@@ -606,8 +606,8 @@ class TreeVerifier:
             self._count_prompts(group, sessions)
             with stage("sample"):
                 logits = launched.logits.reshape(-1, launched.logits.shape[-1])
-                index = torch.tensor([ends[j] for j in last], dtype=torch.int64, device=logits.device)
-                tokens, kept = self._sample_first(group, sessions, last, logits.index_select(0, index))
+                # (`rows_of`: the index goes over through pinned memory, without waiting for the device)
+                tokens, kept = self._sample_first(group, sessions, last, rows_of(logits, [ends[j] for j in last]))
         mixed = _LaunchedPrefill(group, sessions, last, HostCopy(*([tokens] if tokens is not None else [])),
                                  [chunk.shape[0] if s.features else 0 for (*_, chunk), s in zip(group, sessions)],
                                  logits=kept)
