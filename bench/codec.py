@@ -12,8 +12,10 @@ bytes gRPC writes) and parsed and decoded as the drafter's link does (`parse_lin
 then `decode_link_response` over the features' view). A request of B `--nodes`-node trees is
 encoded as the drafter's link does (`encode_link_request`, serialised) and parsed and decoded
 as the verifier's link handler does (`decode_message`, `decode_link_request`); its trees are then
-walked and their masks built as the verifier's step does (`walk_trees`, `ancestor_masks`). One
-process, no gRPC: bench/transport.py times the whole exchange.
+walked and their masks built as the verifier's step does (`walk_trees`, `ancestor_masks`). Before
+the request, the drafter's trees: DraftTrees made from B sessions' selected DDTree nodes of
+`--nodes - 1` drafted tokens (`DDTreeSelection.trees`, after `select_ddtrees` over random
+logits). One process, no gRPC: bench/transport.py times the whole exchange.
 
 The drafter's decoding includes its reading of the rows as a drafter on a GPU reads them (bench/transport.py's
 `gpu_drafter_reader`; without a GPU, its host's part: the rows' copy out of the reply into
@@ -43,6 +45,7 @@ from common.rpc import decode_message, pb
 from common.tree import TreeLayout, ancestor_masks, walk_trees
 from common.wire import (LinkLimits, decode_link_request, decode_link_response, encode_link_request,
                          encode_link_response, parse_link_response)
+from drafter_svc.ddtree import select_ddtrees
 
 VOCAB = 151_936
 
@@ -77,8 +80,8 @@ def main(argv=None) -> dict:
     packed = a.feature_wire == "fp8"
     res = {"rows_per_session": a.rows, "width": a.width, "nodes": a.nodes, "reps": a.reps,
            "feature_wire": a.feature_wire, "rows": []}
-    print(f"{'B':>4} {'reply MB':>9} {'encode':>8} {'decode':>8} {'req KB':>7} {'req enc':>8} {'req dec':>8} "
-          f"{'walk':>7} {'masks':>7}")
+    print(f"{'B':>4} {'reply MB':>9} {'encode':>8} {'decode':>8} {'trees':>7} {'req KB':>7} {'req enc':>8} "
+          f"{'req dec':>8} {'walk':>7} {'masks':>7}")
     for batch in batches:
         features = torch.randn(batch * a.rows, a.width, generator=torch.Generator().manual_seed(batch)).to(torch.bfloat16)
         sent = pack_rows(features) if packed else features
@@ -97,6 +100,8 @@ def main(argv=None) -> dict:
             assert torch.equal(torch.cat([r.outcome.features for r in decode()]), sent)
         encode = lambda: encode_link_response(1, results, width, dtype)  # noqa: E731
 
+        logits = torch.randn(batch, a.nodes - 1, 1024, generator=torch.Generator().manual_seed(batch))
+        selection = select_ddtrees(logits, [1] * batch, [a.nodes - 1] * batch)
         tree = random_tree(a.nodes, VOCAB)
         entries = [TreeEntry(s + 1, 2, tree) for s in range(batch)]
         request = encode_link_request(1, entries).SerializeToString()
@@ -111,13 +116,14 @@ def main(argv=None) -> dict:
             return min(mean_ms(fn, a.reps) for _ in range(2))
 
         row = {"batch": batch, "reply_bytes": len(data), "request_bytes": len(request),
-               "encode_ms": best(encode), "decode_ms": best(decode),
+               "encode_ms": best(encode), "decode_ms": best(decode), "trees_ms": best(selection.trees),
                "request_encode_ms": best(lambda: encode_link_request(1, entries).SerializeToString()),
                "request_decode_ms": best(decode_request), "walk_ms": best(walk),
                "masks_ms": best(lambda: ancestor_masks(layouts, a.nodes))}
         res["rows"].append(row)
         print(f"{batch:>4} {len(data) / 1e6:>9.3f} {row['encode_ms']:>8.3f} {row['decode_ms']:>8.3f} "
-              f"{len(request) / 1e3:>7.1f} {row['request_encode_ms']:>8.3f} {row['request_decode_ms']:>8.3f} "
+              f"{row['trees_ms']:>7.3f} {len(request) / 1e3:>7.1f} {row['request_encode_ms']:>8.3f} "
+              f"{row['request_decode_ms']:>8.3f} "
               f"{row['walk_ms']:>7.3f} {row['masks_ms']:>7.3f}", flush=True)
     write_json(a.out_json, res)
     return res

@@ -88,11 +88,8 @@ class DraftTree:
             else:
                 next_sibling[last_child[parent]] = node
             last_child[parent] = node
-        return cls(
-            tokens=torch.tensor(tokens, dtype=torch.int64),
-            next_token=torch.tensor(next_token, dtype=torch.int64),
-            next_sibling=torch.tensor(next_sibling, dtype=torch.int64),
-        )
+        # (one array for the three: a third of the cost of three tensors made from lists)
+        return cls(*torch.from_numpy(np.array([list(tokens), next_token, next_sibling], dtype=np.int64)))
 
 
 @dataclass(eq=False)
@@ -276,8 +273,60 @@ def walk_trees(
     """
     checked = [_checked_buffers(tree, max_nodes) for tree in trees]
     passed = [buffers for buffers in checked if isinstance(buffers, tuple)]
-    walked = iter(_walk_batch(passed, vocab_size=vocab_size, max_depth=max_depth) if passed else ())
+    if sum(tokens.shape[0] for tokens, _, _ in passed) <= SMALL_STEP_NODES:
+        walked = iter([_walk_small(*buffers, vocab_size=vocab_size, max_depth=max_depth) for buffers in passed])
+    else:
+        walked = iter(_walk_batch(passed, vocab_size=vocab_size, max_depth=max_depth))
     return [next(walked) if isinstance(buffers, tuple) else buffers for buffers in checked]
+
+
+# At most this many nodes in all, the trees are walked one by one in Python (`_walk_small`), and
+# their masks built so (`ancestor_masks`): below it the batched forms' fixed cost, some sixty and
+# some thirty numpy calls, is the larger (about 128 nodes for the walk where both cost the same).
+SMALL_STEP_NODES = 96
+
+
+def _walk_small(tokens: Tensor, next_token: Tensor, next_sibling: Tensor, *, vocab_size: int,
+                max_depth: int) -> TreeLayout | TreeError:
+    """`_walk_batch` of one tree, node by node in Python: the same rules in the same order, so the
+    same result and the same message whichever walk a tree meets."""
+    tokens, first_child, sibling = tokens.tolist(), next_token.tolist(), next_sibling.tolist()
+    n = len(tokens)
+    for field, links in (("next_token", first_child), ("next_sibling", sibling)):
+        for i, link in enumerate(links):
+            if link != -1 and not i < link < n:
+                return TreeError(_link_error(i, field, link, n))
+    if sibling[0] != -1:
+        return TreeError(f"root node 0 has a sibling (node {sibling[0]})")
+    incoming = [0] * n
+    for link in first_child + sibling:
+        if link != -1:
+            incoming[link] += 1
+    incoming[0] = 1  # the root's link, from outside the tree
+    for i, count in enumerate(incoming):
+        if count != 1:
+            return TreeError(f"node {i} is reached twice ({count} links point to it)" if count
+                             else f"node {i} is not reachable from the root")
+    for i, token in enumerate(tokens):
+        if not 0 <= token < vocab_size:
+            return TreeError(f"node {i}: token {token} is outside the vocabulary [0, {vocab_size})")
+    parents, depths = [-1] * n, [0] * n
+    for i in range(n):  # links point forward: node i's parent and depth are known by now
+        if (child := first_child[i]) != -1:
+            parents[child], depths[child] = i, depths[i] + 1
+        if (later := sibling[i]) != -1:
+            parents[later], depths[later] = parents[i], depths[i]
+    deepest = max(depths)
+    if deepest > max_depth:
+        i = next(i for i, depth in enumerate(depths) if depth > max_depth)
+        return TreeError(f"node {i}: depth {depths[i]} exceeds max_depth {max_depth}")
+    seen = set()
+    for i in range(1, n):
+        key = (parents[i], tokens[i])
+        if key in seen:
+            return TreeError(f"node {i}: token {tokens[i]} repeats a sibling's token under parent {parents[i]}")
+        seen.add(key)
+    return TreeLayout(np.array(parents, dtype=np.int64), np.array(depths, dtype=np.int64), deepest)
 
 
 def _walk_batch(
@@ -408,7 +457,8 @@ def ancestor_masks(layouts: Sequence[TreeLayout], width: int) -> Tensor:
     its ancestors. Rows and columns past a tree's nodes are padding that sees only itself, so
     in a padded forward no node sees padding and padding sees no node.
 
-    Level by level on the host (numpy), every tree at once: in step d each node at depth >= d
+    On the host (numpy). Up to SMALL_STEP_NODES nodes in all, tree by tree, each row from its
+    parent's; past it level by level, every tree at once: in step d each node at depth >= d
     marks its d-th ancestor, so the work is the sum of the depths, plus a few array operations
     per level of the deepest tree.
     """
@@ -417,7 +467,18 @@ def ancestor_masks(layouts: Sequence[TreeLayout], width: int) -> Tensor:
         raise ValueError(f"a tree of {sizes.max()} nodes does not fit masks of width {width}")
     masks = np.zeros((len(layouts), width, width), dtype=bool)
     masks.reshape(len(layouts), width * width)[:, :: width + 1] = True  # the diagonals
-    if layouts:
+    if sizes.sum() <= SMALL_STEP_NODES:
+        # Tree by tree: each node's row as the bits of an int (its parent's, and its own), in node
+        # order (a parent comes first), then unpacked into the rows at once.
+        row_bytes = (width + 7) // 8
+        for b, layout in enumerate(layouts):
+            rows: list[int] = []
+            for i, parent in enumerate(layout.parents.tolist()):
+                rows.append((rows[parent] if parent >= 0 else 0) | 1 << i)
+            bits = np.frombuffer(b"".join(row.to_bytes(row_bytes, "little") for row in rows), dtype=np.uint8)
+            masks[b, : len(rows)] = np.unpackbits(bits.reshape(len(rows), row_bytes), axis=1, count=width,
+                                                  bitorder="little")
+    else:
         # Nodes are numbered globally (node i of a tree is start + i) and `up` maps them to their
         # parents. A node's `row` is its row in the masks seen as [B * width, width], and its
         # cell plus a global node index is the flat index of that node's column in this row.

@@ -80,10 +80,15 @@ def decode_tensor(msg: pb.Tensor, *, max_elements: int, data: bytes | memoryview
         return torch.frombuffer(data, dtype=dtype).reshape(shape)
 
 
+FEW_INTS = 256  # up to this many, `write_ints` packs a tensor's or array's values as a list
+
+
 def write_ints(field: pb.PackedInts, values: torch.Tensor | np.ndarray | Sequence[int]) -> None:
     """Signed little-endian integers in the narrowest of 1, 2, 4 or 8 bytes, into a message's field.
     (numpy, or for a list the array module, not torch: a link message's few hundred integers cost
-    microseconds, not tens of them.)"""
+    microseconds, not tens of them; a few of them go as a list: numpy's reductions cost more.)"""
+    if isinstance(values, (torch.Tensor, np.ndarray)) and values.ndim == 1 and values.shape[0] <= FEW_INTS:
+        values = values.tolist()
     if isinstance(values, (torch.Tensor, np.ndarray)):
         a = np.asarray(values.cpu().numpy() if isinstance(values, torch.Tensor) else values, dtype=np.int64)
         lo, hi = (int(a.min()), int(a.max())) if a.size else (0, 0)
@@ -198,7 +203,8 @@ def encode_link_request(step: int, entries: Sequence[Entry]) -> pb.LinkRequest:
         if any(e.traceparent for e in trees):
             msg.trees.traceparents.extend(e.traceparent for e in trees)
         for field in ("tokens", "next_token", "next_sibling"):
-            write_ints(getattr(msg, f"tree_{field}"), torch.cat([getattr(e.tree, field) for e in trees]))
+            buffers = [getattr(e.tree, field) for e in trees]
+            write_ints(getattr(msg, f"tree_{field}"), buffers[0] if len(buffers) == 1 else torch.cat(buffers))
     return msg
 
 

@@ -318,8 +318,16 @@ def _select_on_device(values: Tensor, tokens: Tensor, roots: np.ndarray, budget:
     return DDTreeSelection(selected.numpy(), parents.numpy(), num_nodes.numpy(), scores.numpy())
 
 
+# Up to this many trees, `_trees` links each one's nodes in Python (`DraftTree.from_parents`), below
+# the fixed cost of its batched form.
+FEW_TREES = 6
+
+
 def _trees(tokens: np.ndarray, parents: np.ndarray, num_nodes: np.ndarray) -> list[DraftTree]:
     """DraftTrees from per-session [S, N] tokens and parents (node indices), the first num_nodes[s] used."""
+    if len(num_nodes) <= FEW_TREES:
+        return [DraftTree.from_parents(row_tokens[:n], row_parents[:n])
+                for row_tokens, row_parents, n in zip(tokens.tolist(), parents.tolist(), num_nodes.tolist())]
     used = np.arange(tokens.shape[1]) < num_nodes[:, None]
     # One flat array of all trees: parents become flat indices, a root keeps -1.
     offsets = np.cumsum(num_nodes) - num_nodes

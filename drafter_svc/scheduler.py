@@ -64,7 +64,7 @@ from torch import Tensor
 from common.protocol import (MAX_TOKEN_BIAS, CloseEntry, Entry, ExtendEntry, Extended, LinkLost, OpenEntry, Prefilled,
                              StatusError, StepResult, TreeEntry, Verified)
 from common import metrics
-from common.tracing import traceparent_of, tracer
+from common.tracing import current_span, traceparent_of, tracer
 from common.tree import DeviceTree, DraftTree
 from drafter_svc.budget import BudgetChoice, BudgetPlanner
 from drafter_svc.drafter import BlockProposer, build_trees, join_blocks
@@ -692,7 +692,7 @@ class DraftScheduler:
             sessions = [drafting[i] for i in busy]
             ahead, self._ahead = self._ahead, []
             start = time.perf_counter()
-            with _tracer.start_as_current_span("draft"):
+            with current_span(_tracer, "draft"):
                 block, order, ahead_s = self._block(sessions, ahead)
                 busy, sessions = [busy[j] for j in order], [sessions[j] for j in order]
                 # The benchmark's edit: decided while the device drafts.
@@ -705,7 +705,7 @@ class DraftScheduler:
             drafted = time.perf_counter()
             draft_s = drafted - start + ahead_s
             metrics.DRAFT_STEP.observe(draft_s)
-            with _tracer.start_as_current_span("tree_build"):
+            with current_span(_tracer, "tree_build"):
                 built = build_trees([s.config.mode for s in sessions], block, [s.root for s in sessions],
                                     [rooms[i] for i in busy], self.planner, len(drafting),
                                     [self._adapts(s) for s in sessions], on_device=self._device_trees,

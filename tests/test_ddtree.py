@@ -510,3 +510,20 @@ def test_ancestor_mask_small_example():
     )
     assert torch.equal(ancestor_mask(layout.parents, layout.depths), expected)
     assert torch.equal(ancestor_mask_reference(layout.parents, layout.depths), expected)
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_few_trees_are_linked_as_the_batch_links_them(seed, monkeypatch):
+    """Up to FEW_TREES trees get their links tree by tree (`DraftTree.from_parents`), more in one
+    batched pass: the same trees either way."""
+    import drafter_svc.ddtree as ddtree
+
+    rng = random.Random(seed)
+    sessions, depths, vocab = rng.randint(1, ddtree.FEW_TREES), rng.randint(1, 6), rng.randint(2, 40)
+    logits = random_logits(sessions * depths, vocab, seed).reshape(sessions, depths, vocab)
+    selection = select_ddtrees(logits, [s % vocab for s in range(sessions)], mixed_budgets(rng, sessions, depths,
+                                                                                         vocab))
+    few = selection.trees()
+    monkeypatch.setattr(ddtree, "FEW_TREES", 0)
+    for tree, batched in zip(few, selection.trees(), strict=True):
+        assert_same_tree(tree, batched)

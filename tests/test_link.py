@@ -32,6 +32,24 @@ def features(rows: int, seed: int) -> torch.Tensor:
     return torch.randn(rows, WIDTH, generator=torch.Generator().manual_seed(seed))
 
 
+@pytest.mark.parametrize("seed", range(5))
+def test_packed_ints_are_the_same_bytes_from_a_list_an_array_and_a_tensor(seed):
+    """`write_ints` packs short tensors and arrays as lists, long ones through numpy: the same
+    narrowest width and bytes from every form, and they read back as the values."""
+    rng = np.random.default_rng(seed)
+    for count in (0, 1, wire.FEW_INTS, wire.FEW_INTS + 1, 1000):
+        for bound in (100, 30_000, 2**31 - 1, 2**63 - 1):
+            values = rng.integers(-bound, bound, size=count, dtype=np.int64, endpoint=True)
+            packed = [wire.pack_ints(form) for form in (values.tolist(), values, torch.from_numpy(values),
+                                                         torch.from_numpy(values).to(torch.int32)
+                                                         if bound < 2**31 else torch.from_numpy(values))]
+            assert all(p.width == packed[0].width and p.data == packed[0].data for p in packed), (count, bound)
+            assert wire.unpack_ints(packed[0], max_count=count, what="x").tolist() == values.tolist()
+            want = next(w for w in (1, 2, 4, 8) if all(-(2 ** (8 * w - 1)) <= v < 2 ** (8 * w - 1) for v in
+                                                          values.tolist()))
+            assert packed[0].width == want
+
+
 def test_request_round_trip():
     entries = [OpenEntry(3, [1, 2, 3], SamplingParams(0.5, 4, 0.9, 7), "tp", (0, 2), 5), TreeEntry(1, 2, chain([4, 5, 6])),
                CloseEntry(9), TreeEntry(2, 1, chain([7])), OpenEntry(4, [1], SamplingParams(), logprobs=0, more=True),

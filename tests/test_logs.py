@@ -123,6 +123,14 @@ def test_compact_span_lines():
     assert "a5=5" in second and "a6=6" not in second and second.endswith("(+3 attributes)")
 
 
+def run_probe(probe: str) -> list[str]:
+    """The lines a Python snippet prints in a process of its own, without the OTEL_ environment."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+    r = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 0, r.stderr
+    return r.stdout.splitlines()
+
+
 def test_trace_console_prints_one_line_per_span():
     """setup_tracing(console=True), as --trace-console calls it, writes compact lines to stdout."""
     probe = ("from common.tracing import setup_tracing, shutdown_tracing, tracer\n"
@@ -131,14 +139,28 @@ def test_trace_console_prints_one_line_per_span():
              "    with tracer('t').start_as_current_span('round', attributes={'tree.nodes': 5}):\n"
              "        pass\n"
              "shutdown_tracing()\n")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
-    r = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
-    assert r.returncode == 0, r.stderr
-    lines = r.stdout.splitlines()
+    lines = run_probe(probe)
     assert len(lines) == 2  # the inner span ends first
     assert lines[0].startswith("span round ") and lines[0].endswith("tree.nodes=5")
     assert lines[1].startswith("span generate ") and lines[1].endswith("prompt.tokens=9")
     assert lines[0].split()[5] == lines[1].split()[5]  # one trace
+
+
+def test_current_span_records_only_once_tracing_is_set_up():
+    """The services' per-step spans (`current_span`) do nothing until a provider is installed,
+    then record under the current span as start_as_current_span does."""
+    probe = ("from opentelemetry import trace\n"
+             "from common.tracing import current_span, setup_tracing, shutdown_tracing, tracer\n"
+             "with current_span(tracer('t'), 'early') as span:\n"
+             "    assert not span.is_recording() and not trace.get_current_span().is_recording()\n"
+             "setup_tracing('probe', console=True)\n"
+             "with tracer('t').start_as_current_span('step'):\n"
+             "    with current_span(tracer('t'), 'stage') as span:\n"
+             "        assert span.is_recording() and trace.get_current_span() is span\n"
+             "shutdown_tracing()\n")
+    lines = run_probe(probe)
+    assert [line.split()[1] for line in lines] == ["stage", "step"]
+    assert lines[0].split()[5] == lines[1].split()[5]  # the stage in the step's trace
 
 
 # -- the services' start-up ------------------------------------------------------------------

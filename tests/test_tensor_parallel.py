@@ -125,6 +125,11 @@ def test_uneven_shards_and_fused_weights_are_refused(tiny_pair):
 
 
 LIMITS = VerifierLimits(max_sessions=4, max_seq_len=256)
+# Sampled requests equal the one process's only up to float rounding: the ranks sum partial
+# products in another order, and batching changes the GEMMs' shapes, so a token whose keyed
+# score is within an ulp of another's may flip. With seed 3 the last request met such a tie (at
+# its position 21 two scores of 23.005 lay 1.9e-6 apart, and the one process itself sampled
+# differently alone and beside the first request); seed 4 meets none.
 REQUESTS = [(PROMPTS[0], GenerationConfig(24, mode=DraftMode("tree", 16))),
             (PROMPTS[1], GenerationConfig(24, mode=DraftMode("ar", 0))),
             (PROMPTS[0][:9], GenerationConfig(24, mode=DraftMode("chain", 0))),
@@ -134,7 +139,7 @@ REQUESTS = [(PROMPTS[0], GenerationConfig(24, mode=DraftMode("tree", 16))),
                                           stop_token_ids=(7, 9), min_tokens=12)),
             (PROMPTS[0], GenerationConfig(24, SamplingParams(presence_penalty=1.5, frequency_penalty=0.5),
                                           mode=DraftMode("tree", 16))),
-            (PROMPTS[1] + PROMPTS[1], GenerationConfig(24, SamplingParams(0.9, seed=3, repetition_penalty=1.8),
+            (PROMPTS[1] + PROMPTS[1], GenerationConfig(24, SamplingParams(0.9, seed=4, repetition_penalty=1.8),
                                                        mode=DraftMode("tree", 8)))]
 
 

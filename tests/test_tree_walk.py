@@ -7,12 +7,16 @@ import torch
 from torch import Tensor
 
 from common.tree import (
+    SMALL_STEP_NODES,
     DraftTree,
     TreeError,
     TreeLayout,
     ancestor_mask_reference,
     ancestor_masks,
     walk_tree,
+    _checked_buffers,
+    _walk_batch,
+    _walk_small,
     walk_trees,
 )
 from tests.reference import distinct_sibling_tokens
@@ -326,22 +330,66 @@ def test_each_kind_of_malformed_tree_is_rejected_among_valid_ones(kind):
             assert isinstance(result, TreeLayout)
 
 
-@pytest.mark.parametrize("seed", range(40))
-def test_random_corruptions_are_rejected_exactly_when_the_reference_rejects(seed):
-    rng = np.random.default_rng(1000 + seed)
+def some_corrupted(rng: np.random.Generator, sizes: list[int], kinds, broken: float) -> list[DraftTree]:
+    """Random trees of these sizes: 40% with random entries spoiled (`randomly_corrupted`), a
+    `broken` share more breaking one of the rules in `kinds` (`corrupted`), the rest valid."""
     trees = []
-    for size in random_sizes(rng, 30):
+    for size in sizes:
         tree = random_tree(rng, size)
         roll = rng.random()
         if roll < 0.4:
             tree = randomly_corrupted(rng, tree)
-        elif roll < 0.55:
-            tree = corrupted(str(rng.choice(list(KINDS))), rng)
-        trees.append(with_fields(tree, torch.int32) if rng.random() < 0.2 else tree)
+        elif roll < 0.4 + broken:
+            tree = corrupted(str(rng.choice(list(kinds))), rng)
+        trees.append(tree)
+    return trees
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_random_corruptions_are_rejected_exactly_when_the_reference_rejects(seed):
+    rng = np.random.default_rng(1000 + seed)
+    trees = [with_fields(tree, torch.int32) if rng.random() < 0.2 else tree
+             for tree in some_corrupted(rng, random_sizes(rng, 30), KINDS, 0.15)]
     limits = {**LIMITS, "max_depth": int(rng.integers(1, 101))}  # now and then deep valid trees fail
     results = check_against_reference(trees, limits)
     assert any(isinstance(result, TreeError) for result in results)
     assert any(isinstance(result, TreeLayout) for result in results)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_the_one_by_one_walk_equals_the_batched_walk(seed):
+    """Small steps walk their trees one by one (`_walk_small`), larger ones in one batch
+    (`_walk_batch`): every tree, valid or not, gets the same layout or the same message from both."""
+    rng = np.random.default_rng(2000 + seed)
+    limits = {"vocab_size": LIMITS["vocab_size"], "max_depth": int(rng.integers(1, 101))}
+    walked = [k for k in KINDS if k not in ("length", "empty", "too_many", "not_1d", "dtype", "uint64")]
+    checked = [_checked_buffers(tree, LIMITS["max_nodes"]) for tree in some_corrupted(rng, random_sizes(rng, 40),
+                                                                                       walked, 0.3)]
+    buffers = [c for c in checked if isinstance(c, tuple)]  # those that reach a walk
+    batched = _walk_batch(buffers, **limits)
+    kinds = set()
+    for tree_buffers, together in zip(buffers, batched):
+        alone = _walk_small(*tree_buffers, **limits)
+        kinds.add(type(alone))
+        if isinstance(together, TreeError):
+            assert isinstance(alone, TreeError) and str(alone) == str(together)
+        else:
+            assert_same_layout(alone, together)
+    assert kinds == {TreeError, TreeLayout}
+
+
+def test_small_steps_take_the_one_by_one_walk(monkeypatch):
+    """Up to SMALL_STEP_NODES nodes in all, walk_trees walks tree by tree; past it, in one batch."""
+    import common.tree as tree_module
+
+    calls = []
+    monkeypatch.setattr(tree_module, "_walk_batch", lambda buffers, **kw: calls.append(len(buffers)) or [
+        TreeError("batched")] * len(buffers))
+    rng = np.random.default_rng(0)
+    small = [random_tree(rng, 16) for _ in range(SMALL_STEP_NODES // 16)]
+    assert all(isinstance(r, TreeLayout) for r in walk_trees(small, **LIMITS)) and not calls
+    assert [str(r) for r in walk_trees(small + [random_tree(rng, 1)], **LIMITS)] == ["batched"] * (len(small) + 1)
+    assert calls == [len(small) + 1]
 
 
 def test_each_tree_names_its_first_bad_node_for_the_rule_it_breaks():
@@ -394,10 +442,18 @@ def test_walk_tree_raises_the_error_of_its_one_tree():
 
 @pytest.mark.parametrize("seed", range(5))
 def test_ancestor_masks_match_the_reference_and_pad(seed):
+    """In one batch (past SMALL_STEP_NODES nodes) and tree by tree (small steps)."""
     rng = np.random.default_rng(seed)
     n = 150
     chain = DraftTree.from_parents([1] * n, list(range(-1, n - 1)))
-    trees = [chain] + [random_tree(rng, size) for size in [1, 2] + random_sizes(rng, 20)]
+    check_masks(rng, [chain] + [random_tree(rng, size) for size in [1, 2] + random_sizes(rng, 20)], n)
+    small = [random_tree(rng, size) for size in [1, 2] + [int(rng.integers(1, 18)) for _ in range(4)]]
+    assert sum(tree.num_nodes for tree in small) <= SMALL_STEP_NODES
+    check_masks(rng, small, max(tree.num_nodes for tree in small))
+    check_masks(rng, [DraftTree.from_parents([1] * 90, list(range(-1, 89)))], 90)  # wider than 64 bits
+
+
+def check_masks(rng: np.random.Generator, trees: list[DraftTree], n: int) -> None:
     layouts = walk_trees(trees, vocab_size=LIMITS["vocab_size"], max_nodes=n, max_depth=n)
     width = n + int(rng.integers(0, 3))
     masks = ancestor_masks(layouts, width)

@@ -42,7 +42,7 @@ from common import metrics
 from common.feature_ring import RingOffer, RingWriter
 from common.feature_wire import wire_rows
 from common.protocol import CloseEntry, Entry, ExtendEntry, OpenEntry, StatusError, StepResult, TreeEntry, Verified
-from common.tracing import context_from_traceparent, tracer
+from common.tracing import context_from_traceparent, current_span, tracer
 from common.wire import EncodedReply, RingPlace, encode_link_notice, encode_link_response, feature_bytes
 from verifier_svc.tree_verifier import SHUTTING_DOWN, PendingStep, TreeVerifier, VerifierError
 
@@ -494,7 +494,7 @@ class ModelWorker:
                         step_s: float) -> None:
         """Serialise each message's reply and hand it to its link; ends the step's span."""
         replies = []
-        with trace.use_span(span, end_on_exit=True), _tracer.start_as_current_span("encode"):
+        with trace.use_span(span, end_on_exit=True), current_span(_tracer, "encode"):
             for s, out, place in answers:
                 try:
                     replies.append(encode_link_response(s.step, out, self.feature_dim, self.dtype, step_s,
@@ -535,7 +535,7 @@ class ModelWorker:
         if prefill and run.prefill_launched is None:
             run.prefill_launched = start
         try:
-            with _tracer.start_as_current_span(name) as span:
+            with current_span(_tracer, name) as span:
                 yield
                 if self._sync is not None and span.is_recording():
                     self._sync()
