@@ -115,6 +115,12 @@ def current_span(tracer_: trace.Tracer, name: str) -> contextlib.AbstractContext
     return tracer_.start_as_current_span(name) if _provider is not None else _NO_SPAN
 
 
+def use_span(span: trace.Span, end_on_exit: bool = False) -> contextlib.AbstractContextManager:
+    """`trace.use_span(span, end_on_exit)`, or nothing where no provider is installed: `span` then
+    records nothing, and neither would the spans under it."""
+    return trace.use_span(span, end_on_exit=end_on_exit) if _provider is not None else _NO_SPAN
+
+
 def current_traceparent() -> str:
     """The W3C traceparent of the current span ('' when there is none)."""
     carrier: dict[str, str] = {}

@@ -64,7 +64,7 @@ from torch import Tensor
 from common.protocol import (MAX_TOKEN_BIAS, CloseEntry, Entry, ExtendEntry, Extended, LinkLost, OpenEntry, Prefilled,
                              StatusError, StepResult, TreeEntry, Verified)
 from common import metrics
-from common.tracing import current_span, traceparent_of, tracer
+from common.tracing import current_span, traceparent_of, tracer, use_span
 from common.tree import DeviceTree, DraftTree
 from drafter_svc.budget import BudgetChoice, BudgetPlanner
 from drafter_svc.drafter import BlockProposer, build_trees, join_blocks
@@ -463,7 +463,7 @@ class DraftScheduler:
         prompt chunks sent behind a message of trees)."""
         started = time.perf_counter()
         step_span = _tracer.start_span("draft_step", attributes={"sessions": len(ready)})
-        with trace.use_span(step_span, end_on_exit=False):
+        with use_span(step_span, end_on_exit=False):
             rounds = self._round_spans(ready, step_span)
             drafted = self._trees(ready, rounds)
             entries += drafted.entries
@@ -510,7 +510,7 @@ class DraftScheduler:
         if not any(isinstance(r.outcome, LinkLost) for r in results):
             self._backoff = 0.0  # no session lost its verifier in this step
         self._set_link(self.link.up)
-        with trace.use_span(message.step_span, end_on_exit=True):
+        with use_span(message.step_span, end_on_exit=True):
             self._apply(results, message.rounds, timing, message.epochs, ahead)
         now = time.perf_counter()
         if message.budget is not None:

@@ -147,14 +147,17 @@ def test_trace_console_prints_one_line_per_span():
 
 
 def test_current_span_records_only_once_tracing_is_set_up():
-    """The services' per-step spans (`current_span`) do nothing until a provider is installed,
-    then record under the current span as start_as_current_span does."""
+    """The services' per-step spans (`current_span`, `use_span`) do nothing until a provider is
+    installed, then record under the current span as start_as_current_span and use_span do."""
     probe = ("from opentelemetry import trace\n"
-             "from common.tracing import current_span, setup_tracing, shutdown_tracing, tracer\n"
+             "from common.tracing import current_span, setup_tracing, shutdown_tracing, tracer, use_span\n"
              "with current_span(tracer('t'), 'early') as span:\n"
              "    assert not span.is_recording() and not trace.get_current_span().is_recording()\n"
+             "with use_span(tracer('t').start_span('early step'), end_on_exit=True):\n"
+             "    assert not trace.get_current_span().is_recording()\n"
              "setup_tracing('probe', console=True)\n"
-             "with tracer('t').start_as_current_span('step'):\n"
+             "step = tracer('t').start_span('step')\n"
+             "with use_span(step, end_on_exit=True):\n"
              "    with current_span(tracer('t'), 'stage') as span:\n"
              "        assert span.is_recording() and trace.get_current_span() is span\n"
              "shutdown_tracing()\n")

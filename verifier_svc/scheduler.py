@@ -42,7 +42,7 @@ from common import metrics
 from common.feature_ring import RingOffer, RingWriter
 from common.feature_wire import wire_rows
 from common.protocol import CloseEntry, Entry, ExtendEntry, OpenEntry, StatusError, StepResult, TreeEntry, Verified
-from common.tracing import context_from_traceparent, current_span, tracer
+from common.tracing import context_from_traceparent, current_span, tracer, use_span
 from common.wire import EncodedReply, RingPlace, encode_link_notice, encode_link_response, feature_bytes
 from verifier_svc.tree_verifier import SHUTTING_DOWN, PendingStep, TreeVerifier, VerifierError
 
@@ -416,7 +416,7 @@ class ModelWorker:
             self._busy_since = run.began
         self._open_steps += 1
         try:
-            with trace.use_span(span):
+            with use_span(span):
                 run.pending = self.verifier.begin(entries, stage=functools.partial(self._stage, run))
         except Exception:
             log.exception("verifier step failed")
@@ -429,7 +429,7 @@ class ModelWorker:
     def _finish(self, run: _Running) -> None:
         """Finish a begun step and answer its messages."""
         try:
-            with trace.use_span(run.span):
+            with use_span(run.span):
                 outcomes = self.verifier.finish(run.pending, stage=functools.partial(self._stage, run))
         except Exception:
             log.exception("verifier step failed")
@@ -494,7 +494,7 @@ class ModelWorker:
                         step_s: float) -> None:
         """Serialise each message's reply and hand it to its link; ends the step's span."""
         replies = []
-        with trace.use_span(span, end_on_exit=True), current_span(_tracer, "encode"):
+        with use_span(span, end_on_exit=True), current_span(_tracer, "encode"):
             for s, out, place in answers:
                 try:
                     replies.append(encode_link_response(s.step, out, self.feature_dim, self.dtype, step_s,
