@@ -10,8 +10,11 @@ mode 0700, in `--unix-socket-dir`: /dev/shm by default, as the feature rings) an
 (`LinkResponse.unix_socket`). The drafter connects, sends the nonce as its first frame, and from
 then on the link's messages, the same bytes as over gRPC, go through the socket as frames: a
 4-byte little-endian length, then the message. The drafter's scheduler thread writes its
-messages and reads the replies itself. The gRPC stream stays open beside it: either side ending
-it ends the link, and a verifier that fails the link says why there.
+messages and reads the replies itself. The verifier reads on its event loop; a reply goes out
+from the model worker's thread that encoded it, where the link's writer waits for exactly that
+reply (`SocketStream.send_now`; what the socket does not take at once, the event loop sends
+next), else from the event loop. The gRPC stream stays open beside it: either side ending it
+ends the link, and a verifier that fails the link says why there.
 
 A drafter that cannot reach the socket (another host or user, a container without the
 verifier's directory) keeps sending over gRPC, which withdraws the offer. The verifier removes
@@ -57,10 +60,13 @@ class SocketOffer:
 
 
 class SocketStream:
-    """One connected socket link, on the verifier's event loop."""
+    """One connected socket link, on the verifier's event loop; `send_now` may also be called
+    from another thread (the model worker's), at a time when nothing else writes."""
 
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, max_frame: int):
-        self._reader, self._writer, self.max_frame = reader, writer, max_frame
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, max_frame: int,
+                 sock: socket.socket | None = None):
+        """`sock`: the connected socket itself, for `send_now` (None: it always leaves the frame to `write`)."""
+        self._reader, self._writer, self.max_frame, self._sock = reader, writer, max_frame, sock
         self.gone = False  # a write found the drafter gone: its replies have no one to go to
 
     async def read(self) -> bytes | None:
@@ -88,6 +94,39 @@ class SocketStream:
             return
         try:
             self._writer.writelines((FRAME.pack(len(data)), data))
+            await self._writer.drain()
+        except ConnectionError:
+            self.gone = True
+
+    def send_now(self, data: bytes) -> memoryview | None:
+        """Send one frame from the calling thread as far as the socket takes it without waiting,
+        where no bytes the event loop wrote are still queued (`write`'s): what is left of it
+        (empty: all of it went), for `write_rest` to send next, before any other frame; None where
+        nothing was sent (bytes queued, or no socket): the caller sends it with `write`. A reply
+        the model worker sends itself reaches the drafter without waiting for the event loop.
+        The caller makes sure that nothing else writes meanwhile."""
+        if self.gone:
+            return memoryview(b"")
+        if self._sock is None or self._writer.transport.get_write_buffer_size():
+            return None
+        header = FRAME.pack(len(data))
+        try:
+            sent = self._sock.sendmsg((header, data), (), socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            sent = 0
+        except OSError:  # the drafter has gone: its end, read next, ends the link
+            self.gone = True
+            return memoryview(b"")
+        if sent < len(header):
+            return memoryview(header[sent:] + data)
+        return memoryview(data)[sent - len(header):]
+
+    async def write_rest(self, rest: memoryview) -> None:
+        """The rest of a frame `send_now` began (its bytes as they are: no header of their own)."""
+        if self.gone or not rest:
+            return
+        try:
+            self._writer.write(rest)
             await self._writer.drain()
         except ConnectionError:
             self.gone = True
@@ -124,7 +163,7 @@ class SocketListener:
         conn, _ = await loop.sock_accept(self._socket)
         self.close()
         reader, writer = await asyncio.open_unix_connection(sock=conn)
-        stream = SocketStream(reader, writer, NONCE_BYTES)  # the first frame: the nonce, and no more
+        stream = SocketStream(reader, writer, NONCE_BYTES, conn)  # the first frame: the nonce, and no more
         try:
             nonce = await stream.read()
         except SocketLinkError:

@@ -139,6 +139,39 @@ def test_the_drafter_connects_with_the_nonce_and_frames_flow_both_ways(tmp_path)
     asyncio.run(main())
 
 
+def test_a_frame_sent_from_another_thread_goes_whole_and_in_order_with_the_event_loops(tmp_path):
+    """`send_now` (the model worker's thread) sends what the socket takes at once and leaves the
+    rest to `write_rest`; while bytes the event loop wrote wait in its buffer it sends nothing."""
+    async def main():
+        listener = _listen(tmp_path)
+        sock = await asyncio.to_thread(connect, listener.offer(), 2.0)
+        stream = await listener.accept()
+        small, large, after = os.urandom(100), os.urandom(8 << 20), os.urandom(1000)
+        assert len(await asyncio.to_thread(stream.send_now, small)) == 0  # all of it went
+        assert bytes(await asyncio.to_thread(recv_frame, sock)) == small
+        rest = await asyncio.to_thread(stream.send_now, large)  # more than the socket holds: the drafter reads later
+        assert 0 < len(rest) < len(large)
+        reading = asyncio.ensure_future(asyncio.to_thread(lambda: [bytes(recv_frame(sock)) for _ in range(2)]))
+        await stream.write_rest(rest)
+        await stream.write(after)
+        assert await reading == [large, after]
+        stream._writer.write(FRAME.pack(len(large)) + large)  # queued by the event loop, not yet sent
+        assert stream._writer.transport.get_write_buffer_size() > 0
+        assert stream.send_now(small) is None  # so this one waits its turn
+        reading = asyncio.ensure_future(asyncio.to_thread(lambda: [bytes(recv_frame(sock)) for _ in range(2)]))
+        await stream._writer.drain()
+        await stream.write(small)
+        assert await reading == [large, small]
+        sock.close()
+        assert await stream.read() is None
+        for _ in range(4):  # to a drafter gone, nothing is left to send and nothing raises
+            stream.send_now(bytes(1 << 20))
+        assert stream.gone and len(stream.send_now(small)) == 0
+        stream.close()
+
+    asyncio.run(main())
+
+
 @pytest.mark.parametrize("first", ["another nonce", "nothing", "a long frame"])
 def test_a_connection_without_the_nonce_is_refused(tmp_path, first):
     async def main():

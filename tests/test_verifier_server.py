@@ -62,7 +62,7 @@ from common.wire import (
     tensor_bytes,
     unpack_ints,
 )
-from common.socket_link import SocketOffer, recv_frame, send_frame
+from common.socket_link import SocketOffer, SocketStream, recv_frame, send_frame
 from common.socket_link import connect as socket_connect
 from drafter_svc.ddtree import build_ddtree
 from drafter_svc.link import GrpcLink, verifier_stub
@@ -1502,10 +1502,15 @@ def _socket_link(server, unix_socket: bool) -> GrpcLink:
                     max_seq_len=MAX_SEQ_LEN, feature_ring=False, unix_socket=unix_socket)
 
 
-def test_a_unix_socket_carries_the_link_as_the_stream_does(server, stub, layers):
+def test_a_unix_socket_carries_the_link_as_the_stream_does(server, stub, layers, monkeypatch):
     """A link that asks takes the socket offered (its file and directory removed once connected),
     and its sessions, greedy and seeded, opened in one message and verified over rounds of
-    different trees, get the results a link through gRPC gets, step for step."""
+    different trees, get the results a link through gRPC gets, step for step. Replies the link's
+    writer waits for go out from the model worker's thread (`SocketStream.send_now`)."""
+    sent_now = []
+    send_now = SocketStream.send_now
+    monkeypatch.setattr(SocketStream, "send_now", lambda stream, data: sent_now.append(send_now(stream, data))
+                        or sent_now[-1])
     before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
     over_socket, over_grpc = _socket_link(server, True), _socket_link(server, False)
     samplings = SAMPLINGS["mixed"][:2]
@@ -1522,6 +1527,7 @@ def test_a_unix_socket_carries_the_link_as_the_stream_does(server, stub, layers)
         link.step([CloseEntry(1), CloseEntry(2)])
         steps.append(rounds)
     assert over_socket._socket is not None and over_grpc._socket is None
+    assert any(rest is not None and not rest for rest in sent_now)  # whole frames sent by the worker
     for got, want in zip(*steps):
         assert [r.session_id for r in got] == [r.session_id for r in want]
         assert_same([outcome(r) for r in got], [outcome(r) for r in want], exact=True)

@@ -32,7 +32,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Hashable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -64,6 +64,10 @@ class LinkStep:
     decoded: float = field(default_factory=time.perf_counter)  # its message decoded (LinkResponse.held_seconds)
     ring: RingWriter | None = None  # the link's feature ring: the reply's rows go there when it has room
     offer: RingOffer | None = None  # a ring offered in the reply
+    # Where the link can take a reply from the thread that encoded it (`_Link.send_in_turn`): called
+    # with this step and the reply's bytes before its future is resolved; None: the link's writer sends it.
+    send_now: Callable[[LinkStep, bytes], None] | None = None
+    unsent: memoryview | None = None  # what `send_now` left of the reply's frame (None: it sent none of it)
 
     @property
     def ends_prompts(self) -> bool:
@@ -507,6 +511,8 @@ class ModelWorker:
             if isinstance(reply, VerifierError):
                 _settle(s, error=reply)
             else:
+                if s.send_now is not None and s.notice is None:  # (a notice goes first, from the link's writer)
+                    s.send_now(s, reply.data)
                 _settle(s, result=reply)
 
     def _closed(self) -> None:

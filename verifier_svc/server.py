@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import threading
 import time
 from dataclasses import dataclass
 
@@ -308,6 +309,10 @@ class _Link:
         self.listener: SocketListener | None = None  # the socket link offered, until the drafter connects
         self.socket: SocketStream | None = None  # the socket the messages come through, once connected
         self.received = 0  # messages read
+        # The message whose reply the writer waits for next (`send_in_turn`), under a lock: the
+        # model worker's threads read it.
+        self._turn_lock = threading.Lock()
+        self._turn: LinkStep | None = None
 
     async def run(self) -> str:
         """Serve the link until the drafter ends it; returns why. Raises VerifierError.
@@ -368,7 +373,8 @@ class _Link:
                     self._withdraw("the drafter sent through the stream, where its messages stay", accept)
                     accept = None
                 items = self.timers.heard(items)
-                job = LinkStep(self.owner, message.step, items, received_bytes=len(data), ring=self.ring, offer=offer)
+                job = LinkStep(self.owner, message.step, items, received_bytes=len(data), ring=self.ring, offer=offer,
+                               send_now=self.send_in_turn if self.socket is not None else None)
                 self.worker.submit(job)
                 await pending.put(job)
             await pending.put(None)
@@ -462,14 +468,35 @@ class _Link:
         return self.ring.offer()
 
     async def _write(self, pending: asyncio.Queue) -> None:
-        """Write each message's reply in order, after its notice (first tokens) when there is one."""
+        """Write each message's reply in order, after its notice (first tokens) when there is one.
+        Through the socket link, the thread that encodes the reply the writer waits for sends it
+        at once (`send_in_turn`); the writer then sends what the socket did not take."""
         while (job := await pending.get()) is not None:
             if job.notice is not None and (notice := await job.notice) is not None:
                 await self._send(notice)
-            reply = await job.future
-            self.timers.answered(reply, time.monotonic())  # before the write: the next message may come at once
-            await self._send(reply.data)
+            with self._turn_lock:
+                self._turn = job
+            try:
+                reply = await job.future
+            finally:
+                with self._turn_lock:
+                    self._turn = None
+            # (The session timers count each session's unanswered entries, so a next message
+            # heard before this reply is noted, its frame being out already, changes nothing.)
+            self.timers.answered(reply, time.monotonic())
+            if job.unsent is None:
+                await self._send(reply.data)
+            else:
+                await self.socket.write_rest(job.unsent)
             self.messages += 1
+
+    def send_in_turn(self, job: LinkStep, data: bytes) -> None:
+        """Send a reply's frame through the socket link from the calling thread (the model
+        worker's), when the writer waits for exactly this reply: every reply before it is out, and
+        the writer writes nothing until this one's future is resolved. Else the writer sends it."""
+        with self._turn_lock:
+            if self._turn is job and self.socket is not None:
+                job.unsent = self.socket.send_now(data)
 
     async def _send(self, data: bytes) -> None:
         """A reply or notice, by the way the messages come (the replies to a link's messages all
