@@ -64,10 +64,11 @@ class LinkStep:
     decoded: float = field(default_factory=time.perf_counter)  # its message decoded (LinkResponse.held_seconds)
     ring: RingWriter | None = None  # the link's feature ring: the reply's rows go there when it has room
     offer: RingOffer | None = None  # a ring offered in the reply
-    # Where the link can take a reply from the thread that encoded it (`_Link.send_in_turn`): called
-    # with this step and the reply's bytes before its future is resolved; None: the link's writer sends it.
-    send_now: Callable[[LinkStep, bytes], None] | None = None
-    unsent: memoryview | None = None  # what `send_now` left of the reply's frame (None: it sent none of it)
+    # The link's `_Link.send_in_turn`, where it can take a reply from the thread that encoded it:
+    # called with this step and the reply's bytes before its future is resolved; None: the link's
+    # writer sends it.
+    send_in_turn: Callable[[LinkStep, bytes], None] | None = None
+    unsent: memoryview | None = None  # what the socket did not take of the reply's frame (None: it took none)
 
     @property
     def ends_prompts(self) -> bool:
@@ -496,23 +497,20 @@ class ModelWorker:
 
     def _encode_replies(self, answers: list[tuple[LinkStep, list[StepResult], RingPlace | None]], span: trace.Span,
                         step_s: float) -> None:
-        """Serialise each message's reply and hand it to its link; ends the step's span."""
-        replies = []
+        """Serialise each message's reply and hand it to its link, one message after another (the
+        first link's reply goes before the next is encoded); ends the step's span."""
         with use_span(span, end_on_exit=True), current_span(_tracer, "encode"):
             for s, out, place in answers:
                 try:
-                    replies.append(encode_link_response(s.step, out, self.feature_dim, self.dtype, step_s,
-                                                        held_seconds=time.perf_counter() - s.decoded, place=place,
-                                                        offer=s.offer))
+                    reply = encode_link_response(s.step, out, self.feature_dim, self.dtype, step_s,
+                                                 held_seconds=time.perf_counter() - s.decoded, place=place,
+                                                 offer=s.offer)
                 except Exception:
                     log.exception("encoding a link response failed")
-                    replies.append(VerifierError("INTERNAL", "internal error in the verifier; see its log"))
-        for (s, _, _), reply in zip(answers, replies):
-            if isinstance(reply, VerifierError):
-                _settle(s, error=reply)
-            else:
-                if s.send_now is not None and s.notice is None:  # (a notice goes first, from the link's writer)
-                    s.send_now(s, reply.data)
+                    _settle(s, error=VerifierError("INTERNAL", "internal error in the verifier; see its log"))
+                    continue
+                if s.send_in_turn is not None and s.notice is None:  # (a notice goes first, from the link's writer)
+                    s.send_in_turn(s, reply.data)
                 _settle(s, result=reply)
 
     def _closed(self) -> None:

@@ -374,7 +374,7 @@ class _Link:
                     accept = None
                 items = self.timers.heard(items)
                 job = LinkStep(self.owner, message.step, items, received_bytes=len(data), ring=self.ring, offer=offer,
-                               send_now=self.send_in_turn if self.socket is not None else None)
+                               send_in_turn=self.send_in_turn if self.socket is not None else None)
                 self.worker.submit(job)
                 await pending.put(job)
             await pending.put(None)
